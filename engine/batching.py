@@ -1,0 +1,70 @@
+"""Schedulers: pure queues that decide which requests run together on which idle instance.
+
+No sockets, no processes: the scheduler shell feeds them requests and idle instances and sends
+whatever batches they return. The clock is injectable so deadlines can be tested without sleeping.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+
+@dataclass(slots=True)
+class QueuedRequest:
+    req_id: int
+    frontend: int
+    batch_size: int
+    payload: Any                # opaque payload frame, forwarded to the worker untouched
+    enqueued_ns: int = 0
+
+
+class QueueFull(Exception):
+    pass
+
+
+class DefaultScheduler:
+    """Triton's default scheduler: one request per execution, on the next idle instance.
+
+    Idle instances are reused most-recently-idle first, which keeps the hottest process (warm
+    caches, resident pages) busy when load is light, and still spreads a burst over all of them.
+    """
+
+    def __init__(self, max_queue_size: int = 0, clock: Callable[[], int] = time.monotonic_ns):
+        self.max_queue_size = max_queue_size
+        self.clock = clock
+        self.queue: deque[QueuedRequest] = deque()
+        self.idle: list[Hashable] = []
+
+    def enqueue(self, req: QueuedRequest) -> None:
+        if self.max_queue_size and len(self.queue) >= self.max_queue_size:
+            raise QueueFull("Exceeds maximum queue size")
+        req.enqueued_ns = self.clock()
+        self.queue.append(req)
+
+    def instance_idle(self, key: Hashable) -> None:
+        if key not in self.idle:
+            self.idle.append(key)
+
+    def instance_gone(self, key: Hashable) -> None:
+        if key in self.idle:
+            self.idle.remove(key)
+
+    def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
+        out = []
+        while self.queue and self.idle:
+            out.append((self.idle.pop(), [self.queue.popleft()]))
+        return out
+
+    def next_deadline_ns(self) -> int | None:
+        return None
+
+    def drain(self) -> list[QueuedRequest]:
+        """Take every queued request out (the model is going away)."""
+        out = list(self.queue)
+        self.queue.clear()
+        return out
+
+    def __len__(self) -> int:
+        return len(self.queue)

@@ -1,0 +1,79 @@
+"""``shmserve`` command line: tritonserver's flag names and defaults (TRITON.md §7)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shmserve.ipc.messages import ServerSettings
+
+from . import launcher
+
+VERSION = "0.1.0"
+
+
+def triton_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "on", "1", "yes"):
+        return True
+    if t in ("false", "off", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false/on/off/1/0), got '{text}'")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="shmserve", allow_abbrev=False,
+        description="Triton-compatible inference server: isolated processes, tensors in shared memory.")
+    p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append",
+                   required=True, metavar="PATH", help="model repository path (repeatable)")
+    p.add_argument("--model-config-name", default="",
+                   help="use <model>/configs/<name>.pbtxt instead of config.pbtxt where present")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address for every service unless --http/grpc/metrics-address says otherwise")
+    p.add_argument("--http-address", default=None)
+    p.add_argument("--http-port", type=int, default=8000, help="0 lets the OS pick (see --port-file)")
+    p.add_argument("--allow-http", type=triton_bool, default=True)
+    p.add_argument("--grpc-address", default=None)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--allow-grpc", type=triton_bool, default=True)
+    p.add_argument("--metrics-address", default=None)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--allow-metrics", type=triton_bool, default=True)
+    p.add_argument("--http-max-input-size", type=int, default=1 << 26,
+                   help="largest JSON part of an HTTP request in bytes")
+    p.add_argument("--id", default="triton", help="server name reported by GET /v2")
+    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--exit-timeout-secs", type=float, default=30.0,
+                   help="how long shutdown waits for in-flight requests")
+    p.add_argument("--strict-readiness", type=triton_bool, default=True,
+                   help="ready only when every model is ready")
+    p.add_argument("--exit-on-error", type=triton_bool, default=False,
+                   help="exit when a model fails to load at startup (Triton's default is true)")
+    p.add_argument("--port-file", default="",
+                   help="write the ports actually bound, as JSON, to this file once listening")
+    p.add_argument("--version", action="version", version=f"shmserve {VERSION}")
+    return p
+
+
+def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]:
+    a = build_parser().parse_args(argv)
+    settings = ServerSettings(
+        model_repositories=a.model_repository, run_dir="", segment_prefix="", launcher_pid=0,
+        server_id=a.id, server_version=VERSION, model_config_name=a.model_config_name,
+        http_address=a.http_address or a.host, http_port=a.http_port, allow_http=a.allow_http,
+        grpc_address=a.grpc_address or a.host, grpc_port=a.grpc_port, allow_grpc=a.allow_grpc,
+        metrics_address=a.metrics_address or a.http_address or a.host,
+        metrics_port=a.metrics_port, allow_metrics=a.allow_metrics,
+        http_max_input_size=a.http_max_input_size, exit_timeout_secs=a.exit_timeout_secs,
+        strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
+        log_verbose=a.log_verbose, port_file=a.port_file)
+    return settings, a
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings, _ = parse_settings(sys.argv[1:] if argv is None else argv)
+    sys.exit(launcher.run(settings))
+
+
+if __name__ == "__main__":
+    main()

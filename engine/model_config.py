@@ -1,0 +1,188 @@
+"""Reading, checking and normalizing ``config.pbtxt`` the way Triton does (TRITON.md §3)."""
+from __future__ import annotations
+
+import json
+import os
+
+from google.protobuf import json_format, text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+ModelConfig = mc.ModelConfig
+
+# backend -> (platform Triton reports, default model file name)
+BACKENDS = {
+    "python": ("", "model.py"),
+    "onnxruntime": ("onnxruntime_onnx", "model.onnx"),
+    "tensorrt": ("tensorrt_plan", "model.plan"),
+}
+PLATFORM_TO_BACKEND = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt"}
+
+
+class ConfigError(Exception):
+    """A model configuration that cannot be served; the message names the problem."""
+
+
+def read_config(model_dir: str, name: str, config_name: str | None = None) -> mc.ModelConfig:
+    filename = os.path.join("configs", f"{config_name}.pbtxt") if config_name else "config.pbtxt"
+    path = os.path.join(model_dir, filename)
+    if config_name and not os.path.exists(path):
+        path = os.path.join(model_dir, "config.pbtxt")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"model configuration is not provided: {path} does not exist") from None
+    cfg = mc.ModelConfig()
+    try:
+        text_format.Parse(text, cfg)
+    except text_format.ParseError as e:
+        raise ConfigError(f"failed to parse {path}: {e}") from None
+    return cfg
+
+
+def config_from_json(text: str) -> mc.ModelConfig:
+    cfg = mc.ModelConfig()
+    try:
+        json_format.Parse(text, cfg)
+    except json_format.ParseError as e:
+        raise ConfigError(f"failed to parse model configuration JSON: {e}") from None
+    return cfg
+
+
+def _check_tensors(cfg: mc.ModelConfig, kind: str, tensors) -> None:
+    seen = set()
+    for t in tensors:
+        if not t.name:
+            raise ConfigError(f"model '{cfg.name}' has an {kind} without a name")
+        if t.name in seen:
+            raise ConfigError(f"model '{cfg.name}' declares {kind} '{t.name}' more than once")
+        seen.add(t.name)
+        if t.data_type == mc.TYPE_INVALID:
+            raise ConfigError(f"{kind} '{t.name}' of model '{cfg.name}' must specify a valid data_type")
+        if len(t.dims) == 0 and not t.HasField("reshape"):
+            raise ConfigError(f"{kind} '{t.name}' of model '{cfg.name}' must specify dims")
+        for d in t.dims:
+            if d < -1 or d == 0:
+                raise ConfigError(f"{kind} '{t.name}' of model '{cfg.name}' has invalid dim {d} "
+                                  f"(dims must be positive or -1)")
+        if t.HasField("reshape") and -1 not in t.dims and -1 not in t.reshape.shape:
+            n = 1
+            for d in t.dims:
+                n *= d
+            m = 1
+            for d in t.reshape.shape:
+                m *= d
+            if n != m:
+                raise ConfigError(f"{kind} '{t.name}' of model '{cfg.name}' has reshape "
+                                  f"{list(t.reshape.shape)} with a different element count than "
+                                  f"dims {list(t.dims)}")
+
+
+def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelConfig:
+    """Check a config and fill the defaults Triton fills (TRITON.md §3.3); raises ConfigError."""
+    if cfg.name and cfg.name != name:
+        raise ConfigError(f"model name '{cfg.name}' in config.pbtxt does not match the directory "
+                          f"name '{name}'")
+    cfg.name = name
+    if cfg.platform == "ensemble":
+        raise ConfigError(f"model '{name}': ensembles are not supported yet")
+    if not cfg.backend:
+        if cfg.platform in PLATFORM_TO_BACKEND:
+            cfg.backend = PLATFORM_TO_BACKEND[cfg.platform]
+        elif cfg.platform:
+            raise ConfigError(f"model '{name}': unsupported platform '{cfg.platform}'")
+        else:
+            raise ConfigError(f"model '{name}': config must set 'backend' (python, onnxruntime) "
+                              f"or 'platform'")
+    if cfg.backend not in BACKENDS:
+        raise ConfigError(f"model '{name}': unsupported backend '{cfg.backend}' "
+                          f"(supported: {', '.join(sorted(BACKENDS))})")
+    platform, filename = BACKENDS[cfg.backend]
+    if not cfg.platform:
+        cfg.platform = platform
+    if not cfg.default_model_filename:
+        cfg.default_model_filename = filename
+    if cfg.max_batch_size < 0:
+        raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
+    _check_tensors(cfg, "input", cfg.input)
+    _check_tensors(cfg, "output", cfg.output)
+    if not cfg.HasField("version_policy"):
+        cfg.version_policy.latest.num_versions = 1
+    elif cfg.version_policy.HasField("latest") and cfg.version_policy.latest.num_versions == 0:
+        cfg.version_policy.latest.num_versions = 1
+    if cfg.HasField("dynamic_batching") and not cfg.dynamic_batching.preferred_batch_size \
+            and cfg.max_batch_size > 0:
+        cfg.dynamic_batching.preferred_batch_size.append(cfg.max_batch_size)
+    if cfg.HasField("sequence_batching"):
+        raise ConfigError(f"model '{name}': sequence_batching is not supported yet")
+    if not cfg.instance_group:
+        cfg.instance_group.add()
+    for i, group in enumerate(cfg.instance_group):
+        if not group.name:
+            group.name = f"{name}_{i}"
+        if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
+            group.kind = mc.ModelInstanceGroup.KIND_GPU if gpu_count and cfg.backend != "python" \
+                else mc.ModelInstanceGroup.KIND_CPU
+        if group.kind == mc.ModelInstanceGroup.KIND_GPU and not group.gpus:
+            group.gpus.extend(range(gpu_count))
+        if group.count == 0:
+            group.count = 1
+        if group.count < 0:
+            raise ConfigError(f"instance_group '{group.name}' of model '{name}' has a negative count")
+    cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
+    if cfg.model_transaction_policy.decoupled:
+        raise ConfigError(f"model '{name}': decoupled models are not supported yet")
+    if not cfg.optimization.HasField("input_pinned_memory"):
+        cfg.optimization.input_pinned_memory.enable = True
+    if not cfg.optimization.HasField("output_pinned_memory"):
+        cfg.optimization.output_pinned_memory.enable = True
+    return cfg
+
+
+def select_versions(cfg: mc.ModelConfig, available: list[int]) -> tuple[list[int], list[int]]:
+    """Versions the policy serves, and versions it asks for that do not exist."""
+    available = sorted(available)
+    policy = cfg.version_policy
+    if policy.HasField("all"):
+        return available, []
+    if policy.HasField("specific"):
+        wanted = sorted(set(policy.specific.versions))
+        return [v for v in wanted if v in available], [v for v in wanted if v not in available]
+    n = policy.latest.num_versions or 1
+    return available[-n:], []
+
+
+def _int64_to_numbers(msg, data: dict) -> None:
+    """protobuf JSON prints int64 as strings; Triton prints them as numbers (TRITON.md §1.5)."""
+    for field in msg.DESCRIPTOR.fields:
+        key = field.name
+        if key not in data:
+            continue
+        value = data[key]
+        if field.type == field.TYPE_MESSAGE:
+            if field.message_type.GetOptions().map_entry:
+                vfield = field.message_type.fields_by_name["value"]
+                int_keys = field.message_type.fields_by_name["key"].type != field.TYPE_STRING
+                if vfield.type == vfield.TYPE_MESSAGE:
+                    sub = getattr(msg, key)
+                    for k, v in value.items():
+                        _int64_to_numbers(sub[int(k) if int_keys else k], v)
+            elif field.label == field.LABEL_REPEATED:
+                for sub_msg, sub_data in zip(getattr(msg, key), value):
+                    _int64_to_numbers(sub_msg, sub_data)
+            else:
+                _int64_to_numbers(getattr(msg, key), value)
+        elif field.type in (field.TYPE_INT64, field.TYPE_UINT64, field.TYPE_SINT64,
+                            field.TYPE_FIXED64, field.TYPE_SFIXED64):
+            data[key] = [int(v) for v in value] if isinstance(value, list) else int(value)
+
+
+def config_to_dict(cfg: mc.ModelConfig) -> dict:
+    data = json_format.MessageToDict(cfg, preserving_proto_field_name=True,
+                                     always_print_fields_with_no_presence=True)
+    _int64_to_numbers(cfg, data)
+    return data
+
+
+def config_to_json(cfg: mc.ModelConfig) -> str:
+    return json.dumps(config_to_dict(cfg), separators=(",", ":"))

@@ -1,0 +1,47 @@
+"""Runtime records of loaded model versions and their instances (state only, no sockets)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .batching import DefaultScheduler, QueuedRequest
+from .model_config import ModelConfig
+from .states import InstanceState, ModelState
+
+# Restart backoff for a worker that died: doubles from the first value up to the cap.
+BACKOFF_FIRST_S = 0.2
+BACKOFF_CAP_S = 10.0
+# A worker that served this long since its last start has its backoff reset.
+HEALTHY_AFTER_S = 30.0
+
+
+@dataclass(eq=False)
+class Instance:
+    name: str                   # e.g. simple_0_1: group name, then index in the group
+    kind: str                   # "CPU" or "GPU"
+    device_id: int
+    state: InstanceState = InstanceState.STARTING
+    spawn_id: int = -1
+    process: object = None      # supervision.WorkerProcess, owned by the shell
+    outbox: object = None       # channel.Outbox to the worker, owned by the shell
+    batch: list[QueuedRequest] | None = None
+    batch_id: int = 0
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    backoff_s: float = BACKOFF_FIRST_S
+    deaths: int = 0
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    name: str
+    version: int
+    path: str                   # model directory (the version is a subfolder)
+    config: ModelConfig
+    config_json: str
+    state: ModelState = ModelState.LOADING
+    reason: str = ""
+    instances: list[Instance] = field(default_factory=list)
+    scheduler: DefaultScheduler = field(default_factory=DefaultScheduler)
+
+    def all_started(self) -> bool:
+        return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)

@@ -1,0 +1,89 @@
+"""The model repository on disk: which models and versions exist and what their configs say.
+
+Pure: reads files, never starts processes. The scheduler shell decides what to load from it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from . import model_config
+from .model_config import ConfigError
+
+
+@dataclass
+class VersionPlan:
+    version: int
+    path: str
+    error: str = ""             # non-empty: this version cannot be loaded, and why
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    path: str
+    config: model_config.ModelConfig | None = None
+    error: str = ""             # non-empty: the whole model cannot be loaded, and why
+    versions: list[VersionPlan] = field(default_factory=list)
+
+
+def version_dirs(model_dir: str) -> list[int]:
+    """Numeric subdirectories; names with a leading zero are ignored as Triton ignores them."""
+    out = []
+    for entry in os.scandir(model_dir):
+        if entry.is_dir() and entry.name.isdigit() and (entry.name == "0" or entry.name[0] != "0"):
+            out.append(int(entry.name))
+    return sorted(out)
+
+
+class ModelRepository:
+    def __init__(self, paths: list[str], config_name: str | None = None, gpu_count: int = 0):
+        self.paths = [os.path.abspath(p) for p in paths]
+        self.config_name = config_name
+        self.gpu_count = gpu_count
+
+    def check_paths(self) -> None:
+        for p in self.paths:
+            if not os.path.isdir(p):
+                raise ConfigError(f"model repository path '{p}' is not a directory")
+
+    def model_dirs(self) -> dict[str, list[str]]:
+        found: dict[str, list[str]] = {}
+        for repo in self.paths:
+            for entry in sorted(os.scandir(repo), key=lambda e: e.name):
+                if entry.is_dir() and not entry.name.startswith("."):
+                    found.setdefault(entry.name, []).append(entry.path)
+        return found
+
+    def scan(self) -> dict[str, ModelEntry]:
+        return {name: self.read_model(name, dirs) for name, dirs in self.model_dirs().items()}
+
+    def read_model(self, name: str, dirs: list[str]) -> ModelEntry:
+        entry = ModelEntry(name=name, path=dirs[0])
+        if len(dirs) > 1:
+            entry.error = f"model '{name}' appears in more than one repository: {', '.join(dirs)}"
+            return entry
+        try:
+            cfg = model_config.read_config(entry.path, name, self.config_name)
+            entry.config = model_config.normalize(cfg, name, self.gpu_count)
+        except ConfigError as e:
+            entry.error = str(e)
+            return entry
+        available = version_dirs(entry.path)
+        if not available:
+            entry.error = f"model '{name}' has no version directory (e.g. {entry.path}/1)"
+            return entry
+        chosen, missing = model_config.select_versions(entry.config, available)
+        for v in missing:
+            entry.versions.append(VersionPlan(v, "", f"version {v} named by version_policy does "
+                                                     f"not exist in {entry.path}"))
+        filename = entry.config.default_model_filename
+        for v in chosen:
+            vpath = os.path.join(entry.path, str(v))
+            plan = VersionPlan(v, vpath)
+            if not os.path.exists(os.path.join(vpath, filename)):
+                plan.error = f"model file '{filename}' not found in {vpath}"
+            entry.versions.append(plan)
+        if not entry.versions:
+            entry.error = f"model '{name}': version_policy selects no version"
+        return entry

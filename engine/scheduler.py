@@ -1,0 +1,344 @@
+"""Scheduler process shell: owns the repository, model states, queues and worker processes.
+
+It decodes only routing headers (``SubmitRequest``) and forwards request payload frames to
+workers untouched; tensor bytes never pass through here except tiny inline ones.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import msgspec
+import zmq
+
+from shmserve.ipc import channel, shm
+from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, FrontendHello, InferResult,
+                                   InstanceSpec, IpcStatsQuery, IpcStatsReply, ModelInfo,
+                                   ModelTable, RequestRoute, ServerSettings, Shutdown,
+                                   SubmitRequest, VersionInfo,
+                                   WorkerLoadFailed, WorkerReady)
+from shmserve.ipc.proc import StopFlag, die_with_parent
+
+from . import model_config
+from .batching import QueuedRequest, QueueFull
+from .models import BACKOFF_CAP_S, HEALTHY_AFTER_S, Instance, ModelVersion
+from .repository import ModelEntry, ModelRepository
+from .states import InstanceState, ModelState
+from .supervision import describe_exit, spawn_worker
+
+log = logging.getLogger("shmserve.scheduler")
+
+
+class Scheduler:
+    def __init__(self, settings: ServerSettings):
+        self.settings = settings
+        self.inbox = channel.Inbox(channel.address(settings.run_dir, "scheduler"))
+        self.frontends: dict[int, channel.Outbox] = {}
+        self.repository = ModelRepository(settings.model_repositories,
+                                          settings.model_config_name or None)
+        self.entries: dict[str, ModelEntry] = {}
+        self.versions: dict[tuple[str, int], ModelVersion] = {}
+        self.by_spawn: dict[int, tuple[ModelVersion, Instance]] = {}
+        self.by_pidfd: dict[int, int] = {}
+        self.poller = zmq.Poller()
+        self.poller.register(self.inbox.socket, zmq.POLLIN)
+        self.spawn_counter = 0
+        self.batch_counter = 0
+        self.startup_done = False
+        self.exit_requested = False
+
+    # ---- loading -------------------------------------------------------------------------------
+    def load_all(self) -> None:
+        self.entries = self.repository.scan()
+        for name, entry in self.entries.items():
+            if entry.error:
+                log.error("model '%s' is UNAVAILABLE: %s", name, entry.error)
+                continue
+            cfg_json = model_config.config_to_json(entry.config)
+            for plan in entry.versions:
+                ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json)
+                self.versions[(name, plan.version)] = ver
+                if plan.error:
+                    self.set_state(ver, ModelState.UNAVAILABLE, plan.error)
+                    continue
+                for group in entry.config.instance_group:
+                    kind = "GPU" if group.kind == group.KIND_GPU else "CPU"
+                    devices = list(group.gpus) if kind == "GPU" else [0]
+                    for device in devices:
+                        for i in range(group.count):
+                            ver.instances.append(Instance(f"{group.name}_{i}", kind, device))
+                for inst in ver.instances:
+                    self.spawn(ver, inst)
+        self.check_startup()
+        self.publish()
+
+    def spawn(self, ver: ModelVersion, inst: Instance) -> None:
+        self.spawn_counter += 1
+        sid = self.spawn_counter
+        spec = InstanceSpec(ver.name, ver.version, ver.path, ver.config_json, inst.name, inst.kind,
+                            inst.device_id, ver.config.backend)
+        inst.spawn_id = sid
+        inst.state = InstanceState.STARTING
+        inst.started_at = time.monotonic()
+        inst.process = spawn_worker(sid, self.settings.run_dir, self.inbox.address,
+                                    self.segment_prefix(sid), spec, self.settings.log_verbose)
+        self.by_spawn[sid] = (ver, inst)
+        self.by_pidfd[inst.process.pidfd] = sid
+        self.poller.register(inst.process.pidfd, zmq.POLLIN)
+
+    def segment_prefix(self, spawn_id: int) -> str:
+        return f"{self.settings.segment_prefix}w{spawn_id}_"
+
+    def set_state(self, ver: ModelVersion, state: ModelState, reason: str = "") -> None:
+        ver.state, ver.reason = state, reason
+        if state == ModelState.UNAVAILABLE:
+            log.error("model '%s' version %d is UNAVAILABLE: %s", ver.name, ver.version, reason)
+        else:
+            log.info("model '%s' version %d is %s", ver.name, ver.version, state.value)
+
+    def check_startup(self) -> None:
+        if not self.startup_done and all(v.state != ModelState.LOADING for v in self.versions.values()):
+            self.startup_done = True
+            failed = [n for n, e in self.entries.items() if e.error] + \
+                     [f"{v.name}:{v.version}" for v in self.versions.values()
+                      if v.state == ModelState.UNAVAILABLE]
+            if failed and self.settings.exit_on_error:
+                log.error("failed to load %s; exiting because --exit-on-error is true",
+                          ", ".join(failed))
+                self.exit_requested = True
+            else:
+                log.info("startup finished: %d model version(s) ready",
+                         sum(v.state == ModelState.READY for v in self.versions.values()))
+
+    # ---- model table -----------------------------------------------------------------------------
+    def model_table(self) -> ModelTable:
+        models = []
+        for name, entry in self.entries.items():
+            cfg = entry.config.SerializeToString() if entry.config is not None else b""
+            vers = [VersionInfo(v.version, v.state.value, v.reason)
+                    for (n, _), v in sorted(self.versions.items()) if n == name]
+            if entry.error:
+                vers = [VersionInfo(0, ModelState.UNAVAILABLE.value, entry.error)]
+            models.append(ModelInfo(name, cfg, vers))
+        return ModelTable(models, self.startup_done)
+
+    def publish(self) -> None:
+        table = self.model_table()
+        for box in self.frontends.values():
+            box.send(table)
+
+    # ---- messages --------------------------------------------------------------------------------
+    def handle(self, msg, frames) -> None:
+        if isinstance(msg, SubmitRequest):
+            self.submit(msg, frames[0])
+        elif isinstance(msg, BatchDone):
+            self.batch_done(msg)
+        elif isinstance(msg, WorkerReady):
+            self.worker_ready(msg)
+        elif isinstance(msg, WorkerLoadFailed):
+            self.worker_load_failed(msg)
+        elif isinstance(msg, FrontendHello):
+            box = self.frontends.get(msg.frontend)
+            if box is None:
+                box = self.frontends[msg.frontend] = channel.Outbox(msg.address)
+            box.send(self.model_table())
+        elif isinstance(msg, IpcStatsQuery):
+            self.frontends[msg.frontend].send(IpcStatsReply(msg.query_id, channel.COUNTERS.as_dict()))
+
+    def reply_error(self, frontend: int, req_id: int, model: str, version: int, code: str,
+                    message: str) -> None:
+        box = self.frontends.get(frontend)
+        if box is not None:
+            box.send(InferResult(req_id, model, version, error=message, code=code))
+
+    def submit(self, msg: SubmitRequest, payload) -> None:
+        ver = self.versions.get((msg.model, msg.version))
+        if ver is None or ver.state != ModelState.READY:
+            self.reply_error(msg.frontend, msg.req_id, msg.model, msg.version, ErrorCode.UNAVAILABLE,
+                             f"Request for unknown model: '{msg.model}' version {msg.version} is "
+                             f"not at ready state")
+            return
+        try:
+            ver.scheduler.enqueue(QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload))
+        except QueueFull as e:
+            self.reply_error(msg.frontend, msg.req_id, msg.model, msg.version,
+                             ErrorCode.UNAVAILABLE, str(e))
+            return
+        self.dispatch(ver)
+
+    def dispatch(self, ver: ModelVersion) -> None:
+        for inst, reqs in ver.scheduler.next_batches():
+            self.batch_counter += 1
+            inst.state = InstanceState.BUSY
+            inst.batch = reqs
+            inst.batch_id = self.batch_counter
+            routes = [RequestRoute(r.req_id, r.frontend) for r in reqs]
+            inst.outbox.send(ExecuteBatch(self.batch_counter, routes), [r.payload for r in reqs])
+
+    def batch_done(self, msg: BatchDone) -> None:
+        found = self.by_spawn.get(msg.instance)
+        if found is None:
+            return
+        ver, inst = found
+        if inst.batch_id != msg.batch_id or inst.state != InstanceState.BUSY:
+            return
+        inst.batch = None
+        inst.state = InstanceState.IDLE
+        ver.scheduler.instance_idle(inst)
+        self.dispatch(ver)
+
+    def worker_ready(self, msg: WorkerReady) -> None:
+        found = self.by_spawn.get(msg.instance)
+        if found is None:
+            return
+        ver, inst = found
+        inst.outbox = channel.Outbox(msg.address)
+        inst.state = InstanceState.IDLE
+        ver.scheduler.instance_idle(inst)
+        if ver.state == ModelState.LOADING and ver.all_started():
+            self.set_state(ver, ModelState.READY)
+            self.check_startup()
+            self.publish()
+        self.dispatch(ver)
+
+    def worker_load_failed(self, msg: WorkerLoadFailed) -> None:
+        found = self.by_spawn.get(msg.instance)
+        if found is None:
+            return
+        ver, inst = found
+        inst.state = InstanceState.STOPPED
+        if ver.state == ModelState.LOADING:
+            self.fail_version(ver, msg.reason)
+        else:
+            # a restart that no longer loads: keep the others serving, retry with backoff
+            log.error("instance %s of '%s' failed to reload: %s", inst.name, ver.name, msg.reason)
+            inst.state = InstanceState.BACKOFF
+
+    def fail_version(self, ver: ModelVersion, reason: str) -> None:
+        self.set_state(ver, ModelState.UNAVAILABLE, reason)
+        for other in ver.instances:
+            if other.state != InstanceState.STOPPED and other.process is not None:
+                other.state = InstanceState.STOPPED
+                other.process.kill()
+        self.check_startup()
+        self.publish()
+
+    # ---- worker deaths -----------------------------------------------------------------------------
+    def worker_exited(self, pidfd: int) -> None:
+        sid = self.by_pidfd.pop(pidfd)
+        self.poller.unregister(pidfd)
+        ver, inst = self.by_spawn.pop(sid)
+        proc = inst.process
+        rc = proc.reap()
+        proc.close()
+        if inst.outbox is not None:
+            inst.outbox.close()
+            inst.outbox = None
+        shm.unlink_prefixed(self.segment_prefix(sid))
+        ver.scheduler.instance_gone(inst)
+        how = describe_exit(rc)
+        if inst.batch:
+            reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
+                      f"exited unexpectedly ({how}) while executing this request")
+            for r in inst.batch:
+                self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
+                                 reason)
+            inst.batch = None
+        if inst.state == InstanceState.STOPPED or self.stopping:
+            inst.state = InstanceState.STOPPED
+            return
+        if inst.state == InstanceState.STARTING and ver.state == ModelState.LOADING:
+            inst.state = InstanceState.STOPPED
+            self.fail_version(ver, f"worker process of instance '{inst.name}' exited while loading "
+                                   f"the model ({how})")
+            return
+        now = time.monotonic()
+        if now - inst.started_at > HEALTHY_AFTER_S:
+            inst.backoff_s = 0.0
+        inst.deaths += 1
+        inst.state = InstanceState.BACKOFF
+        inst.restart_at = now + inst.backoff_s
+        log.warning("instance %s of model '%s' exited (%s); restarting in %.1fs", inst.name,
+                    ver.name, how, inst.backoff_s)
+        inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, 0.2))
+
+    def restart_due(self) -> float:
+        """Restart instances whose backoff expired; returns seconds until the next one is due."""
+        now = time.monotonic()
+        wait = 1.0
+        for ver in self.versions.values():
+            if ver.state != ModelState.READY:
+                continue
+            for inst in ver.instances:
+                if inst.state == InstanceState.BACKOFF:
+                    if inst.restart_at <= now:
+                        self.spawn(ver, inst)
+                    else:
+                        wait = min(wait, inst.restart_at - now)
+        return wait
+
+    # ---- loop --------------------------------------------------------------------------------------
+    stopping = False
+
+    def run(self, stop: StopFlag) -> None:
+        self.load_all()
+        timeout = 1.0
+        while not stop.set and not self.exit_requested:
+            events = dict(self.poller.poll(int(timeout * 1000)))
+            if self.inbox.socket in events:
+                while True:
+                    try:
+                        msg, frames = self.inbox.recv(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self.handle(msg, frames)
+            for fd in list(events):
+                if isinstance(fd, int) and fd in self.by_pidfd:
+                    self.worker_exited(fd)
+            if stop.set:
+                break
+            timeout = self.restart_due()
+
+    def shutdown(self, timeout_s: float) -> None:
+        self.stopping = True
+        for ver in self.versions.values():
+            for r in ver.scheduler.drain():
+                self.reply_error(r.frontend, r.req_id, ver.name, ver.version,
+                                 ErrorCode.UNAVAILABLE, "the server is shutting down")
+        for ver, inst in self.by_spawn.values():
+            if inst.outbox is not None:
+                inst.outbox.send(Shutdown())    # finishes the batch it holds, then exits
+            else:
+                inst.process.kill()             # still loading: nothing to lose
+        deadline = time.monotonic() + timeout_s
+        for sid, (ver, inst) in list(self.by_spawn.items()):
+            proc = inst.process
+            try:
+                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                proc.kill()
+                proc.popen.wait()
+            proc.close()
+            shm.unlink_prefixed(self.segment_prefix(sid))
+
+
+def main() -> None:
+    settings = msgspec.json.decode(sys.argv[1].encode(), type=ServerSettings)
+    die_with_parent(settings.launcher_pid)
+    logging.basicConfig(level=logging.DEBUG if settings.log_verbose else logging.INFO,
+                        format="%(asctime)s scheduler %(levelname)s %(message)s")
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stop = StopFlag(signals=(signal.SIGTERM,))
+    sched = Scheduler(settings)
+    try:
+        sched.run(stop)
+    finally:
+        sched.shutdown(settings.exit_timeout_secs)
+    os._exit(1 if sched.exit_requested else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,122 @@
+"""The frontend's cached view of the scheduler's model table: configs, metadata, readiness.
+
+Rebuilt whenever the scheduler publishes a new table; requests are validated against it without
+asking the scheduler.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shmserve.engine.model_config import ModelConfig, config_to_json
+from tritonclient.grpc.model_config_pb2 import DataType
+
+from shmserve.ipc.dtypes import CONFIG_TO_WIRE
+from shmserve.ipc.messages import ErrorCode, ModelTable
+
+from .errors import InferError
+
+
+@dataclass(slots=True)
+class TensorSpec:
+    name: str
+    datatype: str               # wire name
+    dims: list[int]
+    optional: bool = False
+
+
+@dataclass
+class ModelView:
+    name: str
+    config: ModelConfig | None
+    config_json: bytes
+    states: dict[int, tuple[str, str]]      # version -> (state, reason)
+    max_batch_size: int = 0
+    inputs: dict[str, TensorSpec] = field(default_factory=dict)
+    outputs: dict[str, TensorSpec] = field(default_factory=dict)
+    output_names: list[str] = field(default_factory=list)
+    required_inputs: list[str] = field(default_factory=list)
+    platform: str = ""
+
+    def ready_versions(self) -> list[int]:
+        return sorted(v for v, (s, _) in self.states.items() if s == "READY")
+
+    def metadata(self, version: int | None) -> dict:
+        lead = [-1] if self.max_batch_size > 0 else []
+        versions = [version] if version is not None else self.ready_versions()
+        return {
+            "name": self.name,
+            "versions": [str(v) for v in versions],
+            "platform": self.platform,
+            "inputs": [{"name": t.name, "datatype": t.datatype, "shape": lead + t.dims}
+                       for t in self.inputs.values()],
+            "outputs": [{"name": t.name, "datatype": t.datatype, "shape": lead + t.dims}
+                        for t in self.outputs.values()],
+        }
+
+
+def _view(info) -> ModelView:
+    states = {v.version: (v.state, v.reason) for v in info.versions}
+    if not info.config:
+        return ModelView(info.name, None, b"", states)
+    cfg = ModelConfig()
+    cfg.ParseFromString(info.config)
+    view = ModelView(info.name, cfg, config_to_json(cfg).encode(), states,
+                     max_batch_size=cfg.max_batch_size, platform=cfg.platform or cfg.backend)
+    for t in cfg.input:
+        spec = TensorSpec(t.name, CONFIG_TO_WIRE[DataType.Name(t.data_type)], list(t.dims),
+                          t.optional)
+        view.inputs[t.name] = spec
+        if not t.optional:
+            view.required_inputs.append(t.name)
+    for t in cfg.output:
+        spec = TensorSpec(t.name, CONFIG_TO_WIRE[DataType.Name(t.data_type)], list(t.dims))
+        view.outputs[t.name] = spec
+        view.output_names.append(t.name)
+    return view
+
+
+class ModelCatalog:
+    def __init__(self):
+        self.models: dict[str, ModelView] = {}
+        self.startup_done = False
+
+    def update(self, table: ModelTable) -> None:
+        self.models = {m.name: _view(m) for m in table.models}
+        self.startup_done = table.startup_done
+
+    def server_ready(self, strict: bool = True) -> bool:
+        if not self.startup_done:
+            return False
+        if not strict:
+            return True
+        return all(s == "READY" or reason == "unloaded"
+                   for m in self.models.values() for s, reason in m.states.values())
+
+    def get(self, name: str) -> ModelView:
+        view = self.models.get(name)
+        if view is None:
+            raise InferError(ErrorCode.NOT_FOUND, f"Request for unknown model: '{name}' is not found")
+        return view
+
+    def resolve(self, name: str, version: str) -> tuple[ModelView, int]:
+        """The model and the version a request addresses ("" = highest READY version)."""
+        view = self.get(name)
+        if not version:
+            ready = view.ready_versions()
+            if not ready:
+                raise InferError(ErrorCode.NOT_FOUND,
+                                 f"Request for unknown model: '{name}' has no available versions")
+            return view, ready[-1]
+        if not version.isdigit():
+            raise InferError(ErrorCode.INVALID_ARG,
+                             f"invalid model version '{version}' for model '{name}': a version "
+                             f"is a non-negative integer")
+        v = int(version)
+        state = view.states.get(v)
+        if state is None:
+            raise InferError(ErrorCode.NOT_FOUND,
+                             f"Request for unknown model: '{name}' version {v} is not found")
+        if state[0] != "READY":
+            raise InferError(ErrorCode.UNAVAILABLE,
+                             f"Request for unknown model: '{name}' version {v} is not at ready state")
+        return view, v

@@ -1,0 +1,109 @@
+"""The frontend's link to the scheduler and workers, driven by the asyncio (uvloop) loop.
+
+Requests go to the scheduler as a routing header plus an opaque payload frame; results come back
+straight from the worker that ran them (one hop fewer than relaying through the scheduler), or
+from the scheduler when a request never reached a worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Callable
+
+import zmq
+
+from shmserve.ipc import channel
+from shmserve.ipc.messages import (ErrorCode, FrontendHello, InferResult, IpcStatsQuery,
+                                   IpcStatsReply, ModelTable, ReleaseOutputs, ShmRef,
+                                   SubmitRequest)
+
+from .catalog import ModelCatalog
+
+log = logging.getLogger("shmserve.frontend")
+
+ResultCallback = Callable[[InferResult], None]
+
+
+class EngineClient:
+    def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop):
+        self.frontend_id = frontend_id
+        self.loop = loop
+        self.inbox = channel.Inbox(channel.address(run_dir, f"frontend-{frontend_id}"))
+        self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
+        self.workers: dict[str, channel.Outbox] = {}
+        self.catalog = ModelCatalog()
+        self.pending: dict[int, ResultCallback] = {}
+        self.queries: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.table_event = asyncio.Event()
+        loop.add_reader(self.inbox.fileno(), self._drain)
+        self.scheduler.send(FrontendHello(frontend_id, self.inbox.address))
+
+    def submit(self, model: str, version: int, batch_size: int, payload: bytes,
+               on_result: ResultCallback) -> int:
+        req_id = next(self.ids)
+        try:
+            self.scheduler.send(SubmitRequest(req_id, self.frontend_id, model, version, batch_size),
+                                (payload,), zmq.NOBLOCK)
+        except zmq.Again:
+            on_result(InferResult(req_id, model, version, error="the scheduler queue is full",
+                                  code=ErrorCode.UNAVAILABLE))
+            return req_id
+        self.pending[req_id] = on_result
+        return req_id
+
+    def release(self, worker: str, refs: list[ShmRef]) -> None:
+        box = self.workers.get(worker)
+        if box is None:
+            box = self.workers[worker] = channel.Outbox(worker)
+        try:
+            box.send(ReleaseOutputs(refs), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("could not return %d output slot(s) to %s", len(refs), worker)
+
+    async def scheduler_stats(self, timeout: float = 2.0) -> dict[str, int]:
+        qid = next(self.ids)
+        fut = self.loop.create_future()
+        self.queries[qid] = fut
+        self.scheduler.send(IpcStatsQuery(self.frontend_id, qid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.queries.pop(qid, None)
+
+    def _drain(self) -> None:
+        inbox = self.inbox
+        while True:
+            try:
+                msg, _ = inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if isinstance(msg, InferResult):
+                cb = self.pending.pop(msg.req_id, None)
+                if cb is not None:
+                    cb(msg)
+                elif msg.worker:
+                    # a late answer (its request already failed): give its slots back
+                    refs = [t.shm for t in msg.outputs if t.shm is not None]
+                    if refs:
+                        self.release(msg.worker, refs)
+            elif isinstance(msg, ModelTable):
+                self.catalog.update(msg)
+                self.table_event.set()
+            elif isinstance(msg, IpcStatsReply):
+                fut = self.queries.get(msg.query_id)
+                if fut is not None and not fut.done():
+                    fut.set_result(msg.stats)
+
+    def fail_all(self, message: str) -> None:
+        pending, self.pending = self.pending, {}
+        for req_id, cb in pending.items():
+            cb(InferResult(req_id, "", 0, error=message, code=ErrorCode.UNAVAILABLE))
+
+    def close(self) -> None:
+        self.loop.remove_reader(self.inbox.fileno())
+        self.inbox.close()
+        self.scheduler.close()
+        for box in self.workers.values():
+            box.close()

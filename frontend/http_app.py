@@ -1,0 +1,202 @@
+"""The KServe v2 HTTP/REST endpoints with Triton's extensions (TRITON.md §1)."""
+from __future__ import annotations
+
+import logging
+import zlib
+from urllib.parse import unquote
+
+from shmserve.ipc.channel import INLINE_LIMIT
+from shmserve.ipc.messages import ErrorCode, InferResult, encode as encode_message
+from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
+
+from . import http_codec
+from .engine_client import EngineClient
+from .errors import InferError, http_status, invalid
+from .http_server import HttpConnection, HttpRequest
+
+log = logging.getLogger("shmserve.http")
+
+EXTENSIONS = ["model_configuration", "binary_tensor_data", "parameters"]
+MAX_BODY = 1 << 32
+_NOT_FOUND = b'{"error":"Not Found"}'
+_NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
+
+
+class KServeHttpApp:
+    def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
+                 server_id: str, server_version: str, strict_readiness: bool,
+                 max_input_size: int):
+        self.client = client
+        self.arena = arena
+        self.maps = maps
+        self.strict_readiness = strict_readiness
+        self.max_input_size = max_input_size
+        self.server_metadata = http_codec.encode_json(
+            {"name": server_id, "version": server_version, "extensions": EXTENSIONS})
+        self.accepting = True
+
+    # ---- body buffers ----------------------------------------------------------------------------
+    def check_body_size(self, req: HttpRequest, n: int) -> str:
+        if n > MAX_BODY:
+            return f"request body of {n} bytes exceeds the limit of {MAX_BODY} bytes"
+        return ""
+
+    def body_buffer(self, req: HttpRequest, n: int):
+        if n > INLINE_LIMIT and req.method == "POST" and req.path.endswith("/infer") \
+                and "content-encoding" not in req.headers:
+            try:
+                return self.arena.alloc(n)
+            except ShmError as e:
+                log.error("cannot receive a %d byte body into shared memory: %s", n, e)
+        return None
+
+    def release_body(self, req: HttpRequest) -> None:
+        if req.body_slot is not None:
+            req.body = b""
+            self.arena.free(req.body_slot.ref)
+            req.body_slot = None
+
+    def connection_lost(self, conn: HttpConnection) -> None:
+        for req in conn.queue:
+            self.release_body(req)
+        conn.queue.clear()
+        if conn.request is not None:
+            self.release_body(conn.request)
+
+    # ---- routing ------------------------------------------------------------------------------------
+    def handle(self, conn: HttpConnection, req: HttpRequest) -> None:
+        try:
+            self.route(conn, req)
+        except InferError as e:
+            self.release_body(req)
+            self.error(conn, req, http_status(e.code), e.message)
+        except Exception as e:  # a bug must cost one request, not the frontend
+            log.exception("error handling %s %s", req.method, req.path)
+            self.release_body(req)
+            self.error(conn, req, 500, f"internal error: {type(e).__name__}: {e}")
+
+    def route(self, conn: HttpConnection, req: HttpRequest) -> None:
+        path, method = req.path, req.method
+        if path == "/v2/health/live":
+            if method != "GET":
+                return self.not_allowed(conn, req)
+            return conn.respond(req, 200, content_type="")
+        if path == "/v2/health/ready":
+            if method != "GET":
+                return self.not_allowed(conn, req)
+            ok = self.accepting and self.client.catalog.server_ready(self.strict_readiness)
+            return conn.respond(req, 200 if ok else 400, content_type="")
+        if path == "/v2" or path == "/v2/":
+            if method != "GET":
+                return self.not_allowed(conn, req)
+            return conn.respond(req, 200, self.server_metadata)
+        parts = path.split("/")
+        if len(parts) < 4 or parts[1] != "v2" or parts[2] != "models" or not parts[3]:
+            return conn.respond(req, 404, _NOT_FOUND)
+        model = unquote(parts[3])
+        rest = parts[4:]
+        version = ""
+        if len(rest) >= 2 and rest[0] == "versions":
+            version = rest[1]
+            rest = rest[2:]
+        if len(rest) > 1 or (rest and rest[0] not in ("ready", "config", "infer")):
+            return conn.respond(req, 404, _NOT_FOUND)
+        action = rest[0] if rest else ""
+        want = "POST" if action == "infer" else "GET"
+        if method != want:
+            return self.not_allowed(conn, req)
+        if action == "infer":
+            return self.infer(conn, req, model, version)
+        catalog = self.client.catalog
+        if action == "ready":
+            view = catalog.get(model)
+            try:
+                catalog.resolve(model, version)
+                ok = True
+            except InferError as e:
+                if e.code == ErrorCode.INVALID_ARG:
+                    raise
+                ok = False
+            if ok:
+                return conn.respond(req, 200, content_type="")
+            del view
+            return self.error(conn, req, 400, "Model version not ready")
+        view, v = catalog.resolve(model, version)
+        if action == "config":
+            return conn.respond(req, 200, view.config_json)
+        return conn.respond(req, 200, http_codec.encode_json(
+            view.metadata(v if version else None)))
+
+    def not_allowed(self, conn, req):
+        self.release_body(req)
+        conn.respond(req, 405, _NOT_ALLOWED)
+
+    def error(self, conn: HttpConnection, req: HttpRequest, status: int, message: str) -> None:
+        conn.respond(req, status, http_codec.encode_json({"error": message}))
+
+    # ---- inference ------------------------------------------------------------------------------------
+    def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str) -> None:
+        if not self.accepting:
+            raise InferError(ErrorCode.UNAVAILABLE, "the server is shutting down")
+        view, v = self.client.catalog.resolve(model, version)
+        body = req.body
+        encoding = req.headers.get("content-encoding", "identity").lower()
+        if encoding in ("gzip", "deflate"):
+            body = self._decompress(body, encoding)
+        elif encoding != "identity":
+            self.release_body(req)
+            return conn.respond(req, 501, http_codec.encode_json(
+                {"error": f"unsupported Content-Encoding '{encoding}'"}),
+                headers=(("Accept-Encoding", "gzip, deflate"),))
+        hlen = req.headers.get("inference-header-content-length")
+        if hlen is not None:
+            try:
+                hlen = int(hlen)
+            except ValueError:
+                raise invalid(f"Inference-Header-Content-Length must be an integer, got "
+                              f"'{hlen}'") from None
+            if hlen > self.max_input_size:
+                raise invalid(f"request JSON of {hlen} bytes exceeds --http-max-input-size "
+                              f"({self.max_input_size})")
+        elif len(body) > self.max_input_size:
+            raise invalid(f"request JSON of {len(body)} bytes exceeds --http-max-input-size "
+                          f"({self.max_input_size})")
+        slot_ref = req.body_slot.ref if req.body_slot is not None else None
+        parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena)
+        payload = encode_message(parsed.payload)
+        self.client.submit(view.name, v, parsed.batch_size, payload,
+                           lambda result: self.infer_done(conn, req, parsed, result))
+
+    def _decompress(self, body, encoding: str) -> bytes:
+        try:
+            wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+            d = zlib.decompressobj(wbits)
+            out = d.decompress(bytes(body), self.max_input_size + MAX_BODY // 4)
+        except zlib.error as e:
+            raise invalid(f"failed to decompress the {encoding} request body: {e}") from None
+        return out
+
+    def infer_done(self, conn: HttpConnection, req: HttpRequest, parsed, result: InferResult) -> None:
+        # the worker has finished reading the inputs: their memory can be reused now
+        self.release_body(req)
+        for ref in parsed.scratch:
+            self.arena.free(ref)
+        refs = [t.shm for t in result.outputs if t.shm is not None]
+        try:
+            if result.error:
+                return self.error(conn, req, http_status(result.code), result.error)
+            try:
+                views = [t.data if t.shm is None else self.maps.view(t.shm) for t in result.outputs]
+                header, parts, hlen = http_codec.render_response(result, parsed, views)
+            except (ShmError, InferError) as e:
+                status = 400 if isinstance(e, InferError) else 500
+                return self.error(conn, req, status, getattr(e, "message", str(e)))
+            if parts:
+                conn.respond(req, 200, header, "application/octet-stream",
+                             (("Inference-Header-Content-Length", hlen),), tuple(parts))
+            else:
+                conn.respond(req, 200, header)
+        finally:
+            if refs:
+                worker = result.worker
+                conn.after_sent(lambda: self.client.release(worker, refs))

@@ -1,0 +1,267 @@
+"""KServe v2 infer requests and responses over HTTP: JSON tensors and the binary extension.
+
+The request body is either a bytes object (small bodies) or a slot of the frontend's shared-memory
+arena that the body was received straight into (large bodies). Binary inputs inside an arena slot
+are passed on as references to their byte range, so their bytes are copied exactly once: from the
+socket into shared memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from shmserve.ipc import dtypes
+from shmserve.ipc.channel import INLINE_LIMIT
+from shmserve.ipc.messages import InferPayload, InferResult, ShmRef, Tensor
+from shmserve.ipc.shm import ShmArena
+
+from . import validation
+from .catalog import ModelView
+from .errors import invalid
+
+_json_decode = msgspec.json.Decoder().decode
+_json_encode = msgspec.json.Encoder().encode
+
+# request parameters that steer the HTTP layer and are not passed to the model
+_HTTP_ONLY_PARAMS = ("binary_data_output",)
+
+
+@dataclass
+class ParsedRequest:
+    payload: InferPayload
+    batch_size: int
+    binary_outputs: dict[str, bool]        # output name -> return as binary
+    request_id: str
+    scratch: list[ShmRef] = field(default_factory=list)  # arena slots to free after the response
+
+
+def _flatten(data: Any) -> list:
+    if not isinstance(data, list):
+        return [data]
+    if data and isinstance(data[0], list):
+        out = []
+        for item in data:
+            out.extend(_flatten(item))
+        return out
+    return data
+
+
+def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], data: Any) -> bytes:
+    if datatype in ("FP16", "BF16"):
+        raise invalid(f"receiving input '{name}' of datatype {datatype} via JSON is not "
+                      f"supported. Please use the binary data format for input data")
+    flat = _flatten(data)
+    count = dtypes.element_count(shape)
+    if len(flat) != count:
+        raise invalid(f"unexpected number of elements for input '{name}' for model "
+                      f"'{model.name}': shape {shape} needs {count}, got {len(flat)}")
+    if datatype == "BYTES":
+        if not all(isinstance(x, str) for x in flat):
+            raise invalid(f"input '{name}' of datatype BYTES must hold JSON strings")
+        return dtypes.serialize_bytes(np.array(flat, dtype=object))
+    if datatype == "BOOL":
+        if not all(isinstance(x, bool) for x in flat):
+            raise invalid(f"input '{name}' of datatype BOOL must hold JSON true/false values")
+    else:
+        if any(isinstance(x, (bool, str, list, dict)) or x is None for x in flat):
+            raise invalid(f"input '{name}' of datatype {datatype} must hold numbers")
+    try:
+        arr = np.array(flat, dtype=dtypes.WIRE_TO_NUMPY[datatype])
+    except (OverflowError, ValueError, TypeError) as e:
+        raise invalid(f"input '{name}' holds a value that is not a valid {datatype}: {e}") from None
+    if datatype not in ("FP32", "FP64") and any(isinstance(x, float) for x in flat):
+        raise invalid(f"input '{name}' of datatype {datatype} must hold integers")
+    return arr.tobytes()
+
+
+def _shape(name: str, value: Any) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                              and d >= 0 for d in value):
+        raise invalid(f"input '{name}': 'shape' must be a list of non-negative integers")
+    return value
+
+
+def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef | None,
+                arena: ShmArena) -> ParsedRequest:
+    """Parse and validate; raises InferError with a message that names the problem."""
+    mv = memoryview(body)
+    if header_len == 0:
+        return _parse_raw(model, mv, body_ref)
+    if header_len is None:
+        header_len = len(mv)
+    elif header_len < 0 or header_len > len(mv):
+        raise invalid(f"Inference-Header-Content-Length {header_len} is larger than the request "
+                      f"body ({len(mv)} bytes)")
+    try:
+        doc = _json_decode(mv[:header_len])
+    except msgspec.DecodeError as e:
+        raise invalid(f"failed to parse the request JSON buffer: {e}") from None
+    if not isinstance(doc, dict):
+        raise invalid("the request JSON must be an object")
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list):
+        raise invalid("the request JSON must contain an 'inputs' array")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid("request 'parameters' must be a JSON object")
+    request_id = doc.get("id", "")
+    if not isinstance(request_id, str):
+        raise invalid("request 'id' must be a string")
+    cursor = header_len
+    tensors, scratch = [], []
+    for item in inputs:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise invalid("each entry of 'inputs' must be an object with a string 'name'")
+        name = item["name"]
+        datatype = item.get("datatype")
+        if datatype not in dtypes.ELEMENT_SIZE:
+            raise invalid(f"input '{name}' has invalid datatype '{datatype}'")
+        shape = _shape(name, item.get("shape"))
+        tparams = item.get("parameters") or {}
+        has_data = "data" in item
+        bsize = tparams.get("binary_data_size")
+        if "shared_memory_region" in tparams:
+            raise invalid(f"input '{name}': shared_memory_region is not supported on this server yet")
+        if has_data == (bsize is not None):
+            raise invalid(f"input '{name}' must set exactly one of 'data' and the "
+                          f"'binary_data_size' parameter")
+        t = Tensor(name, datatype, shape)
+        if bsize is not None:
+            if not isinstance(bsize, int) or isinstance(bsize, bool) or bsize < 0:
+                raise invalid(f"input '{name}': binary_data_size must be a non-negative integer")
+            if cursor + bsize > len(mv):
+                raise invalid(f"unexpected size for input '{name}', expecting {bsize} additional "
+                              f"bytes for model '{model.name}' but the body has only "
+                              f"{len(mv) - cursor} left")
+            chunk = mv[cursor:cursor + bsize]
+            validation.check_byte_size(model, t, bsize, chunk)
+            if body_ref is not None and bsize > INLINE_LIMIT:
+                t.shm = ShmRef(body_ref.segment, body_ref.offset + cursor, bsize)
+            else:
+                t.data = bytes(chunk)
+            cursor += bsize
+        else:
+            data = _json_tensor(model, name, datatype, shape, item["data"])
+            if len(data) > INLINE_LIMIT:
+                slot = arena.alloc(len(data))
+                slot.view[:] = data
+                scratch.append(slot.ref)
+                t.shm = slot.ref
+            else:
+                t.data = data
+        tensors.append(t)
+    if cursor != len(mv):
+        raise invalid(f"unexpected additional input data for model '{model.name}': "
+                      f"{len(mv) - cursor} bytes after the last binary input")
+    batch = validation.validate_inputs(model, tensors)
+    binary_default = params.get("binary_data_output", False) is True
+    outputs = doc.get("outputs")
+    binary: dict[str, bool] = {}
+    if outputs is None:
+        names = list(model.output_names)
+        for n in names:
+            binary[n] = binary_default
+    else:
+        if not isinstance(outputs, list):
+            raise invalid("request 'outputs' must be an array")
+        names = []
+        for o in outputs:
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise invalid("each entry of 'outputs' must be an object with a string 'name'")
+            oparams = o.get("parameters") or {}
+            if "shared_memory_region" in oparams:
+                raise invalid(f"output '{o['name']}': shared_memory_region is not supported on "
+                              f"this server yet")
+            if "classification" in oparams:
+                raise invalid(f"output '{o['name']}': the classification extension is not "
+                              f"supported on this server yet")
+            names.append(o["name"])
+            b = oparams.get("binary_data", binary_default)
+            binary[o["name"]] = b is True
+        validation.check_outputs(model, names)
+    for key in params:
+        if key.startswith("triton_"):
+            raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' cannot "
+                          f"be set by a request")
+    model_params = {k: v for k, v in params.items() if k not in _HTTP_ONLY_PARAMS}
+    payload = InferPayload(request_id, tensors, names, model_params)
+    return ParsedRequest(payload, batch, binary, request_id, scratch)
+
+
+def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None) -> ParsedRequest:
+    """Inference-Header-Content-Length: 0 — the whole body is the data of the only input."""
+    if len(model.inputs) != 1:
+        raise invalid(f"raw binary request (Inference-Header-Content-Length: 0) needs a model with "
+                      f"exactly one input; model '{model.name}' has {len(model.inputs)}")
+    spec = next(iter(model.inputs.values()))
+    dims = list(spec.dims)
+    if spec.datatype == "BYTES":
+        if dims != [1]:
+            raise invalid(f"raw binary request for BYTES input '{spec.name}' needs input dims [1]")
+        shape = dims
+    else:
+        variable = [i for i, d in enumerate(dims) if d == -1]
+        if len(variable) > 1:
+            raise invalid(f"raw binary request: input '{spec.name}' has more than one variable dim")
+        size = dtypes.ELEMENT_SIZE[spec.datatype]
+        fixed = size * dtypes.element_count([d for d in dims if d != -1])
+        if variable:
+            if fixed == 0 or len(mv) % fixed:
+                raise invalid(f"raw binary request: {len(mv)} bytes do not fit input "
+                              f"'{spec.name}' with dims {dims}")
+            dims[variable[0]] = len(mv) // fixed
+        shape = dims
+    if model.max_batch_size > 0:
+        shape = [1] + shape
+    t = Tensor(spec.name, spec.datatype, shape)
+    validation.check_byte_size(model, t, len(mv), mv)
+    if body_ref is not None and len(mv) > INLINE_LIMIT:
+        t.shm = body_ref
+    else:
+        t.data = bytes(mv)
+    validation.validate_inputs(model, [t])
+    names = list(model.output_names)
+    payload = InferPayload("", [t], names, {})
+    return ParsedRequest(payload, 1, {n: True for n in names}, "")
+
+
+def _json_data(t: Tensor, buf) -> list:
+    if t.datatype in ("FP16", "BF16"):
+        raise invalid(f"output '{t.name}' of datatype {t.datatype} cannot be returned as JSON; "
+                      f"request it with binary_data")
+    if t.datatype == "BYTES":
+        return [b.decode("utf-8", "replace") for b in dtypes.deserialize_bytes(buf)]
+    return np.frombuffer(buf, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).tolist()
+
+
+def render_response(result: InferResult, parsed: ParsedRequest, views: list) -> tuple[bytes, list, int]:
+    """JSON header, binary parts in output order, and the JSON length (for the header field).
+
+    ``views`` holds each output's bytes (inline bytes or a shared-memory view).
+    """
+    outputs, parts = [], []
+    for t, buf in zip(result.outputs, views):
+        out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+        if parsed.binary_outputs.get(t.name, False):
+            out["parameters"] = {"binary_data_size": len(buf)}
+            if len(buf):
+                parts.append(buf)
+        else:
+            out["data"] = _json_data(t, buf)
+        outputs.append(out)
+    doc: dict[str, Any] = {}
+    if parsed.request_id:
+        doc["id"] = parsed.request_id
+    doc["model_name"] = result.model
+    doc["model_version"] = str(result.version)
+    if result.parameters:
+        doc["parameters"] = result.parameters
+    doc["outputs"] = outputs
+    header = _json_encode(doc)
+    return header, parts, len(header)
+
+
+encode_json = _json_encode

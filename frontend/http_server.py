@@ -1,0 +1,197 @@
+"""HTTP/1.1 on uvloop with httptools: parsing, keep-alive, pipelining order, writing responses.
+
+Knows nothing about inference: an *app* gets each complete request and answers through
+``HttpConnection.respond``. Large bodies can be received straight into memory the app provides
+(a shared-memory slot), so the only copy of a big tensor is the one from the socket.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from http import HTTPStatus
+from typing import Any, Callable
+
+import httptools
+
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+class HttpRequest:
+    __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive")
+
+    def __init__(self, method: str, url: bytes, headers: dict[str, str]):
+        self.method = method
+        path, _, query = url.partition(b"?")
+        self.path = path.decode("latin-1")
+        self.query = query.decode("latin-1")
+        self.headers = headers
+        self.body: Any = b""
+        self.body_slot = None       # app-provided receive buffer (e.g. a shared-memory Slot)
+        self.keep_alive = True
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. Requests are answered strictly in arrival order."""
+
+    def __init__(self, app):
+        self.app = app
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.url = b""
+        self.headers: dict[str, str] = {}
+        self.chunks: list[bytes] = []
+        self.request: HttpRequest | None = None
+        self.received = 0
+        self.queue: deque[HttpRequest] = deque()
+        self.busy = False
+        self.closed = False
+        self.on_drained: list[Callable[[], None]] = []
+
+    # ---- asyncio.Protocol ----------------------------------------------------------------------
+    def connection_made(self, transport):
+        self.transport = transport
+        # any write that cannot complete at once pauses us, so we know when buffered data (which
+        # may point into shared memory) has really left
+        transport.set_write_buffer_limits(high=0)
+
+    def connection_lost(self, exc):
+        self.closed = True
+        self._drained()
+        self.app.connection_lost(self)
+
+    def data_received(self, data: bytes):
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as e:
+            self._fail(400, f"malformed HTTP request: {e}")
+        except _BodyError as e:
+            self._fail(e.status, str(e))
+
+    def pause_writing(self):
+        pass
+
+    def resume_writing(self):
+        self._drained()
+
+    # ---- httptools callbacks -------------------------------------------------------------------
+    def on_message_begin(self):
+        self.url = b""
+        self.headers = {}
+        self.chunks = []
+        self.received = 0
+
+    def on_url(self, url: bytes):
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes):
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self):
+        req = HttpRequest(self.parser.get_method().decode(), self.url, self.headers)
+        req.keep_alive = self.parser.should_keep_alive()
+        length = self.headers.get("content-length")
+        if length is not None:
+            try:
+                n = int(length)
+            except ValueError:
+                raise _BodyError(400, "invalid Content-Length") from None
+            err = self.app.check_body_size(req, n)
+            if err:
+                raise _BodyError(413, err)
+            req.body_slot = self.app.body_buffer(req, n)
+        self.request = req
+
+    def on_body(self, body: bytes):
+        req = self.request
+        if req.body_slot is not None:
+            n = len(body)
+            view = req.body_slot.view
+            if self.received + n > len(view):
+                raise _BodyError(400, "request body is longer than its Content-Length")
+            view[self.received:self.received + n] = body
+            self.received += n
+        else:
+            self.chunks.append(body)
+
+    def on_message_complete(self):
+        req = self.request
+        self.request = None
+        if req.body_slot is not None:
+            req.body = req.body_slot.view[:self.received]
+        elif self.chunks:
+            req.body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
+        self.queue.append(req)
+        if not self.busy:
+            self._next()
+
+    # ---- answering -----------------------------------------------------------------------------
+    def _next(self):
+        while self.queue and not self.busy and not self.closed:
+            req = self.queue.popleft()
+            self.busy = True
+            self.app.handle(self, req)
+
+    def respond(self, req: HttpRequest, status: int, body: bytes = b"",
+                content_type: str = "application/json", headers: tuple = (),
+                parts: tuple = ()) -> None:
+        """Write one response; ``parts`` are extra body buffers written after ``body``."""
+        if not self.closed:
+            length = len(body) + sum(len(p) for p in parts)
+            head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+                    f"Content-Length: {length}\r\n"]
+            if content_type:
+                head.append(f"Content-Type: {content_type}\r\n")
+            for k, v in headers:
+                head.append(f"{k}: {v}\r\n")
+            if not req.keep_alive:
+                head.append("Connection: close\r\n")
+            head.append("\r\n")
+            t = self.transport
+            t.write("".join(head).encode("latin-1") + body)
+            for p in parts:
+                t.write(p)
+            if not req.keep_alive:
+                t.close()
+                self.closed = True
+        self.busy = False
+        if self.queue:
+            self._next()
+
+    def after_sent(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once everything written so far has left the process."""
+        if self.closed or self.transport.get_write_buffer_size() == 0:
+            callback()
+        else:
+            self.on_drained.append(callback)
+
+    def _drained(self):
+        callbacks, self.on_drained = self.on_drained, []
+        for cb in callbacks:
+            cb()
+
+    def _fail(self, status: int, message: str):
+        if self.transport is not None and not self.closed:
+            body = ('{"error":"%s"}' % message.replace('"', "'")).encode()
+            self.transport.write(
+                f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: "
+                f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                .encode() + body)
+            self.transport.close()
+        self.closed = True
+        if self.request is not None and self.request.body_slot is not None:
+            self.app.release_body(self.request)
+            self.request = None
+
+
+class _BodyError(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+async def serve(app, host: str, port: int, reuse_port: bool = False) -> asyncio.AbstractServer:
+    loop = asyncio.get_running_loop()
+    return await loop.create_server(lambda: HttpConnection(app), host, port,
+                                    reuse_port=reuse_port or None, backlog=1024)

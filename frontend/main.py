@@ -1,0 +1,85 @@
+"""Frontend process shell: the uvloop loop, the HTTP listeners, the link to the scheduler.
+
+    python -m shmserve.frontend.main '<json ServerSettings>' FRONTEND_ID
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+
+import msgspec
+import uvloop
+
+from shmserve.ipc.messages import ServerSettings
+from shmserve.ipc.proc import die_with_parent
+from shmserve.ipc.shm import ShmArena, ShmMapCache
+
+from . import http_server
+from .engine_client import EngineClient
+from .http_app import KServeHttpApp
+from .metrics import MetricsApp
+
+log = logging.getLogger("shmserve.frontend")
+
+
+async def run(settings: ServerSettings, frontend_id: int) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    client = EngineClient(settings.run_dir, frontend_id, loop)
+    arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
+    maps = ShmMapCache()
+    servers, ports = [], {}
+    try:
+        if settings.allow_http:
+            app = KServeHttpApp(client, arena, maps, settings.server_id, settings.server_version,
+                                settings.strict_readiness, settings.http_max_input_size)
+            srv = await http_server.serve(app, settings.http_address, settings.http_port)
+            servers.append(srv)
+            ports["http"] = srv.sockets[0].getsockname()[1]
+            log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
+        if settings.allow_metrics:
+            srv = await http_server.serve(MetricsApp(client),
+                                          settings.metrics_address or settings.http_address,
+                                          settings.metrics_port)
+            servers.append(srv)
+            ports["metrics"] = srv.sockets[0].getsockname()[1]
+            log.info("metrics service listening on port %d", ports["metrics"])
+        if settings.port_file:
+            tmp = settings.port_file + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(ports, f)
+            os.replace(tmp, settings.port_file)
+        await stop.wait()
+        log.info("frontend stopping")
+        if settings.allow_http:
+            app.accepting = False
+        for srv in servers:
+            srv.close()
+        deadline = loop.time() + settings.exit_timeout_secs
+        while client.pending and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        client.fail_all("the server is shutting down")
+    finally:
+        client.close()
+        arena.close()
+        maps.close()
+
+
+def main() -> None:
+    settings = msgspec.json.decode(sys.argv[1].encode(), type=ServerSettings)
+    frontend_id = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    die_with_parent(settings.launcher_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.DEBUG if settings.log_verbose else logging.INFO,
+                        format="%(asctime)s frontend %(levelname)s %(message)s")
+    uvloop.run(run(settings, frontend_id))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Checking a request against the model's configuration: one path for every protocol."""
+from __future__ import annotations
+
+from shmserve.ipc import dtypes
+from shmserve.ipc.messages import Tensor
+
+from .catalog import ModelView
+from .errors import invalid
+
+
+def check_shape(model: ModelView, name: str, dims: list[int], shape: list[int]) -> None:
+    ok = len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
+    if not ok:
+        lead = [-1] if model.max_batch_size > 0 else []
+        raise invalid(f"unexpected shape for input '{name}' for model '{model.name}'. Expected "
+                      f"{lead + dims}, got {shape}")
+
+
+def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
+    """Raise InferError naming the problem; return the request's batch size (1 without batching)."""
+    mbs = model.max_batch_size
+    batch = None
+    seen = set()
+    for t in inputs:
+        spec = model.inputs.get(t.name)
+        if spec is None:
+            raise invalid(f"unexpected inference input '{t.name}' for model '{model.name}'")
+        if t.name in seen:
+            raise invalid(f"input '{t.name}' is given more than once in the request for model "
+                          f"'{model.name}'")
+        seen.add(t.name)
+        if t.datatype != spec.datatype:
+            raise invalid(f"inference input '{t.name}' data-type is '{t.datatype}', but model "
+                          f"'{model.name}' expects '{spec.datatype}'")
+        shape = t.shape
+        if mbs > 0:
+            if not shape:
+                raise invalid(f"input '{t.name}' for model '{model.name}' has no batch dimension; "
+                              f"model has max_batch_size {mbs}, so its shape must start with the "
+                              f"batch size")
+            b = shape[0]
+            if batch is None:
+                batch = b
+            elif b != batch:
+                raise invalid(f"input '{t.name}' has batch size {b} but other inputs of the "
+                              f"request have batch size {batch} for model '{model.name}'")
+            if b > mbs:
+                raise invalid(f"inference request batch-size must be <= {mbs} for '{model.name}'")
+            check_shape(model, t.name, spec.dims, shape[1:])
+        else:
+            check_shape(model, t.name, spec.dims, shape)
+    missing = [n for n in model.required_inputs if n not in seen]
+    if missing:
+        raise invalid(f"expected {len(model.required_inputs)} inputs but got {len(inputs)} inputs "
+                      f"for model '{model.name}'. Got input(s) {sorted(seen)}, but missing "
+                      f"required input(s) {missing}. Please provide all required input(s).")
+    return batch if batch is not None else 1
+
+
+def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None) -> None:
+    """The bytes given for a tensor must be exactly what its shape and datatype need."""
+    expected = dtypes.byte_size(t.datatype, t.shape)
+    if expected is not None:
+        if nbytes != expected:
+            raise invalid(f"input byte size mismatch for input '{t.name}' for model "
+                          f"'{model.name}'. Expected {expected}, got {nbytes}")
+        return
+    if data is not None:
+        count = dtypes.element_count(t.shape)
+        try:
+            dtypes.count_bytes_elements(data, count)
+        except ValueError as e:
+            raise invalid(f"input '{t.name}' for model '{model.name}' has invalid BYTES data: "
+                          f"{e}") from None
+
+
+def check_outputs(model: ModelView, names) -> None:
+    for n in names:
+        if n not in model.outputs:
+            raise invalid(f"unexpected inference output '{n}' for model '{model.name}'")

@@ -1,0 +1,103 @@
+"""ZeroMQ sockets between shmserve processes, with byte counters.
+
+Each process binds one PULL ``Inbox``; peers reach it through a PUSH ``Outbox`` connected to that
+address. Counters record every frame that crosses a socket, so tests and metrics can prove that
+tensor bytes above the inline limit travel through shared memory instead.
+"""
+from __future__ import annotations
+
+import os
+
+import zmq
+
+from . import messages
+
+# Tensors up to this size ride inside messages; larger ones go through shared memory.
+INLINE_LIMIT = 64 * 1024
+# Bounded queues: a stalled peer produces back-pressure (zmq.Again) instead of unbounded memory.
+HIGH_WATER_MARK = 20000
+
+
+class IpcCounters:
+    __slots__ = ("sent_bytes", "received_bytes", "sent_messages", "received_messages",
+                 "largest_sent", "largest_received")
+
+    def __init__(self):
+        self.sent_bytes = self.received_bytes = 0
+        self.sent_messages = self.received_messages = 0
+        self.largest_sent = self.largest_received = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+COUNTERS = IpcCounters()
+
+_context: zmq.Context | None = None
+
+
+def context() -> zmq.Context:
+    global _context
+    if _context is None or _context.closed:
+        _context = zmq.Context(io_threads=1)
+    return _context
+
+
+def address(run_dir: str, name: str) -> str:
+    return f"ipc://{os.path.join(run_dir, name)}"
+
+
+class Inbox:
+    def __init__(self, addr: str):
+        self.address = addr
+        self.socket = context().socket(zmq.PULL)
+        self.socket.setsockopt(zmq.RCVHWM, HIGH_WATER_MARK)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(addr)
+
+    def fileno(self) -> int:
+        return self.socket.getsockopt(zmq.FD)
+
+    def recv(self, flags: int = 0):
+        """Returns (message, payload frames). Raises zmq.Again with NOBLOCK when empty."""
+        frames = self.socket.recv_multipart(flags, copy=False)
+        c = COUNTERS
+        size = 0
+        for f in frames:
+            size += len(f.buffer)
+        c.received_bytes += size
+        c.received_messages += 1
+        if size > c.largest_received:
+            c.largest_received = size
+        return messages.decode(frames[0].buffer), frames[1:]
+
+    def close(self) -> None:
+        self.socket.close(0)
+
+
+class Outbox:
+    def __init__(self, addr: str):
+        self.address = addr
+        self.socket = context().socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(addr)
+
+    def send(self, msg, payloads=(), flags: int = 0) -> None:
+        """Send a message and optional payload frames (bytes or zmq.Frame, forwarded as they are)."""
+        head = messages.encode(msg)
+        c = COUNTERS
+        size = len(head)
+        if payloads:
+            for p in payloads:
+                size += len(p.buffer) if isinstance(p, zmq.Frame) else len(p)
+            self.socket.send_multipart([head, *payloads], flags, copy=False)
+        else:
+            self.socket.send(head, flags, copy=False)
+        c.sent_bytes += size
+        c.sent_messages += 1
+        if size > c.largest_sent:
+            c.largest_sent = size
+
+    def close(self) -> None:
+        self.socket.close(0)

@@ -1,0 +1,217 @@
+"""Every message that crosses a process boundary, with its one encode and one decode place.
+
+Messages are msgspec Structs encoded as msgpack arrays (``array_like``) with an integer tag, so a
+frame costs a few bytes of framing and decoding yields typed objects, not dicts.
+
+A message travels as ZeroMQ multipart: frame 0 is the encoded message; ``SubmitRequest`` and
+``ExecuteBatch`` are followed by one opaque frame per request holding the encoded ``InferPayload``.
+The scheduler only decodes frame 0 and forwards the payload frames untouched, so tensor data that
+rides inline is never decoded or re-encoded on the way to a worker.
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+import msgspec
+
+
+class ShmRef(msgspec.Struct, array_like=True, frozen=True):
+    """A byte range inside a POSIX shared-memory segment (``/dev/shm/<segment>``)."""
+    segment: str
+    offset: int
+    nbytes: int
+
+
+class Tensor(msgspec.Struct, array_like=True):
+    """Tensor metadata plus either inline bytes or a shared-memory reference."""
+    name: str
+    datatype: str
+    shape: list[int]
+    data: bytes | None = None
+    shm: ShmRef | None = None
+
+
+class InferPayload(msgspec.Struct, array_like=True):
+    """What a worker needs to execute one request; opaque to the scheduler."""
+    request_id: str
+    inputs: list[Tensor]
+    outputs: list[str]          # requested output names; empty = all outputs of the model
+    parameters: dict[str, Any] = {}
+    correlation_id: int | str = 0
+    flags: int = 0
+
+
+# ---- frontend -> scheduler -------------------------------------------------------------------
+class FrontendHello(msgspec.Struct, array_like=True, tag=1):
+    frontend: int
+    address: str
+
+
+class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
+    """Routing header; the payload frame follows."""
+    req_id: int
+    frontend: int
+    model: str
+    version: int
+    batch_size: int
+
+
+class IpcStatsQuery(msgspec.Struct, array_like=True, tag=3):
+    frontend: int
+    query_id: int
+
+
+# ---- scheduler -> frontend -------------------------------------------------------------------
+class VersionInfo(msgspec.Struct, array_like=True):
+    version: int
+    state: str                  # engine.states.ModelState name
+    reason: str = ""
+
+
+class ModelInfo(msgspec.Struct, array_like=True):
+    name: str
+    config: bytes               # serialized inference.ModelConfig (normalized)
+    versions: list[VersionInfo]
+
+
+class ModelTable(msgspec.Struct, array_like=True, tag=10):
+    """The scheduler's whole view of the repository; sent on every state change."""
+    models: list[ModelInfo]
+    startup_done: bool
+
+
+class IpcStatsReply(msgspec.Struct, array_like=True, tag=11):
+    query_id: int
+    stats: dict[str, int]
+
+
+# ---- scheduler -> worker ---------------------------------------------------------------------
+class RequestRoute(msgspec.Struct, array_like=True):
+    req_id: int
+    frontend: int
+
+
+class ExecuteBatch(msgspec.Struct, array_like=True, tag=20):
+    """One execution; one payload frame per route follows."""
+    batch_id: int
+    routes: list[RequestRoute]
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=21):
+    pass
+
+
+# ---- frontend -> worker ----------------------------------------------------------------------
+class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
+    refs: list[ShmRef]
+
+
+# ---- worker -> scheduler ---------------------------------------------------------------------
+class WorkerReady(msgspec.Struct, array_like=True, tag=30):
+    instance: int
+    pid: int
+    address: str
+
+
+class WorkerLoadFailed(msgspec.Struct, array_like=True, tag=31):
+    instance: int
+    reason: str
+
+
+class BatchDone(msgspec.Struct, array_like=True, tag=32):
+    instance: int
+    batch_id: int
+    failed: int = 0
+
+
+# ---- worker (or scheduler on a worker's behalf) -> frontend ----------------------------------
+class InferResult(msgspec.Struct, array_like=True, tag=40):
+    req_id: int
+    model: str
+    version: int
+    outputs: list[Tensor] = []
+    error: str = ""
+    code: str = ""              # ErrorCode name when error is set
+    worker: str = ""            # address to send ReleaseOutputs to when outputs use shm
+    parameters: dict[str, Any] = {}
+
+
+Message = Union[
+    FrontendHello, SubmitRequest, IpcStatsQuery, ModelTable, IpcStatsReply, ExecuteBatch,
+    Shutdown, ReleaseOutputs, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+_payload_decoder = msgspec.msgpack.Decoder(InferPayload)
+
+encode = _encoder.encode
+
+
+def decode(frame) -> Message:
+    return _decoder.decode(frame)
+
+
+def decode_payload(frame) -> InferPayload:
+    return _payload_decoder.decode(frame)
+
+
+# ---- launcher -> scheduler and frontend, at spawn (JSON on the command line) ------------------
+class ServerSettings(msgspec.Struct):
+    model_repositories: list[str]
+    run_dir: str
+    segment_prefix: str
+    launcher_pid: int
+    server_id: str = "triton"
+    server_version: str = "0.1.0"
+    model_config_name: str = ""
+    http_address: str = "0.0.0.0"
+    http_port: int = 8000
+    allow_http: bool = True
+    grpc_address: str = "0.0.0.0"
+    grpc_port: int = 8001
+    allow_grpc: bool = True
+    metrics_address: str = ""
+    metrics_port: int = 8002
+    allow_metrics: bool = True
+    http_max_input_size: int = 1 << 26
+    exit_timeout_secs: float = 30.0
+    strict_readiness: bool = True
+    exit_on_error: bool = False
+    log_verbose: int = 0
+    port_file: str = ""
+
+
+# ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------
+class InstanceSpec(msgspec.Struct):
+    """What a worker process is told to load."""
+    model_name: str
+    version: int
+    model_dir: str
+    config_json: str            # normalized config in Triton's JSON form
+    instance_name: str
+    kind: str                   # "CPU" or "GPU"
+    device_id: int
+    backend: str
+
+
+class WorkerArgs(msgspec.Struct):
+    instance: int               # spawn id, unique for the server's life
+    parent: int
+    run_dir: str
+    scheduler: str
+    segment_prefix: str
+    spec: InstanceSpec
+    log_verbose: int = 0
+
+
+class ErrorCode:
+    """Triton's error classes; the frontends map them to HTTP and gRPC status codes."""
+    INTERNAL = "INTERNAL"
+    NOT_FOUND = "NOT_FOUND"
+    INVALID_ARG = "INVALID_ARG"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    UNKNOWN = "UNKNOWN"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"

@@ -1,0 +1,28 @@
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from serverproc import REPO_ROOT, Server  # noqa: E402
+
+from repo_builder import build_test_repository  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def test_repo(tmp_path_factory):
+    return build_test_repository(str(tmp_path_factory.mktemp("models")))
+
+
+@pytest.fixture(scope="session")
+def example_repo():
+    return os.path.join(REPO_ROOT, "configs", "models")
+
+
+@pytest.fixture(scope="session")
+def server(test_repo, example_repo):
+    """One server for the read-only and per-request tests, over the example and test models."""
+    srv = Server([example_repo, test_repo], "--id", "shmserve-test")
+    yield srv
+    srv.stop()

@@ -1,0 +1,197 @@
+"""Writes the test-only model repositories (python models) into a temporary directory."""
+from __future__ import annotations
+
+import os
+import textwrap
+
+from shmserve.ipc.dtypes import WIRE_TO_CONFIG
+
+IDENTITY = textwrap.dedent('''
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                t = r.inputs()[0]
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", t.as_numpy())]))
+            return out
+''')
+
+PID_SLOW = textwrap.dedent('''
+    import json, os, time
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                delay = json.loads(r.parameters()).get("delay_ms", 0)
+                time.sleep(delay / 1000.0)
+                x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+                pid = np.full((x.shape[0], 1), os.getpid(), dtype=np.int64)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x),
+                                                       pb_utils.Tensor("PID", pid)]))
+            return out
+''')
+
+FAULTY = textwrap.dedent('''
+    import os, time
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                v = int(pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()[0])
+                if v == 1:
+                    raise ValueError("model raised on purpose")
+                if v == 2:
+                    out.append(pb_utils.InferenceResponse(
+                        error=pb_utils.TritonError("value 2 is refused", pb_utils.TritonError.INVALID_ARG)))
+                    continue
+                if v == 3:
+                    os._exit(3)
+                if v == 4:
+                    time.sleep(60)
+                res = np.array([os.getpid() if v == 5 else v], dtype=np.int64)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", res)]))
+            return out
+''')
+
+RESHAPE = textwrap.dedent('''
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+                shape = np.array(x.shape, dtype=np.int64)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x),
+                                                       pb_utils.Tensor("SEEN_SHAPE", shape)]))
+            return out
+''')
+
+OPTIONAL = textwrap.dedent('''
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                a = pb_utils.get_input_tensor_by_name(r, "A").as_numpy()
+                b = pb_utils.get_input_tensor_by_name(r, "B")
+                total = a + (b.as_numpy() if b is not None else 0)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("SUM", total.astype(np.int32))]))
+            return out
+''')
+
+BAD_INIT = textwrap.dedent('''
+    class TritonPythonModel:
+        def initialize(self, args):
+            raise RuntimeError("initialize failed on purpose")
+
+        def execute(self, requests):
+            return []
+''')
+
+
+def write_model(repo: str, name: str, config: str, code: str | None, version: int = 1) -> None:
+    d = os.path.join(repo, name)
+    os.makedirs(os.path.join(d, str(version)), exist_ok=True)
+    with open(os.path.join(d, "config.pbtxt"), "w") as f:
+        f.write(textwrap.dedent(config))
+    if code is not None:
+        with open(os.path.join(d, str(version), "model.py"), "w") as f:
+            f.write(code)
+
+
+def build_test_repository(root: str) -> str:
+    repo = os.path.join(root, "test_models")
+    for wire, cfg_type in WIRE_TO_CONFIG.items():
+        write_model(repo, f"id_{wire.lower()}", f'''
+            backend: "python"
+            max_batch_size: 8
+            input [ {{ name: "INPUT0", data_type: {cfg_type}, dims: [ -1 ] }} ]
+            output [ {{ name: "OUTPUT0", data_type: {cfg_type}, dims: [ -1 ] }} ]
+        ''', IDENTITY)
+    write_model(repo, "nobatch_fp32", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 2, -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 2, -1 ] } ]
+    ''', IDENTITY)
+    write_model(repo, "pid_slow", '''
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] },
+                 { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] } ]
+        instance_group [ { count: 2, kind: KIND_CPU } ]
+    ''', PID_SLOW)
+    write_model(repo, "faulty", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_INT64, dims: [ 1 ] } ]
+    ''', FAULTY)
+    write_model(repo, "reshaped", '''
+        backend: "python"
+        max_batch_size: 4
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ], reshape: { shape: [ 2, 2 ] } } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ], reshape: { shape: [ 2, 2 ] } },
+                 { name: "SEEN_SHAPE", data_type: TYPE_INT64, dims: [ 3 ] } ]
+    ''', RESHAPE)
+    write_model(repo, "optional_in", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "A", data_type: TYPE_INT32, dims: [ 3 ] },
+                { name: "B", data_type: TYPE_INT32, dims: [ 3 ], optional: true } ]
+        output [ { name: "SUM", data_type: TYPE_INT32, dims: [ 3 ] } ]
+    ''', OPTIONAL)
+    return repo
+
+
+def build_bad_repository(root: str) -> str:
+    repo = os.path.join(root, "bad_models")
+    write_model(repo, "good", '''
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    ''', IDENTITY)
+    write_model(repo, "bad_pbtxt", '''
+        backend: "python"
+        max_batch_size: eight
+    ''', IDENTITY)
+    write_model(repo, "no_model_file", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    ''', None)
+    write_model(repo, "bad_init", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    ''', BAD_INIT)
+    write_model(repo, "wrong_name", '''
+        name: "another_name"
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    ''', IDENTITY)
+    write_model(repo, "bad_backend", '''
+        backend: "tensorflow"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    ''', IDENTITY)
+    return repo

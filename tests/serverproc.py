@@ -1,0 +1,130 @@
+"""Start the real shmserve as a subprocess on OS-chosen ports, and stop it checking it left nothing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import requests
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
+    """Poll ``condition`` until it returns a truthy value or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (read from /proc, so no extra dependency)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()
+        if fields[0] == "Z":
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def segments_of(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve_{pid}_")]
+
+
+class Server:
+    def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90):
+        self.tmp = tempfile.mkdtemp(prefix="shmserve-test-")
+        self.port_file = os.path.join(self.tmp, "ports.json")
+        self.log_path = os.path.join(self.tmp, "server.log")
+        repos = [repositories] if isinstance(repositories, str) else list(repositories)
+        args = [sys.executable, "-m", "shmserve.engine.cli"]
+        for r in repos:
+            args += ["--model-repository", r]
+        args += ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host",
+                 "127.0.0.1", "--port-file", self.port_file, *extra_args]
+        self.log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        try:
+            ports = wait_for(self._ports, timeout, "the server to write its port file")
+            self.http_port = ports["http"]
+            self.metrics_port = ports.get("metrics")
+            self.url = f"127.0.0.1:{self.http_port}"
+            self.base = f"http://{self.url}"
+            if wait_ready:
+                wait_for(self.ready, timeout, "the server to become ready")
+        except BaseException:
+            self.stop()
+            print(self.log_text())
+            raise
+
+    def _ports(self):
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_text()}")
+        try:
+            with open(self.port_file) as f:
+                return json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def ready(self) -> bool:
+        try:
+            return requests.get(f"{self.base}/v2/health/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def model_ready(self, name: str) -> bool:
+        try:
+            return requests.get(f"{self.base}/v2/models/{name}/ready", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def log_text(self) -> str:
+        self.log.flush()
+        with open(self.log_path, "rb") as f:
+            return f.read().decode(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        """Stop the server; returns its exit code. Kills it if it does not stop in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                for pid in descendants(self.proc.pid):
+                    os.kill(pid, signal.SIGKILL)
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        self.log.close()
+        return self.proc.returncode

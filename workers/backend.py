@@ -1,0 +1,48 @@
+"""The one small interface every backend implements, and the factory that picks one."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from shmserve.ipc.messages import InstanceSpec
+
+
+@dataclass(slots=True)
+class WorkRequest:
+    inputs: dict[str, np.ndarray]
+    datatypes: dict[str, str]           # wire datatype per input (BF16 is uint16 in numpy)
+    requested_outputs: list[str]        # empty: every output
+    request_id: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+    correlation_id: int | str = 0
+    flags: int = 0
+
+
+@dataclass(slots=True)
+class WorkResponse:
+    outputs: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # name, datatype, data
+    error: str = ""
+    code: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+class Backend(Protocol):
+    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse]: ...
+
+    def finalize(self) -> None: ...
+
+
+class BackendLoadError(Exception):
+    pass
+
+
+def load_backend(spec: InstanceSpec) -> Backend:
+    if spec.backend == "python":
+        from .python_backend import PythonBackend
+        return PythonBackend(spec)
+    if spec.backend == "onnxruntime":
+        from .onnx_backend import OnnxBackend
+        return OnnxBackend(spec)
+    raise BackendLoadError(f"backend '{spec.backend}' is not available in this build")

@@ -1,0 +1,171 @@
+"""Worker process shell: one model instance. Loads the backend, then executes batches until told
+to stop or until its parent (the scheduler) dies.
+
+    python -m shmserve.workers.main '<json WorkerArgs>'
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import msgspec
+import zmq
+
+from shmserve.ipc import channel
+from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, InferResult, ReleaseOutputs,
+                                   Shutdown, WorkerArgs, WorkerLoadFailed, WorkerReady,
+                                   decode_payload)
+from shmserve.ipc.proc import StopFlag, die_with_parent
+from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
+
+from . import tensors
+from .backend import WorkRequest, load_backend
+
+log = logging.getLogger("shmserve.worker")
+
+
+class Worker:
+    def __init__(self, args: WorkerArgs):
+        self.args = args
+        self.inbox = channel.Inbox(channel.address(args.run_dir, f"w{args.instance}"))
+        self.scheduler = channel.Outbox(args.scheduler)
+        self.frontends: dict[int, channel.Outbox] = {}
+        self.arena = ShmArena(args.segment_prefix)
+        self.maps = ShmMapCache()
+        self.spec = args.spec
+        self.reshapes = tensors.Reshapes(json.loads(args.spec.config_json))
+        self.backend = None
+
+    def frontend(self, fid: int) -> channel.Outbox:
+        box = self.frontends.get(fid)
+        if box is None:
+            box = self.frontends[fid] = channel.Outbox(
+                channel.address(self.args.run_dir, f"frontend-{fid}"))
+        return box
+
+    def load(self) -> bool:
+        try:
+            self.backend = load_backend(self.spec)
+        except Exception as e:
+            reason = str(e) or type(e).__name__
+            log.error("loading %s failed: %s", self.spec.instance_name, reason)
+            if self.args.log_verbose:
+                traceback.print_exc()
+            self.scheduler.send(WorkerLoadFailed(self.args.instance, reason))
+            return False
+        self.scheduler.send(WorkerReady(self.args.instance, os.getpid(), self.inbox.address))
+        return True
+
+    def run(self, stop: StopFlag) -> None:
+        poller = zmq.Poller()
+        poller.register(self.inbox.socket, zmq.POLLIN)
+        while not stop.set:
+            if not poller.poll(1000):
+                continue
+            while True:
+                try:
+                    msg, frames = self.inbox.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if isinstance(msg, ExecuteBatch):
+                    self.execute(msg, frames)
+                elif isinstance(msg, ReleaseOutputs):
+                    for ref in msg.refs:
+                        self.arena.free(ref)
+                elif isinstance(msg, Shutdown):
+                    return
+
+    def execute(self, batch: ExecuteBatch, frames) -> None:
+        work, ready = [], []
+        results: list[InferResult | None] = [None] * len(batch.routes)
+        for i, frame in enumerate(frames):
+            try:
+                p = decode_payload(frame.buffer)
+                inputs, types = {}, {}
+                for t in p.inputs:
+                    inputs[t.name] = self.reshapes.model_input(t.name, tensors.to_numpy(t, self.maps))
+                    types[t.name] = t.datatype
+                work.append(WorkRequest(inputs, types, p.outputs, p.request_id, p.parameters,
+                                        p.correlation_id, p.flags))
+                ready.append(i)
+            except (ShmError, ValueError, msgspec.DecodeError) as e:
+                results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
+                                        ErrorCode.INVALID_ARG)
+        if work:
+            try:
+                responses = self.backend.execute(work)
+            except Exception as e:  # a backend bug must fail the batch, not the worker
+                log.exception("execute failed")
+                responses = None
+                for i in ready:
+                    results[i] = self.error(batch.routes[i].req_id, f"execute failed: {e}",
+                                            ErrorCode.INTERNAL)
+            if responses is not None:
+                for i, resp in zip(ready, responses):
+                    results[i] = self.result(batch.routes[i].req_id, resp)
+        failed = 0
+        for route, res in zip(batch.routes, results):
+            if res.error:
+                failed += 1
+            self.frontend(route.frontend).send(res)
+        self.scheduler.send(BatchDone(self.args.instance, batch.batch_id, failed))
+
+    def error(self, req_id: int, message: str, code: str) -> InferResult:
+        return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
+
+    def result(self, req_id: int, resp) -> InferResult:
+        if resp.error:
+            return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
+        outs, uses_shm = [], False
+        try:
+            for name, datatype, arr in resp.outputs:
+                arr = self.reshapes.client_output(name, arr)
+                t = tensors.from_numpy(name, datatype, arr, self.arena)
+                uses_shm |= t.shm is not None
+                outs.append(t)
+        except (ShmError, ValueError, TypeError) as e:
+            for t in outs:
+                if t.shm is not None:
+                    self.arena.free(t.shm)
+            return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
+        return InferResult(req_id, self.spec.model_name, self.spec.version, outs,
+                           worker=self.inbox.address if uses_shm else "",
+                           parameters=resp.parameters)
+
+    def close(self) -> None:
+        if self.backend is not None:
+            try:
+                self.backend.finalize()
+            except Exception:
+                log.exception("finalize failed")
+        self.arena.close()
+        self.maps.close()
+        # give queued messages (a load failure, the last BatchDone) a moment to leave
+        self.inbox.close()
+        for box in [self.scheduler, *self.frontends.values()]:
+            box.socket.close(linger=2000)
+        channel.context().term()
+
+
+def main() -> None:
+    args = msgspec.json.decode(sys.argv[1].encode(), type=WorkerArgs)
+    die_with_parent(args.parent)
+    logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
+                        format=f"%(asctime)s worker {args.spec.instance_name} %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C; we obey Shutdown
+    stop = StopFlag(signals=(signal.SIGTERM,))
+    worker = Worker(args)
+    try:
+        if worker.load():
+            worker.run(stop)
+    finally:
+        worker.close()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""ONNX Runtime backend: CPU provider, or CUDA for KIND_GPU instances (never a silent fallback)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+
+_ORT_TYPES = {
+    "tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
+    "tensor(bfloat16)": "BF16", "tensor(int8)": "INT8", "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32", "tensor(int64)": "INT64", "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32", "tensor(uint64)": "UINT64",
+    "tensor(bool)": "BOOL", "tensor(string)": "BYTES",
+}
+
+
+def _param(cfg: dict, *names: str, default: str | None = None) -> str | None:
+    params = cfg.get("parameters") or {}
+    for n in names:
+        if n in params:
+            return params[n].get("string_value", default)
+    return default
+
+
+class OnnxBackend:
+    def __init__(self, spec: InstanceSpec):
+        import onnxruntime as ort
+
+        self.cfg = json.loads(spec.config_json)
+        path = os.path.join(spec.model_dir, str(spec.version), self.cfg["default_model_filename"])
+        if os.path.isdir(path):
+            path = os.path.join(path, "model.onnx")
+        opts = ort.SessionOptions()
+        threads = _param(self.cfg, "intra_op_thread_count", "intra_op_num_threads", default="1")
+        inter = _param(self.cfg, "inter_op_thread_count", "inter_op_num_threads", default="1")
+        try:
+            opts.intra_op_num_threads = int(threads)
+            opts.inter_op_num_threads = int(inter)
+        except ValueError:
+            raise BackendLoadError(f"parameter intra_op_thread_count must be an integer, got "
+                                   f"'{threads}'") from None
+        if spec.kind == "GPU":
+            if "CUDAExecutionProvider" not in ort.get_available_providers():
+                raise BackendLoadError("instance kind KIND_GPU needs onnxruntime's CUDA execution "
+                                       "provider, which this installation does not have "
+                                       "(install shmserve[gpu] on a machine with a GPU)")
+            providers = [("CUDAExecutionProvider", {"device_id": spec.device_id})]
+        else:
+            providers = ["CPUExecutionProvider"]
+        try:
+            self.session = ort.InferenceSession(path, sess_options=opts, providers=providers)
+        except Exception as e:  # onnxruntime raises its own exception types
+            raise BackendLoadError(f"onnxruntime failed to load {path}: {e}") from None
+        if spec.kind == "GPU" and "CUDAExecutionProvider" not in self.session.get_providers():
+            raise BackendLoadError("KIND_GPU was requested but onnxruntime did not activate the CUDA "
+                                   "execution provider (is a GPU visible?)")
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_types = {o.name: _ORT_TYPES.get(o.type, "") for o in self.session.get_outputs()}
+        self.output_names = list(self.output_types)
+        declared = {i["name"] for i in self.cfg.get("input", [])}
+        missing = declared - set(self.input_names)
+        if missing:
+            raise BackendLoadError(f"config declares input(s) {sorted(missing)} that the ONNX model "
+                                   f"does not have (model inputs: {self.input_names})")
+        self.batching = self.cfg.get("max_batch_size", 0) > 0
+
+    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse]:
+        if len(requests) == 1 or not self.batching:
+            return [self._run_one(r) for r in requests]
+        feeds = {}
+        for name in requests[0].inputs:
+            feeds[name] = np.concatenate([r.inputs[name] for r in requests], axis=0)
+        try:
+            results = self.session.run(self.output_names, feeds)
+        except Exception as e:
+            return [WorkResponse(error=f"onnxruntime execution failed: {e}", code="INTERNAL")
+                    for _ in requests]
+        out, start = [], 0
+        for r in requests:
+            n = next(iter(r.inputs.values())).shape[0]
+            out.append(self._response(r, [a[start:start + n] for a in results]))
+            start += n
+        return out
+
+    def _run_one(self, r: WorkRequest) -> WorkResponse:
+        try:
+            results = self.session.run(self.output_names, r.inputs)
+        except Exception as e:
+            return WorkResponse(error=f"onnxruntime execution failed: {e}", code="INTERNAL")
+        return self._response(r, results)
+
+    def _response(self, r: WorkRequest, results) -> WorkResponse:
+        wanted = r.requested_outputs or self.output_names
+        by_name = dict(zip(self.output_names, results))
+        return WorkResponse(outputs=[(n, self.output_types[n], by_name[n]) for n in wanted])
+
+    def finalize(self) -> None:
+        self.session = None

@@ -1,0 +1,491 @@
+"""shmserve's own ``triton_python_backend_utils``.
+
+Worker processes install this module as ``sys.modules["triton_python_backend_utils"]`` before importing
+a repository ``model.py``, so unmodified Triton python models run against it.  Everything is CPU-side:
+tensors wrap numpy arrays, and the worker moves them through shared memory itself.
+"""
+
+import bisect
+import enum
+import json
+import logging
+import struct
+import threading
+
+import numpy as np
+from ml_dtypes import bfloat16
+
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
+TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+TRITONSERVER_REQUEST_RELEASE_ALL = 1
+TRITONSERVER_REQUEST_RELEASE_RESCHEDULE = 2
+TRITONSERVER_MEMORY_CPU = 0
+TRITONSERVER_MEMORY_GPU = 1
+TRITONSERVER_MEMORY_CPU_PINNED = 2
+
+# (wire name, TRITONSERVER_DataType number, numpy type). numpy has no bfloat16 of its own; BF16 uses
+# ml_dtypes.bfloat16, the type tritonclient (>= 2.67) uses for BF16 too.
+_TYPES = [
+    ("BOOL", 1, np.bool_), ("UINT8", 2, np.uint8), ("UINT16", 3, np.uint16),
+    ("UINT32", 4, np.uint32), ("UINT64", 5, np.uint64), ("INT8", 6, np.int8),
+    ("INT16", 7, np.int16), ("INT32", 8, np.int32), ("INT64", 9, np.int64),
+    ("FP16", 10, np.float16), ("FP32", 11, np.float32), ("FP64", 12, np.float64),
+    ("BYTES", 13, np.object_), ("BF16", 14, bfloat16),
+]
+WIRE_TO_ENUM = {w: e for w, e, _ in _TYPES}
+ENUM_TO_WIRE = {e: w for w, e, _ in _TYPES}
+WIRE_TO_NUMPY = {w: t for w, _, t in _TYPES}
+_ENUM_TO_NUMPY = {e: t for _, e, t in _TYPES}
+# Keyed on (kind, itemsize) rather than dtype equality so that byte-swapped and platform-alias dtypes
+# (np.intc, '>f4') still map; BF16 is absent on purpose: a uint16 array is UINT16 unless told otherwise.
+_KIND_TO_WIRE = {("b", 1): "BOOL", ("u", 1): "UINT8", ("u", 2): "UINT16", ("u", 4): "UINT32",
+                 ("u", 8): "UINT64", ("i", 1): "INT8", ("i", 2): "INT16", ("i", 4): "INT32",
+                 ("i", 8): "INT64", ("f", 2): "FP16", ("f", 4): "FP32", ("f", 8): "FP64"}
+_BYTES_KINDS = "OSUT"  # object, bytes_, str_, and numpy 2's StringDType
+_U32 = struct.Struct("<I")
+_BF16 = np.dtype(bfloat16)
+
+
+def _wire_of_dtype(dtype):
+    dtype = np.dtype(dtype)
+    if dtype == _BF16:
+        return "BF16"
+    if dtype.kind in _BYTES_KINDS:
+        return "BYTES"
+    return _KIND_TO_WIRE.get((dtype.kind, dtype.itemsize))
+
+
+def triton_string_to_numpy(triton_type_string):
+    """Config-style "TYPE_FP32" (wire-style "FP32" also accepted) -> numpy type; KeyError if unknown."""
+    s = triton_type_string[5:] if triton_type_string.startswith("TYPE_") else triton_type_string
+    s = "BYTES" if s == "STRING" else s
+    if s not in WIRE_TO_NUMPY:
+        raise KeyError(f"unknown Triton data type {triton_type_string!r}")
+    return WIRE_TO_NUMPY[s]
+
+
+def triton_to_numpy_type(data_type):  # None for unknown numbers, as Triton's helper does
+    return _ENUM_TO_NUMPY.get(int(data_type))
+
+
+def numpy_to_triton_type(data_type):
+    try:
+        return WIRE_TO_ENUM.get(_wire_of_dtype(data_type))
+    except TypeError:
+        return None
+
+
+def _as_bytes(x):
+    if isinstance(x, str):
+        return x.encode("utf-8")
+    if isinstance(x, (bytes, bytearray, memoryview, np.bytes_)):
+        return bytes(x)
+    return str(x).encode("utf-8")  # numbers etc., as tritonclient does
+
+
+def serialize_byte_tensor(input_tensor):
+    """Row-major elements -> uint8 array of (uint32 LE length, bytes) records."""
+    arr = np.asarray(input_tensor)
+    if arr.dtype.kind not in _BYTES_KINDS:
+        raise ValueError(f"cannot serialize a {arr.dtype} array as BYTES (need object, bytes or str)")
+    items = [x if type(x) is bytes else _as_bytes(x) for x in arr.ravel(order="C").tolist()]
+    n = len(items)
+    if n == 0:
+        return np.empty(0, np.uint8)
+    lens = np.fromiter(map(len, items), dtype=np.int64, count=n)
+    if int(lens.max()) > 0xFFFFFFFF:
+        raise ValueError("a BYTES element exceeds 4 GiB, which the 32-bit length prefix cannot express")
+    data_start = np.arange(4, 4 * n + 1, 4, dtype=np.int64) + (np.cumsum(lens) - lens)
+    out = np.empty(int(data_start[-1] + lens[-1]), np.uint8)
+    prefix_idx = ((data_start - 4)[:, None] + np.arange(4)).ravel()
+    out[prefix_idx] = lens.astype("<u4").view(np.uint8)
+    if n <= 64 or out.size >= 1024 * n:
+        # Large elements: one memcpy each beats a byte mask over the whole output.
+        for b, start in zip(items, data_start.tolist()):
+            out[start:start + len(b)] = np.frombuffer(b, np.uint8)
+    else:
+        is_data = np.ones(out.size, bool)
+        is_data[prefix_idx] = False
+        out[is_data] = np.frombuffer(b"".join(items), np.uint8)
+    return out
+
+
+def deserialize_bytes_tensor(encoded_tensor):
+    """(uint32 LE length, bytes) records -> 1-D object array of bytes; ValueError if truncated."""
+    buf = encoded_tensor
+    if isinstance(buf, np.ndarray) and buf.dtype == np.object_:
+        buf = buf.item()  # tritonclient's serializer returns a 0-d object array holding the bytes
+    if type(buf) is not bytes:
+        buf = memoryview(buf).tobytes()  # one copy; slicing bytes below is then the cheapest per element
+    end = len(buf)
+    unpack = _U32.unpack_from
+    out, off = [], 0
+    while off < end:
+        if off + 4 > end:
+            raise ValueError(f"truncated BYTES buffer: element {len(out)} has a partial length prefix "
+                             f"({end - off} of 4 bytes at offset {off})")
+        (n,) = unpack(buf, off)
+        off += 4
+        if off + n > end:
+            raise ValueError(f"truncated BYTES buffer: element {len(out)} declares {n} bytes but only "
+                             f"{end - off} remain at offset {off}")
+        out.append(buf[off:off + n])
+        off += n
+    result = np.empty(len(out), dtype=np.object_)
+    result[:] = out
+    return result
+
+
+class TritonModelException(Exception):
+    def message(self): return str(self.args[0]) if self.args else ""
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message, code=INTERNAL):
+        self._message, self._code = str(message), int(code)
+
+    def message(self): return self._message
+    def code(self): return self._code
+    def __repr__(self): return f"TritonError({self._message!r}, code={self._code})"
+    __str__ = message
+
+
+def _to_bytes_object_array(arr):
+    if arr.dtype.kind == "S":
+        return arr.astype(np.object_)  # yields bytes elements (trailing NULs stripped, as numpy does)
+    flat = arr.ravel(order="C").tolist()
+    return np.fromiter((s.encode("utf-8") for s in flat), dtype=np.object_, count=len(flat)).reshape(arr.shape)
+
+
+class Tensor:
+    __slots__ = ("_name", "_array", "_wire")
+
+    def __init__(self, name, numpy_array, datatype=None):
+        if not isinstance(name, str):
+            raise TypeError(f"tensor name must be a str, got {type(name).__name__}")
+        arr = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
+        natural = _wire_of_dtype(arr.dtype)
+        if natural is None:
+            raise ValueError(f"tensor '{name}': numpy dtype {arr.dtype} has no Triton data type")
+        if arr.dtype.kind in "SUT":
+            arr = _to_bytes_object_array(arr)
+        elif natural != "BYTES" and not arr.dtype.isnative:
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        if datatype is not None and datatype != natural:
+            if datatype not in WIRE_TO_ENUM:
+                raise ValueError(f"tensor '{name}': unknown datatype {datatype!r}")
+            if datatype == "BF16" and natural in ("UINT16", "INT16"):
+                arr = arr.view(_BF16)  # raw bfloat16 bit patterns
+            else:
+                raise ValueError(f"tensor '{name}': datatype {datatype} does not match numpy dtype {arr.dtype}"
+                                 + (" (BF16 needs the raw bits in a uint16 array)" if datatype == "BF16" else ""))
+        self._name, self._array, self._wire = name, arr, datatype or natural
+
+    @classmethod
+    def _from_worker(cls, name, array, datatype):
+        """Trusted path: `array` already has the numpy type that `datatype` (a wire name) implies."""
+        t = cls.__new__(cls)
+        t._name, t._array, t._wire = name, array, datatype
+        return t
+
+    def name(self): return self._name
+    def as_numpy(self): return self._array
+    def datatype(self): return self._wire
+    def triton_dtype(self): return WIRE_TO_ENUM[self._wire]
+    def shape(self): return list(self._array.shape)
+    def is_cpu(self): return True
+    def memory_type(self): return TRITONSERVER_MEMORY_CPU
+    def to_dlpack(self): return self.__dlpack__()
+
+    def __dlpack__(self, stream=None, **kwargs):
+        if self._wire == "BYTES":
+            raise TritonModelException(f"tensor '{self._name}': DLPack cannot carry BYTES tensors")
+        if stream is not None:
+            kwargs["stream"] = stream
+        return self._array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self): return self._array.__dlpack_device__()
+
+    @staticmethod
+    def from_dlpack(name, dlpack_tensor):
+        obj = dlpack_tensor
+        if type(obj).__name__ == "PyCapsule":  # Triton models pass torch.utils.dlpack.to_dlpack(t) capsules
+            obj = _CapsuleHolder(obj)
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, RuntimeError, TypeError) as e:
+            raise TritonModelException(f"tensor '{name}': cannot import DLPack tensor on CPU: {e}") from e
+        return Tensor(name, arr)
+
+    def __repr__(self): return f"Tensor({self._name!r}, {self._wire}, shape={self.shape()})"
+
+
+class _CapsuleHolder:
+    """Gives a bare legacy capsule the __dlpack__ protocol numpy requires; numpy rejects non-CPU ones."""
+    __slots__ = ("_capsule",)
+
+    def __init__(self, capsule): self._capsule = capsule
+    def __dlpack__(self, **_): return self._capsule
+    def __dlpack_device__(self): return (1, 0)
+
+
+def _params_json(parameters):
+    if parameters is None:
+        return "{}"
+    parsed = json.loads(parameters) if isinstance(parameters, str) else parameters
+    if not isinstance(parsed, dict):
+        raise ValueError("parameters must be a dict or a JSON object string")
+    for k, v in parsed.items():
+        if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
+            raise ValueError(f"parameter {k!r}: keys must be str and values bool, int, float or str")
+    return parameters if isinstance(parameters, str) else json.dumps(parameters)
+
+
+class PreferredMemory:
+    def __init__(self, preferred_memory_type=TRITONSERVER_MEMORY_CPU, preferred_device_id=0):
+        self.preferred_memory_type = preferred_memory_type
+        self.preferred_device_id = preferred_device_id
+
+
+class InferenceRequest:
+    __slots__ = ("_inputs", "_requested_output_names", "_request_id", "_correlation_id", "_flags",
+                 "_parameters", "_model_name", "_model_version", "_timeout", "_preferred_memory",
+                 "_trace", "_release_flags")
+
+    def __init__(self, model_name="", requested_output_names=(), inputs=(), request_id="", correlation_id=0,
+                 model_version=-1, flags=0, timeout=0, preferred_memory=None, trace=None, parameters=None):
+        inputs = list(inputs)
+        for t in inputs:
+            if not isinstance(t, Tensor):
+                raise TypeError(f"inputs must be pb_utils.Tensor objects, got {type(t).__name__}")
+        if not isinstance(correlation_id, (int, str)):
+            raise TypeError("correlation_id must be an int or a str")
+        self._inputs = inputs
+        self._requested_output_names = [str(n) for n in requested_output_names]
+        self._request_id, self._correlation_id = str(request_id), correlation_id
+        self._flags, self._parameters = int(flags), _params_json(parameters)
+        self._model_name, self._model_version = str(model_name), int(model_version)
+        self._timeout, self._preferred_memory, self._trace = int(timeout), preferred_memory, trace
+        self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+
+    @classmethod
+    def _from_worker(cls, inputs, requested_output_names, request_id, correlation_id, flags,
+                     parameters_json, model_name, model_version):
+        """Trusted path for the worker: no validation, no copies; parameters_json must be a JSON string."""
+        r = cls.__new__(cls)
+        r._inputs, r._requested_output_names = inputs, requested_output_names
+        r._request_id, r._correlation_id, r._flags = request_id, correlation_id, flags
+        r._parameters, r._model_name, r._model_version = parameters_json or "{}", model_name, model_version
+        r._timeout, r._preferred_memory, r._trace = 0, None, None
+        r._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        return r
+
+    def inputs(self): return self._inputs
+    def requested_output_names(self): return self._requested_output_names
+    def request_id(self): return self._request_id
+    def correlation_id(self): return self._correlation_id
+    def flags(self): return self._flags
+    def set_flags(self, flags): self._flags = int(flags)
+    def timeout(self): return self._timeout
+    def parameters(self): return self._parameters
+    def model_name(self): return self._model_name
+    def model_version(self): return self._model_version
+    def trace(self): return self._trace
+    def is_cancelled(self): return False
+    def set_release_flags(self, flags): self._release_flags = int(flags)
+    def get_response_sender(self): raise TritonModelException("decoupled mode is not supported yet")
+    def exec(self, decoupled=False): raise TritonModelException("BLS (request.exec) is not supported yet")
+    def async_exec(self, decoupled=False): raise TritonModelException("BLS (async_exec) is not supported yet")
+
+
+class InferenceResponse:
+    __slots__ = ("_output_tensors", "_error", "_parameters")
+
+    def __init__(self, output_tensors=(), error=None, parameters=None):
+        if error is not None and not isinstance(error, TritonError):
+            error = TritonError(str(error))  # tolerate a str or an exception where Triton wants TritonError
+        self._output_tensors, self._error = list(output_tensors), error
+        self._parameters = _params_json(parameters)
+
+    def output_tensors(self): return self._output_tensors
+    def has_error(self): return self._error is not None
+    def error(self): return self._error
+    def parameters(self): return self._parameters
+
+
+def get_input_tensor_by_name(inference_request, name):
+    return next((t for t in inference_request.inputs() if t.name() == name), None)
+
+
+def get_output_tensor_by_name(inference_response, name):
+    return next((t for t in inference_response.output_tensors() if t.name() == name), None)
+
+
+def _config_entry(model_config, section, name):
+    return next((e for e in model_config.get(section) or () if e.get("name") == name), None)
+
+
+def get_input_config_by_name(model_config, name): return _config_entry(model_config, "input", name)
+def get_output_config_by_name(model_config, name): return _config_entry(model_config, "output", name)
+
+
+def using_decoupled_model_transaction_policy(model_config):
+    return bool((model_config.get("model_transaction_policy") or {}).get("decoupled", False))
+
+
+class LogLevel(enum.IntEnum):
+    INFO, WARNING, ERROR, VERBOSE = range(4)
+
+
+_LOG = logging.getLogger("shmserve.model")
+_PY_LEVEL = {LogLevel.INFO: logging.INFO, LogLevel.WARNING: logging.WARNING,
+             LogLevel.ERROR: logging.ERROR, LogLevel.VERBOSE: logging.DEBUG}
+
+
+class Logger:
+    # stacklevel points the record at the model's own file:line, as Triton's log lines do.
+    @staticmethod
+    def log(message, level=LogLevel.INFO, _depth=2):
+        _LOG.log(_PY_LEVEL[LogLevel(level)], "%s", message, stacklevel=_depth)
+
+    log_info = staticmethod(lambda message: Logger.log(message, LogLevel.INFO, 3))
+    log_warn = staticmethod(lambda message: Logger.log(message, LogLevel.WARNING, 3))
+    log_error = staticmethod(lambda message: Logger.log(message, LogLevel.ERROR, 3))
+    log_verbose = staticmethod(lambda message: Logger.log(message, LogLevel.VERBOSE, 3))
+
+
+class ModelConfig:
+    """What auto_complete_config receives and returns; mirrors Triton's checks on conflicting values."""
+    _INPUT_KEYS = {"name", "data_type", "dims", "optional"}
+    _OUTPUT_KEYS = {"name", "data_type", "dims"}
+
+    def __init__(self, model_config):
+        self._model_config = json.loads(model_config) if isinstance(model_config, str) else model_config
+
+    def as_dict(self): return self._model_config
+    def _model(self): return self._model_config.get("name", "")
+
+    def set_max_batch_size(self, max_batch_size):
+        if not isinstance(max_batch_size, int) or isinstance(max_batch_size, bool) or max_batch_size < 0:
+            raise ValueError(f"model '{self._model()}': max_batch_size must be a non-negative int")
+        current = int(self._model_config.get("max_batch_size", 0) or 0)
+        if current > max_batch_size:  # Triton lets auto-complete raise the configured value, never lower it
+            raise ValueError(f"model '{self._model()}': configuration specified max_batch_size {current}, "
+                             f"but auto_complete_config tries to set {max_batch_size}")
+        self._model_config["max_batch_size"] = max_batch_size
+
+    def set_dynamic_batching(self):
+        for other in ("sequence_batching", "ensemble_scheduling"):
+            if other in self._model_config:
+                raise ValueError(f"model '{self._model()}': configuration uses {other}; "
+                                 "auto_complete_config cannot switch it to dynamic_batching")
+        self._model_config.setdefault("dynamic_batching", {})
+
+    def _add(self, section, keys, entry):
+        model = self._model()
+        if not isinstance(entry, dict):
+            raise ValueError(f"model '{model}': {section} must be a dict, got {type(entry).__name__}")
+        for required in ("name", "data_type", "dims"):
+            if required not in entry:
+                raise ValueError(f"model '{model}': {section} {entry!r} is missing '{required}'")
+        if set(entry) - keys:
+            raise ValueError(f"model '{model}': {section} '{entry['name']}' has properties other than "
+                             f"{sorted(keys)}: {sorted(set(entry) - keys)}")
+        entries = self._model_config.setdefault(section, [])
+        for cur in entries:
+            if cur.get("name") != entry["name"]:
+                continue
+            cur_type = cur.get("data_type", "TYPE_INVALID")
+            if cur_type not in ("TYPE_INVALID", "", entry["data_type"]):
+                raise ValueError(f"model '{model}': {section} '{entry['name']}' has data_type {cur_type} in "
+                                 f"the configuration but auto_complete_config specifies {entry['data_type']}")
+            cur_dims = [int(d) for d in cur.get("dims") or ()]
+            if cur_dims and cur_dims != [int(d) for d in entry["dims"]]:
+                raise ValueError(f"model '{model}': {section} '{entry['name']}' has dims {cur_dims} in the "
+                                 f"configuration but auto_complete_config specifies {list(entry['dims'])}")
+            if "optional" in cur and "optional" in entry and cur["optional"] != entry["optional"]:
+                raise ValueError(f"model '{model}': {section} '{entry['name']}' has optional {cur['optional']} "
+                                 f"in the configuration but auto_complete_config specifies {entry['optional']}")
+            cur.update(entry)
+            return
+        entries.append(dict(entry))
+
+    def add_input(self, input): self._add("input", self._INPUT_KEYS, input)
+    def add_output(self, output): self._add("output", self._OUTPUT_KEYS, output)
+
+    def set_model_transaction_policy(self, transaction_policy_dict):
+        unknown = set(transaction_policy_dict) - {"decoupled"}
+        if unknown:
+            raise ValueError(f"model '{self._model()}': unknown model_transaction_policy keys {sorted(unknown)}")
+        policy = self._model_config.setdefault("model_transaction_policy", {})
+        new = transaction_policy_dict.get("decoupled")
+        if new is not None and policy.get("decoupled", new) != new:
+            raise ValueError(f"model '{self._model()}': auto_complete_config cannot change decoupled, "
+                             f"which the configuration sets to {policy['decoupled']}")
+        policy.update(transaction_policy_dict)
+
+
+class MetricFamily:
+    COUNTER, GAUGE, HISTOGRAM = range(3)
+    _registry: dict = {}  # name -> family, process-wide so that a later exporter can walk it
+
+    def __init__(self, name, description, kind):
+        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
+            raise ValueError(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM")
+        self.name, self.description, self.kind, self._metrics = name, description, kind, {}
+        first = MetricFamily._registry.setdefault(name, self)
+        if first.kind != kind:
+            raise ValueError(f"metric family '{name}' already exists with a different kind")
+        self._metrics = first._metrics  # Triton: the same name (and labels) is the same metric
+
+    def Metric(self, labels=None, buckets=None):
+        labels = {str(k): str(v) for k, v in (labels or {}).items()}
+        if (self.kind == self.HISTOGRAM) != bool(buckets):
+            raise ValueError(f"metric family '{self.name}': buckets are required for, and only for, histograms")
+        m = _Metric(self, labels, sorted(float(b) for b in buckets) if buckets else None)
+        return self._metrics.setdefault(tuple(sorted(labels.items())), m)
+
+
+class _Metric:
+    def __init__(self, family, labels, buckets):
+        self.family, self.labels, self.buckets = family, labels, buckets
+        self._value, self._sum, self._count = 0.0, 0.0, 0
+        self._bucket_counts = [0] * (len(buckets) + 1) if buckets else None  # last slot is +Inf
+        self._lock = threading.Lock()
+
+    def _require(self, op, *kinds):
+        if self.family.kind not in kinds:
+            raise TritonModelException(f"metric '{self.family.name}': {op} is not supported for this kind")
+
+    def increment(self, value):
+        self._require("increment", MetricFamily.COUNTER, MetricFamily.GAUGE)
+        if self.family.kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException(f"metric '{self.family.name}': a counter cannot be decremented")
+        with self._lock:
+            self._value += value
+
+    def set(self, value):
+        self._require("set", MetricFamily.GAUGE)
+        self._value = float(value)
+
+    def observe(self, value):
+        self._require("observe", MetricFamily.HISTOGRAM)
+        with self._lock:
+            self._sum, self._count = self._sum + value, self._count + 1
+            self._bucket_counts[bisect.bisect_left(self.buckets, value)] += 1
+
+    def value(self):
+        self._require("value", MetricFamily.COUNTER, MetricFamily.GAUGE)
+        return self._value
+
+
+def _not_yet(what):
+    raise TritonModelException(f"{what} from a python model is not supported yet")
+
+
+def load_model(model_name, config="", files=None): _not_yet("load_model")
+def unload_model(model_name, unload_dependents=False): _not_yet("unload_model")
+def is_model_ready(model_name, model_version=""): _not_yet("is_model_ready")

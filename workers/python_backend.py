@@ -1,0 +1,129 @@
+"""Python backend: runs a repository ``model.py`` (Triton's ``TritonPythonModel``) in this process.
+
+Triton runs each python model in a stub process that talks to the server over shared memory; here
+the worker process *is* that stub, so a request costs no extra hop and tensors arrive as numpy
+views of the shared memory they were written to.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import sys
+
+import numpy as np
+
+from . import pb_utils
+from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+
+sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+
+_CODE_NAMES = {
+    pb_utils.TritonError.UNKNOWN: "UNKNOWN", pb_utils.TritonError.INTERNAL: "INTERNAL",
+    pb_utils.TritonError.NOT_FOUND: "NOT_FOUND", pb_utils.TritonError.INVALID_ARG: "INVALID_ARG",
+    pb_utils.TritonError.UNAVAILABLE: "UNAVAILABLE", pb_utils.TritonError.UNSUPPORTED: "UNSUPPORTED",
+    pb_utils.TritonError.ALREADY_EXISTS: "ALREADY_EXISTS",
+    pb_utils.TritonError.CANCELLED: "CANCELLED",
+}
+
+
+class PythonBackend:
+    def __init__(self, spec: InstanceSpec):
+        self.spec = spec
+        version_dir = os.path.join(spec.model_dir, str(spec.version))
+        cfg = json.loads(spec.config_json)
+        path = os.path.join(version_dir, cfg.get("default_model_filename") or "model.py")
+        # model.py may import modules that sit next to it, as it can under Triton
+        if version_dir not in sys.path:
+            sys.path.insert(0, version_dir)
+        module_name = f"_shmserve_model_{spec.model_name}_{spec.version}"
+        try:
+            mod_spec = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(mod_spec)
+            sys.modules[module_name] = module
+            mod_spec.loader.exec_module(module)
+        except Exception as e:
+            raise BackendLoadError(f"failed to import {path}: {type(e).__name__}: {e}") from e
+        cls = getattr(module, "TritonPythonModel", None)
+        if cls is None:
+            raise BackendLoadError(f"{path} does not define class TritonPythonModel")
+        self.model = cls()
+        if not callable(getattr(self.model, "execute", None)):
+            raise BackendLoadError(f"TritonPythonModel in {path} has no execute method")
+        self.is_async = inspect.iscoroutinefunction(self.model.execute)
+        self.output_types = {o["name"]: o["data_type"] for o in cfg.get("output", [])}
+        args = {
+            "model_config": spec.config_json,
+            "model_instance_kind": spec.kind,
+            "model_instance_name": spec.instance_name,
+            "model_instance_device_id": str(spec.device_id),
+            "model_repository": spec.model_dir,
+            "model_version": str(spec.version),
+            "model_name": spec.model_name,
+        }
+        if hasattr(self.model, "initialize"):
+            try:
+                result = self.model.initialize(args)
+                if inspect.iscoroutine(result):
+                    import asyncio
+                    asyncio.run(result)
+            except Exception as e:
+                raise BackendLoadError(f"initialize() of model '{spec.model_name}' failed: "
+                                       f"{type(e).__name__}: {e}") from e
+
+    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse]:
+        pb_requests = []
+        for r in requests:
+            tensors = [pb_utils.Tensor._from_worker(name, arr, r.datatypes[name])
+                       for name, arr in r.inputs.items()]
+            pb_requests.append(pb_utils.InferenceRequest._from_worker(
+                tensors, r.requested_outputs, r.request_id, r.correlation_id, r.flags,
+                json.dumps(r.parameters) if r.parameters else "{}",
+                self.spec.model_name, self.spec.version))
+        try:
+            responses = self.model.execute(pb_requests)
+            if self.is_async:
+                import asyncio
+                responses = asyncio.run(responses)
+        except Exception as e:
+            msg = f"Failed to process the request(s) for model '{self.spec.model_name}', " \
+                  f"message: {type(e).__name__}: {e}"
+            return [WorkResponse(error=msg, code="INTERNAL") for _ in requests]
+        if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
+            n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
+            msg = f"execute() of model '{self.spec.model_name}' must return a list of " \
+                  f"{len(requests)} InferenceResponse objects, got {n}"
+            return [WorkResponse(error=msg, code="INTERNAL") for _ in requests]
+        return [self._convert(req, resp) for req, resp in zip(requests, responses)]
+
+    def _convert(self, req: WorkRequest, resp) -> WorkResponse:
+        if not isinstance(resp, pb_utils.InferenceResponse):
+            return WorkResponse(error=f"execute() of model '{self.spec.model_name}' returned "
+                                      f"{type(resp).__name__} instead of InferenceResponse",
+                                code="INTERNAL")
+        if resp.has_error():
+            err = resp.error()
+            return WorkResponse(error=err.message(), code=_CODE_NAMES.get(err.code(), "INTERNAL"))
+        produced = {t.name(): t for t in resp.output_tensors()}
+        wanted = req.requested_outputs or list(produced)
+        outputs = []
+        for name in wanted:
+            t = produced.get(name)
+            if t is None:
+                return WorkResponse(error=f"model '{self.spec.model_name}' did not produce "
+                                          f"requested output '{name}'", code="INTERNAL")
+            arr = t.as_numpy()
+            datatype = t.datatype()
+            if datatype == "UINT16" and self.output_types.get(name) == "TYPE_BF16":
+                arr, datatype = arr.view(pb_utils.WIRE_TO_NUMPY["BF16"]), "BF16"  # raw bits
+            if not isinstance(arr, np.ndarray):
+                arr = np.asarray(arr)
+            outputs.append((name, datatype, arr))
+        params = resp.parameters()
+        return WorkResponse(outputs=outputs, parameters=json.loads(params) if params and params != "{}" else {})
+
+    def finalize(self) -> None:
+        fin = getattr(self.model, "finalize", None)
+        if fin is not None:
+            fin()

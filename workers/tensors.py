@@ -1,0 +1,60 @@
+"""Turning message tensors into numpy arrays and numpy arrays back into message tensors."""
+from __future__ import annotations
+
+import numpy as np
+
+from shmserve.ipc import dtypes
+from shmserve.ipc.channel import INLINE_LIMIT
+from shmserve.ipc.messages import Tensor
+from shmserve.ipc.shm import ShmArena, ShmMapCache
+
+
+def to_numpy(t: Tensor, maps: ShmMapCache) -> np.ndarray:
+    buf = t.data if t.shm is None else maps.view(t.shm)
+    if t.datatype == "BYTES":
+        return dtypes.deserialize_bytes(buf, dtypes.element_count(t.shape)).reshape(t.shape)
+    arr = np.frombuffer(buf, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).reshape(t.shape)
+    # inputs may live in memory the model does not own (a client's region): never let it write
+    arr.flags.writeable = False
+    return arr
+
+
+def from_numpy(name: str, datatype: str, arr: np.ndarray, arena: ShmArena) -> Tensor:
+    """One copy at most: small outputs into the message, large ones into our output arena."""
+    shape = list(arr.shape)
+    if datatype == "BYTES":
+        data = dtypes.serialize_bytes(arr)
+        if len(data) <= INLINE_LIMIT:
+            return Tensor(name, datatype, shape, data)
+        slot = arena.alloc(len(data))
+        slot.view[:] = data
+        return Tensor(name, datatype, shape, None, slot.ref)
+    nbytes = arr.nbytes
+    if nbytes <= INLINE_LIMIT:
+        return Tensor(name, datatype, shape, arr.tobytes())
+    slot = arena.alloc(nbytes)
+    np.copyto(np.frombuffer(slot.view, dtype=arr.dtype).reshape(arr.shape), arr, casting="no")
+    return Tensor(name, datatype, shape, None, slot.ref)
+
+
+class Reshapes:
+    """``reshape`` from the model config: the model sees ``reshape.shape``, clients see ``dims``."""
+
+    def __init__(self, config: dict):
+        self.batching = config.get("max_batch_size", 0) > 0
+        self.inputs = {t["name"]: [int(d) for d in t["reshape"]["shape"]]
+                       for t in config.get("input", []) if "reshape" in t}
+        self.outputs = {t["name"]: [int(d) for d in t["dims"]]
+                        for t in config.get("output", []) if "reshape" in t}
+
+    def _apply(self, arr: np.ndarray, shape: list[int]) -> np.ndarray:
+        lead = [arr.shape[0]] if self.batching and arr.ndim else []
+        return arr.reshape(lead + shape)
+
+    def model_input(self, name: str, arr: np.ndarray) -> np.ndarray:
+        shape = self.inputs.get(name)
+        return arr if shape is None else self._apply(arr, shape)
+
+    def client_output(self, name: str, arr: np.ndarray) -> np.ndarray:
+        shape = self.outputs.get(name)
+        return arr if shape is None else self._apply(arr, shape)
