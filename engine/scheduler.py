@@ -120,7 +120,7 @@ class Scheduler:
             vers = [VersionInfo(v.version, v.state.value, v.reason)
                     for (n, _), v in sorted(self.versions.items()) if n == name]
             if entry.error:
-                vers = [VersionInfo(0, ModelState.UNAVAILABLE.value, entry.error)]
+                vers = [VersionInfo(-1, ModelState.UNAVAILABLE.value, entry.error)]  # model-wide
             models.append(ModelInfo(name, cfg, vers))
         return ModelTable(models, self.startup_done)
 

@@ -92,6 +92,21 @@ class ModelCatalog:
         return all(s == "READY" or reason == "unloaded"
                    for m in self.models.values() for s, reason in m.states.values())
 
+    def index(self, ready_only: bool) -> list[dict]:
+        """Entries of the repository index: one per model version (version -1: the whole model)."""
+        out = []
+        for name in sorted(self.models):
+            for v, (state, reason) in sorted(self.models[name].states.items()):
+                if ready_only and state != "READY":
+                    continue
+                entry = {"name": name}
+                if v >= 0:
+                    entry["version"] = str(v)
+                entry["state"] = state
+                entry["reason"] = reason
+                out.append(entry)
+        return out
+
     def get(self, name: str) -> ModelView:
         view = self.models.get(name)
         if view is None:
@@ -104,8 +119,10 @@ class ModelCatalog:
         if not version:
             ready = view.ready_versions()
             if not ready:
+                reasons = "; ".join(r for _, r in view.states.values() if r)
                 raise InferError(ErrorCode.NOT_FOUND,
-                                 f"Request for unknown model: '{name}' has no available versions")
+                                 f"Request for unknown model: '{name}' has no available versions"
+                                 + (f" ({reasons})" if reasons else ""))
             return view, ready[-1]
         if not version.isdigit():
             raise InferError(ErrorCode.INVALID_ARG,
@@ -113,7 +130,7 @@ class ModelCatalog:
                              f"is a non-negative integer")
         v = int(version)
         state = view.states.get(v)
-        if state is None:
+        if state is None or v < 0:
             raise InferError(ErrorCode.NOT_FOUND,
                              f"Request for unknown model: '{name}' version {v} is not found")
         if state[0] != "READY":

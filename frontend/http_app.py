@@ -90,6 +90,10 @@ class KServeHttpApp:
             if method != "GET":
                 return self.not_allowed(conn, req)
             return conn.respond(req, 200, self.server_metadata)
+        if path == "/v2/repository/index":
+            if method != "POST":
+                return self.not_allowed(conn, req)
+            return self.repository_index(conn, req)
         parts = path.split("/")
         if len(parts) < 4 or parts[1] != "v2" or parts[2] != "models" or not parts[3]:
             return conn.respond(req, 404, _NOT_FOUND)
@@ -126,6 +130,18 @@ class KServeHttpApp:
             return conn.respond(req, 200, view.config_json)
         return conn.respond(req, 200, http_codec.encode_json(
             view.metadata(v if version else None)))
+
+    def repository_index(self, conn: HttpConnection, req: HttpRequest) -> None:
+        ready = False
+        if req.body:
+            try:
+                doc = http_codec.decode_json(req.body)
+            except Exception:
+                raise invalid("failed to parse the repository index request JSON") from None
+            if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
+                raise invalid("repository index request: 'ready' must be a boolean")
+            ready = doc.get("ready", False)
+        conn.respond(req, 200, http_codec.encode_json(self.client.catalog.index(ready)))
 
     def not_allowed(self, conn, req):
         self.release_body(req)

@@ -265,3 +265,4 @@ def render_response(result: InferResult, parsed: ParsedRequest, views: list) -> 
 
 
 encode_json = _json_encode
+decode_json = _json_decode

@@ -1,0 +1,157 @@
+"""Bad requests get a clear 4xx that names the problem, and the server keeps serving."""
+import json
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as httpclient
+
+
+def _post(server, path, body=b"", headers=None):
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    return requests.post(f"{server.base}{path}", data=body, headers=headers or {}, timeout=30)
+
+
+def _in(name="INPUT0", shape=(1, 4), datatype="FP32", data=None, **params):
+    t = {"name": name, "shape": list(shape), "datatype": datatype}
+    if data is not None:
+        t["data"] = data
+    if params:
+        t["parameters"] = params
+    return t
+
+
+GOOD = {"inputs": [_in(data=[1.0, 2.0, 3.0, 4.0])]}
+
+CASES = [
+    # (id, path, body, headers, status, text expected in the error)
+    ("unknown model", "/v2/models/nope/infer", GOOD, None, 404, "unknown model: 'nope'"),
+    ("unknown version", "/v2/models/identity_fp32/versions/9/infer", GOOD, None, 404, "version 9"),
+    ("non-numeric version", "/v2/models/identity_fp32/versions/abc/infer", GOOD, None, 400, "'abc'"),
+    ("wrong shape", "/v2/models/simple/infer",
+     {"inputs": [_in("INPUT0", (1, 8), "INT32", [0] * 8), _in("INPUT1", (1, 16), "INT32", [0] * 16)]},
+     None, 400, "unexpected shape for input 'INPUT0'"),
+    ("wrong datatype", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(datatype="FP64", data=[1.0, 2.0, 3.0, 4.0])]}, None, 400, "data-type is 'FP64'"),
+    ("missing input", "/v2/models/simple/infer",
+     {"inputs": [_in("INPUT0", (1, 16), "INT32", [0] * 16)]}, None, 400, "missing required input(s) ['INPUT1']"),
+    ("input given twice", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(data=[1.0] * 4), _in(data=[2.0] * 4)]}, None, 400, "'INPUT0' is given more than once"),
+    ("unknown input", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in("INPUTX", data=[1.0] * 4)]}, None, 400, "unexpected inference input 'INPUTX'"),
+    ("malformed JSON", "/v2/models/identity_fp32/infer", b'{"inputs": [', None, 400, "JSON"),
+    ("JSON not an object", "/v2/models/identity_fp32/infer", b'[1, 2]', None, 400, "object"),
+    ("element count", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(data=[1.0, 2.0])]}, None, 400, "needs 4, got 2"),
+    ("string in numeric tensor", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(data=["a", 2.0, 3.0, 4.0])]}, None, 400, "must hold numbers"),
+    ("data and binary both", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(data=[1.0] * 4, binary_data_size=16)]}, None, 400, "exactly one of"),
+    ("neither data nor binary", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in()]}, None, 400, "exactly one of"),
+    ("bad datatype name", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(datatype="FLOAT", data=[1.0] * 4)]}, None, 400, "invalid datatype 'FLOAT'"),
+    ("negative dim", "/v2/models/identity_fp32/infer",
+     {"inputs": [_in(shape=(1, -4), data=[1.0] * 4)]}, None, 400, "'shape'"),
+    ("batch too large", "/v2/models/simple/infer",
+     {"inputs": [_in("INPUT0", (9, 16), "INT32", [0] * 144), _in("INPUT1", (9, 16), "INT32", [0] * 144)]},
+     None, 400, "batch-size must be <= 8"),
+    ("unknown output", "/v2/models/identity_fp32/infer",
+     {"inputs": GOOD["inputs"], "outputs": [{"name": "NOPE"}]}, None, 400, "unexpected inference output 'NOPE'"),
+    ("reserved parameter", "/v2/models/identity_fp32/infer",
+     {"inputs": GOOD["inputs"], "parameters": {"triton_x": 1}}, None, 400, "reserved"),
+    ("header length beyond body", "/v2/models/identity_fp32/infer", json.dumps(GOOD).encode(),
+     {"Inference-Header-Content-Length": "100000"}, 400, "Inference-Header-Content-Length"),
+    ("header length not a number", "/v2/models/identity_fp32/infer", json.dumps(GOOD).encode(),
+     {"Inference-Header-Content-Length": "ten"}, 400, "Inference-Header-Content-Length"),
+    ("raw body on a two-input model", "/v2/models/simple/infer", b"\0" * 128,
+     {"Inference-Header-Content-Length": "0"}, 400, "exactly one input"),
+    ("raw body of the wrong size", "/v2/models/nobatch_fp32/infer", b"\0" * 6,
+     {"Inference-Header-Content-Length": "0"}, 400, "do not fit"),
+]
+
+
+def _binary_body(header: dict, payload: bytes):
+    h = json.dumps(header).encode()
+    return h + payload, {"Inference-Header-Content-Length": str(len(h))}
+
+
+def test_truncated_binary_body(server):
+    body, headers = _binary_body({"inputs": [_in(binary_data_size=16)]}, b"\0" * 10)
+    r = _post(server, "/v2/models/identity_fp32/infer", body, headers)
+    assert r.status_code == 400
+    assert "unexpected size for input 'INPUT0'" in r.json()["error"]
+
+
+def test_extra_binary_data(server):
+    body, headers = _binary_body({"inputs": [_in(binary_data_size=16)]}, b"\0" * 20)
+    r = _post(server, "/v2/models/identity_fp32/infer", body, headers)
+    assert r.status_code == 400 and "unexpected additional input data" in r.json()["error"]
+
+
+def test_binary_size_mismatch(server):
+    body, headers = _binary_body({"inputs": [_in(binary_data_size=12)]}, b"\0" * 12)
+    r = _post(server, "/v2/models/identity_fp32/infer", body, headers)
+    assert r.status_code == 400 and "Expected 16, got 12" in r.json()["error"]
+
+
+def test_truncated_bytes_tensor(server):
+    bad = (5).to_bytes(4, "little") + b"abc"
+    body, headers = _binary_body({"inputs": [_in(shape=(1, 1), datatype="BYTES",
+                                                 binary_data_size=len(bad))]}, bad)
+    r = _post(server, "/v2/models/id_bytes/infer", body, headers)
+    assert r.status_code == 400 and "BYTES" in r.json()["error"]
+
+
+def test_large_truncated_body_into_shared_memory(server):
+    """A big body that lies about its binary size fails cleanly and frees its slot."""
+    payload = b"\0" * (1 << 20)
+    body, headers = _binary_body({"inputs": [_in(shape=(1, 300000), binary_data_size=1200000)]}, payload)
+    r = _post(server, "/v2/models/identity_fp32/infer", body, headers)
+    assert r.status_code == 400 and "unexpected size" in r.json()["error"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(server, case):
+    _, path, body, headers, status, text = case
+    r = _post(server, path, body, headers)
+    assert r.status_code == status, r.text
+    assert r.headers["Content-Type"] == "application/json"
+    assert text in r.json()["error"]
+
+
+def test_routing_errors(server):
+    assert requests.get(f"{server.base}/v2/nothing/here", timeout=10).status_code == 404
+    assert requests.get(f"{server.base}/v2/nothing/here", timeout=10).json() == {"error": "Not Found"}
+    assert requests.get(f"{server.base}/v2/models/simple/infer", timeout=10).status_code == 405
+    assert requests.post(f"{server.base}/v2/health/live", timeout=10).status_code == 405
+    assert requests.delete(f"{server.base}/v2/models/simple", timeout=10).status_code == 405
+    assert requests.get(f"{server.base}/v2/models/simple/config/extra", timeout=10).status_code == 404
+
+
+def test_server_still_serves_after_bad_requests(server):
+    c = httpclient.InferenceServerClient(server.url)
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    i = httpclient.InferInput("INPUT0", x.shape, "FP32")
+    i.set_data_from_numpy(x)
+    np.testing.assert_array_equal(c.infer("identity_fp32", [i]).as_numpy("OUTPUT0"), x)
+    assert c.is_server_ready()
+
+
+def test_malformed_http_is_answered_and_closed(server):
+    import socket
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        data = s.recv(4096)
+    assert data.startswith(b"HTTP/1.1 400")
+    assert server.ready()
+
+
+def test_repository_index_lists_every_version(server):
+    r = requests.post(f"{server.base}/v2/repository/index", timeout=10)
+    assert r.status_code == 200
+    entries = {e["name"]: e for e in r.json()}
+    assert entries["simple"] == {"name": "simple", "version": "1", "state": "READY", "reason": ""}
+    r = requests.post(f"{server.base}/v2/repository/index", json={"ready": "yes"}, timeout=10)
+    assert r.status_code == 400

@@ -1,0 +1,131 @@
+"""Start-up with bad models, command-line errors, and shutdown that leaves nothing behind."""
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.http as httpclient
+
+from repo_builder import build_bad_repository
+from serverproc import Server, alive, descendants, segments_of, wait_for
+
+
+@pytest.fixture(scope="module")
+def bad_repo(tmp_path_factory):
+    return build_bad_repository(str(tmp_path_factory.mktemp("bad")))
+
+
+def _index(server):
+    r = requests.post(f"{server.base}/v2/repository/index", timeout=10)
+    return {e["name"]: e for e in r.json()}
+
+
+def test_bad_models_are_unavailable_with_reasons_and_good_ones_serve(bad_repo):
+    srv = Server(bad_repo, wait_ready=False)
+    try:
+        wait_for(lambda: srv.model_ready("good"), 60, "model 'good' to be ready")
+        wait_for(lambda: all(e["state"] != "LOADING" for e in _index(srv).values()), 60,
+                 "every model to finish loading")
+        idx = _index(srv)
+        assert idx["good"]["state"] == "READY"
+        expected = {
+            "bad_pbtxt": "failed to parse",
+            "no_model_file": "model file 'model.py' not found",
+            "bad_init": "initialize failed on purpose",
+            "wrong_name": "does not match the directory name",
+            "bad_backend": "unsupported backend 'tensorflow'",
+        }
+        for name, text in expected.items():
+            assert idx[name]["state"] == "UNAVAILABLE", idx[name]
+            assert text in idx[name]["reason"], idx[name]
+        # strict readiness (Triton's default): not ready while a model is unavailable
+        assert requests.get(f"{srv.base}/v2/health/ready", timeout=10).status_code == 400
+        r = requests.post(f"{srv.base}/v2/models/bad_init/infer", json={"inputs": []}, timeout=10)
+        assert r.status_code == 404 and "initialize failed on purpose" in r.json()["error"]
+        assert requests.get(f"{srv.base}/v2/models/bad_init/ready", timeout=10).status_code == 400
+        c = httpclient.InferenceServerClient(srv.url)
+        x = np.ones((1, 3), dtype=np.float32)
+        i = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        i.set_data_from_numpy(x)
+        np.testing.assert_array_equal(c.infer("good", [i]).as_numpy("OUTPUT0"), x)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_strict_readiness_off_and_exit_on_error(bad_repo):
+    srv = Server(bad_repo, "--strict-readiness", "false")
+    assert srv.stop() == 0
+    srv = Server(bad_repo, "--exit-on-error", "true", wait_ready=False)
+    try:
+        srv.proc.wait(timeout=60)
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 1
+    assert "exit-on-error" in srv.log_text()
+    assert segments_of(srv.proc.pid) == []
+
+
+def _leaves_nothing(srv: Server, sig: int):
+    procs = descendants(srv.proc.pid)
+    # launcher, scheduler, frontend, and one worker per instance: 4 models, mlp_onnx has 2
+    assert len(procs) >= 2 + 5, procs
+    assert segments_of(srv.proc.pid), "the frontend should have received a large body into shm"
+    assert srv.stop(sig) == 0
+    for pid in procs:
+        wait_for(lambda: not alive(pid), 10, f"process {pid} to exit")
+    assert segments_of(srv.proc.pid) == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_shutdown_stops_every_process_and_unlinks_every_segment(example_repo, sig):
+    srv = Server(example_repo)
+    c = httpclient.InferenceServerClient(srv.url)
+    x = np.ones((1, 1 << 18), dtype=np.float32)        # 1 MiB: travels through shared memory
+    i = httpclient.InferInput("INPUT0", x.shape, "FP32")
+    i.set_data_from_numpy(x)
+    c.infer("identity_fp32", [i])
+    _leaves_nothing(srv, sig)
+
+
+def test_core_process_death_stops_the_server(example_repo):
+    srv = Server(example_repo)
+    procs = descendants(srv.proc.pid)
+    scheduler = next(p for p in procs if "shmserve.engine.scheduler" in open(f"/proc/{p}/cmdline").read())
+    os.kill(scheduler, signal.SIGKILL)
+    srv.proc.wait(timeout=60)
+    assert srv.proc.returncode == 1
+    for pid in procs:
+        wait_for(lambda: not alive(pid), 10, f"process {pid} to exit")
+    assert segments_of(srv.proc.pid) == []
+    srv.stop()
+
+
+def test_stale_segments_of_a_killed_server_are_removed(example_repo):
+    # a name in shmserve's format whose launcher pid cannot exist
+    stale = "/dev/shm/shmserve_4194999_deadbeef0000_f0_0"
+    with open(stale, "wb") as f:
+        f.write(b"\0" * 4096)
+    srv = Server(example_repo)
+    try:
+        assert not os.path.exists(stale)
+    finally:
+        srv.stop()
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "shmserve.engine.cli", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_cli_errors_are_clear():
+    r = _cli("--model-repository", "/nonexistent", "--bogus-flag")
+    assert r.returncode == 2 and "unrecognized arguments: --bogus-flag" in r.stderr
+    r = _cli("--http-port", "1")
+    assert r.returncode == 2 and "--model-repository" in r.stderr
+    r = _cli("--model-repository", "/nonexistent/repo")
+    assert r.returncode == 1 and "is not a directory" in r.stderr
+    r = _cli("--model-repository", "/tmp", "--strict-readiness", "maybe")
+    assert r.returncode == 2 and "expected a boolean" in r.stderr
