@@ -38,6 +38,7 @@ class EngineClient:
         self.ids = itertools.count(1)
         self.table_event = asyncio.Event()
         loop.add_reader(self.inbox.fileno(), self._drain)
+        loop.call_soon(self._drain)     # the fd is edge-triggered: collect anything already queued
         self.scheduler.send(FrontendHello(frontend_id, self.inbox.address))
 
     def submit(self, model: str, version: int, batch_size: int, payload: bytes,

@@ -37,8 +37,9 @@ class KServeHttpApp:
 
     # ---- body buffers ----------------------------------------------------------------------------
     def check_body_size(self, req: HttpRequest, n: int) -> str:
-        if n > MAX_BODY:
-            return f"request body of {n} bytes exceeds the limit of {MAX_BODY} bytes"
+        limit = MAX_BODY if req.path.endswith("/infer") else self.max_input_size
+        if n > limit:
+            return f"request body of {n} bytes exceeds the limit of {limit} bytes"
         return ""
 
     def body_buffer(self, req: HttpRequest, n: int):
@@ -177,6 +178,13 @@ class KServeHttpApp:
         elif len(body) > self.max_input_size:
             raise invalid(f"request JSON of {len(body)} bytes exceeds --http-max-input-size "
                           f"({self.max_input_size})")
+        if req.body_slot is None and len(body) > INLINE_LIMIT:
+            # chunked or compressed bodies arrive in memory: large tensors still must not ride
+            # in a message, so move the body into shared memory (the one extra copy of this path)
+            slot = self.arena.alloc(len(body))
+            slot.view[:] = body
+            req.body_slot = slot
+            body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena)
         payload = encode_message(parsed.payload)

@@ -113,6 +113,10 @@ class HttpConnection(asyncio.Protocol):
             view[self.received:self.received + n] = body
             self.received += n
         else:
+            self.received += len(body)
+            err = self.app.check_body_size(req, self.received)
+            if err:
+                raise _BodyError(413, err)
             self.chunks.append(body)
 
     def on_message_complete(self):

@@ -90,3 +90,28 @@ def test_concurrent_mixed_sizes_keep_answers_apart(server):
             c.close()
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(run, range(48)))
+
+
+def test_chunked_and_compressed_large_bodies_use_shared_memory(server):
+    import gzip
+    import json as _json
+    x = np.arange(1 << 18, dtype=np.float32)             # 1 MiB binary input
+    header = _json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, x.size], "datatype": "FP32",
+                                      "parameters": {"binary_data_size": x.nbytes}}],
+                          "outputs": [{"name": "OUTPUT0", "parameters": {"binary_data": True}}]}).encode()
+    body = header + x.tobytes()
+    headers = {"Inference-Header-Content-Length": str(len(header))}
+
+    def chunks():
+        for i in range(0, len(body), 100000):
+            yield body[i:i + 100000]
+
+    for data, extra in ((chunks(), {}), (gzip.compress(body), {"Content-Encoding": "gzip"})):
+        r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=data,
+                          headers={**headers, **extra}, timeout=60)
+        assert r.status_code == 200, r.text
+        hlen = int(r.headers["Inference-Header-Content-Length"])
+        np.testing.assert_array_equal(np.frombuffer(r.content[hlen:], dtype=np.float32), x)
+    for (name, proc, direction), value in ipc_metrics(server).items():
+        if name == "shmserve_ipc_largest_message_bytes":
+            assert value < 4 * INLINE_LIMIT, (proc, direction, value)
