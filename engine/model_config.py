@@ -167,7 +167,7 @@ def _int64_to_numbers(msg, data: dict) -> None:
                     sub = getattr(msg, key)
                     for k, v in value.items():
                         _int64_to_numbers(sub[int(k) if int_keys else k], v)
-            elif field.label == field.LABEL_REPEATED:
+            elif field.is_repeated:
                 for sub_msg, sub_data in zip(getattr(msg, key), value):
                     _int64_to_numbers(sub_msg, sub_data)
             else:

@@ -31,8 +31,9 @@ def version_dirs(model_dir: str) -> list[int]:
     """Numeric subdirectories; names with a leading zero are ignored as Triton ignores them."""
     out = []
     for entry in os.scandir(model_dir):
-        if entry.is_dir() and entry.name.isdigit() and (entry.name == "0" or entry.name[0] != "0"):
-            out.append(int(entry.name))
+        name = entry.name
+        if entry.is_dir() and name.isascii() and name.isdigit() and (name == "0" or name[0] != "0"):
+            out.append(int(name))
     return sorted(out)
 
 

@@ -124,7 +124,7 @@ class ModelCatalog:
                                  f"Request for unknown model: '{name}' has no available versions"
                                  + (f" ({reasons})" if reasons else ""))
             return view, ready[-1]
-        if not version.isdigit():
+        if not (version.isascii() and version.isdigit()):
             raise InferError(ErrorCode.INVALID_ARG,
                              f"invalid model version '{version}' for model '{name}': a version "
                              f"is a non-negative integer")

@@ -110,8 +110,21 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
         raise invalid("request 'id' must be a string")
+    scratch: list[ShmRef] = []
+    try:
+        return _parse_inputs(model, mv, header_len, body_ref, arena, doc, inputs, params,
+                             request_id, scratch)
+    except BaseException:
+        for ref in scratch:     # the request fails: nobody else will free what it copied in
+            arena.free(ref)
+        raise
+
+
+def _parse_inputs(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef | None,
+                  arena: ShmArena, doc: dict, inputs: list, params: dict, request_id: str,
+                  scratch: list[ShmRef]) -> ParsedRequest:
     cursor = header_len
-    tensors, scratch = [], []
+    tensors = []
     for item in inputs:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise invalid("each entry of 'inputs' must be an object with a string 'name'")

@@ -8,12 +8,14 @@ from .catalog import ModelView
 from .errors import invalid
 
 
-def check_shape(model: ModelView, name: str, dims: list[int], shape: list[int]) -> None:
+def check_shape(model: ModelView, name: str, dims: list[int], shape: list[int],
+                full_shape: list[int] | None = None) -> None:
+    """``shape`` without the batch dim is checked; ``full_shape`` (with it) is what the error shows."""
     ok = len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
     if not ok:
         lead = [-1] if model.max_batch_size > 0 else []
         raise invalid(f"unexpected shape for input '{name}' for model '{model.name}'. Expected "
-                      f"{lead + dims}, got {shape}")
+                      f"{lead + dims}, got {shape if full_shape is None else full_shape}")
 
 
 def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
@@ -46,7 +48,7 @@ def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
                               f"request have batch size {batch} for model '{model.name}'")
             if b > mbs:
                 raise invalid(f"inference request batch-size must be <= {mbs} for '{model.name}'")
-            check_shape(model, t.name, spec.dims, shape[1:])
+            check_shape(model, t.name, spec.dims, shape[1:], shape)
         else:
             check_shape(model, t.name, spec.dims, shape)
     missing = [n for n in model.required_inputs if n not in seen]

@@ -95,13 +95,13 @@ def remove_stale_segments() -> int:
         if not name.startswith(PREFIX):
             continue
         pid_text = name[len(PREFIX):].split("_", 1)[0]
-        if not pid_text.isdigit():
+        if not (pid_text.isascii() and pid_text.isdigit()):
             continue
         pid = int(pid_text)
         try:
             os.kill(pid, 0)
             continue
-        except ProcessLookupError:
+        except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
             pass
         except PermissionError:
             continue

@@ -1,0 +1,162 @@
+"""ModelRepository.scan over repositories written into tmp_path."""
+import os
+
+import pytest
+
+from shmserve.engine.model_config import ConfigError
+from shmserve.engine.repository import ModelRepository, version_dirs
+
+CONFIG = '''
+backend: "python"
+max_batch_size: {mbs}
+input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+{extra}
+'''
+
+
+def make_model(repo, name, versions=(1,), files=None, mbs=0, extra="", config=None):
+    """A python model; ``files`` maps version -> model file name present (default model.py)."""
+    files = files or {}
+    mdir = repo / name
+    mdir.mkdir(parents=True)
+    (mdir / "config.pbtxt").write_text(config if config is not None else CONFIG.format(mbs=mbs, extra=extra))
+    for v in versions:
+        vdir = mdir / str(v)
+        vdir.mkdir()
+        fname = files.get(v, "model.py")
+        if fname:
+            (vdir / fname).write_text("")
+    return mdir
+
+
+def plans(entry):
+    return [(p.version, p.error) for p in entry.versions]
+
+
+def test_scan_finds_models_and_versions(tmp_path):
+    make_model(tmp_path, "a", versions=(1, 2, 3), extra="version_policy { all { } }")
+    make_model(tmp_path, "b", versions=(1, 2))
+    (tmp_path / ".hidden").mkdir()
+    (tmp_path / "README").write_text("not a model")
+    models = ModelRepository([str(tmp_path)]).scan()
+    assert sorted(models) == ["a", "b"]
+    a = models["a"]
+    assert a.error == "" and a.config.name == "a" and a.path == str(tmp_path / "a")
+    assert plans(a) == [(1, ""), (2, ""), (3, "")]
+    assert [p.path for p in a.versions] == [str(tmp_path / "a" / str(v)) for v in (1, 2, 3)]
+    assert plans(models["b"]) == [(2, "")]  # default policy: latest 1
+
+
+def test_version_dirs_numeric_only_and_no_leading_zero(tmp_path):
+    mdir = make_model(tmp_path, "m", versions=(0, 2, 10, "007", "01", "x1", "1a", "\u0661", "\u00b2"),
+                      extra="version_policy { all { } }")
+    (mdir / "3").write_text("a file, not a directory")
+    assert version_dirs(str(mdir)) == [0, 2, 10]
+    entry = ModelRepository([str(tmp_path)]).scan()["m"]
+    assert entry.error == ""
+    assert [p.version for p in entry.versions] == [0, 2, 10]
+
+
+def test_missing_model_file_fails_that_version_only(tmp_path):
+    make_model(tmp_path, "m", versions=(1, 2, 3), files={2: "other.py"},
+               extra="version_policy { all { } }")
+    entry = ModelRepository([str(tmp_path)]).scan()["m"]
+    assert entry.error == ""
+    assert [p.version for p in entry.versions] == [1, 2, 3]
+    assert entry.versions[0].error == "" and entry.versions[2].error == ""
+    assert entry.versions[1].error == f"model file 'model.py' not found in {tmp_path / 'm' / '2'}"
+
+
+def test_default_model_filename_is_honoured(tmp_path):
+    make_model(tmp_path, "m", versions=(1, 2), files={1: "custom.py", 2: "model.py"},
+               extra='default_model_filename: "custom.py"\nversion_policy { all { } }')
+    entry = ModelRepository([str(tmp_path)]).scan()["m"]
+    assert entry.versions[0].error == ""
+    assert "model file 'custom.py' not found" in entry.versions[1].error
+
+
+def test_no_version_directory(tmp_path):
+    make_model(tmp_path, "m", versions=())
+    entry = ModelRepository([str(tmp_path)]).scan()["m"]
+    assert entry.error == f"model 'm' has no version directory (e.g. {tmp_path / 'm'}/1)"
+    assert entry.versions == []
+
+
+def test_specific_policy_with_missing_versions(tmp_path):
+    make_model(tmp_path, "m", versions=(1, 2), extra="version_policy { specific { versions: [ 2, 5 ] } }")
+    entry = ModelRepository([str(tmp_path)]).scan()["m"]
+    assert entry.error == ""
+    assert sorted(plans(entry)) == [
+        (2, ""), (5, f"version 5 named by version_policy does not exist in {tmp_path / 'm'}")]
+    assert {p.version: p.path for p in entry.versions} == {2: str(tmp_path / "m" / "2"), 5: ""}
+
+
+def test_policy_selecting_nothing(tmp_path):
+    make_model(tmp_path, "m", versions=(1,), extra="version_policy { specific { } }")
+    entry = ModelRepository([str(tmp_path)]).scan()["m"]
+    assert entry.error == "model 'm': version_policy selects no version"
+
+
+def test_config_errors_are_per_model(tmp_path):
+    make_model(tmp_path, "bad", config='backend: "python"\nmax_batch_size: [')
+    make_model(tmp_path, "wrongname", extra='name: "other"')
+    make_model(tmp_path, "noconfig")
+    os.remove(tmp_path / "noconfig" / "config.pbtxt")
+    make_model(tmp_path, "good")
+    models = ModelRepository([str(tmp_path)]).scan()
+    assert models["bad"].error.startswith(f"failed to parse {tmp_path / 'bad' / 'config.pbtxt'}")
+    assert models["bad"].config is None
+    assert "does not match the directory name 'wrongname'" in models["wrongname"].error
+    assert "model configuration is not provided" in models["noconfig"].error
+    assert models["good"].error == "" and plans(models["good"]) == [(1, "")]
+
+
+def test_duplicate_model_across_repositories(tmp_path):
+    r1, r2 = tmp_path / "r1", tmp_path / "r2"
+    make_model(r1, "dup")
+    make_model(r2, "dup")
+    make_model(r1, "only1")
+    make_model(r2, "only2")
+    models = ModelRepository([str(r1), str(r2)]).scan()
+    assert sorted(models) == ["dup", "only1", "only2"]
+    dup = models["dup"]
+    assert dup.error == (f"model 'dup' appears in more than one repository: "
+                         f"{r1 / 'dup'}, {r2 / 'dup'}")
+    assert dup.versions == [] and dup.config is None
+    assert models["only1"].error == "" and models["only2"].error == ""
+    assert models["only2"].path == str(r2 / "only2")
+
+
+def test_config_name_selects_configs_dir(tmp_path):
+    mdir = make_model(tmp_path, "m", mbs=8)
+    (mdir / "configs").mkdir()
+    (mdir / "configs" / "small.pbtxt").write_text(CONFIG.format(mbs=2, extra=""))
+    make_model(tmp_path, "plain", mbs=4)
+    models = ModelRepository([str(tmp_path)], config_name="small").scan()
+    assert models["m"].config.max_batch_size == 2
+    assert models["plain"].config.max_batch_size == 4  # no configs/small.pbtxt: config.pbtxt
+    assert ModelRepository([str(tmp_path)]).scan()["m"].config.max_batch_size == 8
+
+
+def test_gpu_count_reaches_normalize(tmp_path):
+    make_model(tmp_path, "m", config='backend: "onnxruntime"\ninstance_group [ { kind: KIND_AUTO } ]\n'
+                                     'input [ { name: "I", data_type: TYPE_FP32, dims: [ 1 ] } ]',
+               files={1: "model.onnx"})
+    entry = ModelRepository([str(tmp_path)], gpu_count=1).scan()["m"]
+    assert entry.error == ""
+    assert list(entry.config.instance_group[0].gpus) == [0]
+
+
+def test_check_paths(tmp_path):
+    ModelRepository([str(tmp_path)]).check_paths()
+    with pytest.raises(ConfigError, match="is not a directory"):
+        ModelRepository([str(tmp_path), str(tmp_path / "missing")]).check_paths()
+
+
+def test_paths_are_absolute(tmp_path, monkeypatch):
+    make_model(tmp_path, "m")
+    monkeypatch.chdir(tmp_path.parent)
+    repo = ModelRepository([tmp_path.name])
+    assert repo.paths == [str(tmp_path)]
+    assert repo.scan()["m"].path == str(tmp_path / "m")

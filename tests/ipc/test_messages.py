@@ -1,0 +1,113 @@
+"""Every IPC message survives encode/decode as the same typed object; garbage is refused."""
+import msgspec
+import pytest
+
+from shmserve.ipc import messages as m
+
+REF = m.ShmRef("shmserve_1_abc_0", 128, 4096)
+TENSORS = [
+    m.Tensor("INPUT0", "FP32", [2, 3], data=b"\x00" * 24),
+    m.Tensor("INPUT1", "BYTES", [1], data=b"\x03\x00\x00\x00abc"),
+    m.Tensor("BIG", "UINT8", [4096], shm=REF),
+    m.Tensor("EMPTY", "INT64", [0, 4]),
+]
+
+MESSAGES = [
+    m.FrontendHello(3, "ipc:///tmp/run/frontend-3"),
+    m.SubmitRequest(req_id=42, frontend=3, model="simple", version=1, batch_size=8),
+    m.IpcStatsQuery(frontend=1, query_id=9),
+    m.ModelTable([
+        m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),
+                                                  m.VersionInfo(2, "UNAVAILABLE", "load failed: x")]),
+        m.ModelInfo("broken", b"", [m.VersionInfo(-1, "UNAVAILABLE", "bad config")]),
+    ], startup_done=True),
+    m.ModelTable([], startup_done=False),
+    m.IpcStatsReply(9, {"bytes_inline": 10, "bytes_shm": 1 << 40}),
+    m.ExecuteBatch(7, [m.RequestRoute(1, 0), m.RequestRoute(2, 5)]),
+    m.ExecuteBatch(8, []),
+    m.Shutdown(),
+    m.ReleaseOutputs([REF, m.ShmRef("seg", 0, 0)]),
+    m.WorkerReady(instance=4, pid=1234, address="ipc:///tmp/w4"),
+    m.WorkerLoadFailed(4, "ImportError: no module named foo"),
+    m.BatchDone(4, 7),
+    m.BatchDone(4, 8, failed=2),
+    m.InferResult(1, "simple", 1),
+    m.InferResult(2, "simple", 3, outputs=TENSORS, worker="ipc:///tmp/w4",
+                  parameters={"sequence_id": 5, "note": "é", "flag": True, "ratio": 0.5}),
+    m.InferResult(3, "simple", 1, error="model raised", code=m.ErrorCode.INTERNAL),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda x: type(x).__name__)
+def test_message_round_trip(msg):
+    frame = m.encode(msg)
+    out = m.decode(frame)
+    assert type(out) is type(msg)
+    assert out == msg
+
+
+def test_every_message_type_is_covered():
+    assert {type(x) for x in MESSAGES} == set(m.Message.__args__)
+
+
+def test_messages_are_tagged_arrays():
+    assert m.encode(m.Shutdown()) == msgspec.msgpack.encode([21])
+    assert m.encode(m.BatchDone(1, 2)) == msgspec.msgpack.encode([32, 1, 2, 0])
+
+
+@pytest.mark.parametrize("payload", [
+    m.InferPayload("", [], []),
+    m.InferPayload("req-1", TENSORS, ["OUTPUT0", "OUTPUT1"], {"delay_ms": 5, "s": "x", "b": False},
+                   correlation_id=17, flags=3),
+    m.InferPayload("req-2", TENSORS[:1], [], correlation_id="session-a"),
+], ids=["empty", "full", "string-correlation"])
+def test_payload_round_trip(payload):
+    out = m.decode_payload(m.encode(payload))
+    assert out == payload
+    assert type(out.correlation_id) is type(payload.correlation_id)
+    assert all(type(t) is m.Tensor for t in out.inputs)
+
+
+def test_payload_defaults():
+    out = m.decode_payload(msgspec.msgpack.encode(["id", [["X", "INT32", [1]]], ["Y"]]))
+    assert out == m.InferPayload("id", [m.Tensor("X", "INT32", [1])], ["Y"])
+    assert out.parameters == {} and out.correlation_id == 0 and out.flags == 0
+    assert out.inputs[0].data is None and out.inputs[0].shm is None
+
+
+@pytest.mark.parametrize("frame", [
+    b"",
+    b"\xc1",                                         # a byte msgpack never uses
+    b"not msgpack at all",
+    msgspec.msgpack.encode([99, 1, 2]),              # unknown tag
+    msgspec.msgpack.encode([2, 1, 2]),               # SubmitRequest with fields missing
+    msgspec.msgpack.encode([2, "x", 0, "m", 1, 1]),  # wrong field type
+    msgspec.msgpack.encode({"req_id": 1}),           # not an array
+    b"\x94\x20",                                     # array of 4 holding one element
+], ids=["empty", "c1", "text", "tag", "short", "type", "map", "truncated"])
+def test_decode_garbage(frame):
+    with pytest.raises(msgspec.DecodeError):
+        m.decode(frame)
+
+
+@pytest.mark.parametrize("frame", [
+    b"\xc1",
+    m.encode(m.Shutdown()),                          # a message is not a payload
+    msgspec.msgpack.encode(["id", [["X", "INT32", "not a shape"]], []]),
+])
+def test_decode_payload_garbage(frame):
+    with pytest.raises(msgspec.DecodeError):
+        m.decode_payload(frame)
+
+
+def test_payload_frame_is_not_a_message():
+    with pytest.raises(msgspec.DecodeError):
+        m.decode(m.encode(m.InferPayload("id", [], [])))
+
+
+def test_spawn_settings_json_round_trip():
+    settings = m.ServerSettings(["/models"], "/tmp/run", "shmserve_1_ab_", 1, http_port=0)
+    assert msgspec.json.decode(msgspec.json.encode(settings), type=m.ServerSettings) == settings
+    spec = m.InstanceSpec("simple", 1, "/models/simple", "{}", "simple_0", "CPU", 0, "python")
+    args = m.WorkerArgs(3, 2, "/tmp/run", "ipc:///tmp/s", "shmserve_1_ab_", spec)
+    assert msgspec.json.decode(msgspec.json.encode(args), type=m.WorkerArgs) == args

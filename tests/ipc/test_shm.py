@@ -1,0 +1,337 @@
+"""In-process tests of ipc/shm.py: the arena allocator, the reader-side map cache, segment housekeeping."""
+import os
+import secrets
+import types
+
+import pytest
+
+from shmserve.ipc import shm
+from shmserve.ipc.messages import ShmRef
+
+CHUNK = 2 << 20  # chunks are whole multiples of 2 MiB, so this is the smallest chunk_size
+DEAD_PID = 4194999  # above the largest pid_max Linux allows (2**22), so never a live process
+
+
+def shm_names(prefix):
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix))
+
+
+class FakeClock:
+    def __init__(self, now=1000.0):
+        self.now = now
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.fixture
+def prefix():
+    p = shm.new_server_prefix()
+    yield p
+    shm.unlink_prefixed(p)
+    assert shm_names(p) == []
+
+
+@pytest.fixture
+def make_arena(prefix):
+    arenas = []
+
+    def make(**kw):
+        kw.setdefault("chunk_size", CHUNK)
+        arena = shm.ShmArena(prefix, **kw)
+        arenas.append(arena)
+        return arena
+
+    yield make
+    for arena in arenas:
+        arena.close()
+
+
+@pytest.fixture
+def cache():
+    c = shm.ShmMapCache()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(shm, "time", types.SimpleNamespace(monotonic=c.monotonic))
+    return c
+
+
+def test_new_server_prefix_names_this_process_and_is_unique():
+    a, b = shm.new_server_prefix(), shm.new_server_prefix()
+    assert a.startswith(f"{shm.PREFIX}{os.getpid()}_") and a.endswith("_")
+    assert a != b
+
+
+def test_alloc_is_aligned_and_keeps_the_requested_size(make_arena, prefix):
+    arena = make_arena()
+    a = arena.alloc(1)
+    b = arena.alloc(100)
+    c = arena.alloc(0)
+    d = arena.alloc(64)
+    assert [s.ref.offset for s in (a, b, c, d)] == [0, 64, 192, 256]
+    assert [s.ref.nbytes for s in (a, b, c, d)] == [1, 100, 0, 64]
+    assert [len(s.view) for s in (a, b, c, d)] == [1, 100, 0, 64]
+    assert all(s.ref.offset % 64 == 0 for s in (a, b, c, d))
+    assert {s.ref.segment for s in (a, b, c, d)} == {f"{prefix}0"}
+    assert arena.bytes_used == 64 + 128 + 64 + 64
+    assert arena.bytes_mapped == CHUNK
+    assert shm_names(prefix) == [f"{prefix}0"]
+    assert os.path.getsize(os.path.join(shm.SHM_DIR, f"{prefix}0")) == CHUNK
+
+
+def test_freed_space_is_reused(make_arena):
+    arena = make_arena()
+    a = arena.alloc(1000)
+    arena.alloc(10)
+    arena.free(a.ref)
+    assert arena.bytes_used == 64
+    again = arena.alloc(900)
+    assert (again.ref.segment, again.ref.offset) == (a.ref.segment, 0)
+    assert arena.bytes_mapped == CHUNK
+
+
+@pytest.mark.parametrize("order", [(1, 2), (2, 1)], ids=["lower-first", "upper-first"])
+def test_neighbouring_holes_coalesce(make_arena, prefix, order):
+    arena = make_arena()
+    q = CHUNK // 4
+    slots = [arena.alloc(q) for _ in range(4)]
+    assert [s.ref.offset for s in slots] == [0, q, 2 * q, 3 * q]
+    for i in order:
+        arena.free(slots[i].ref)
+    big = arena.alloc(2 * q)  # only fits if the two holes merged
+    assert (big.ref.segment, big.ref.offset) == (f"{prefix}0", q)
+    assert arena.bytes_mapped == CHUNK
+    assert shm_names(prefix) == [f"{prefix}0"]
+
+
+def test_hole_merges_with_both_neighbours(make_arena, prefix):
+    arena = make_arena()
+    slots = [arena.alloc(CHUNK // 4) for _ in range(4)]
+    for i in (0, 2, 1, 3):  # the last two frees each join holes on both sides
+        arena.free(slots[i].ref)
+    assert arena.bytes_used == 0
+    whole = arena.alloc(CHUNK)
+    assert (whole.ref.segment, whole.ref.offset) == (f"{prefix}0", 0)
+    assert arena.bytes_mapped == CHUNK
+
+
+def test_new_chunk_when_full_and_big_chunk_for_big_alloc(make_arena, prefix):
+    arena = make_arena()
+    arena.alloc(CHUNK)
+    second = arena.alloc(1)
+    assert (second.ref.segment, second.ref.offset) == (f"{prefix}1", 0)
+    big = arena.alloc(3 * CHUNK + 1)
+    assert (big.ref.segment, big.ref.offset, big.ref.nbytes) == (f"{prefix}2", 0, 3 * CHUNK + 1)
+    assert os.path.getsize(os.path.join(shm.SHM_DIR, f"{prefix}2")) == 8 << 20  # a whole multiple of 2 MiB
+    assert arena.bytes_mapped == 2 * CHUNK + (8 << 20)
+    assert shm_names(prefix) == [f"{prefix}0", f"{prefix}1", f"{prefix}2"]
+    big.view[-1] = 7
+    assert big.view[-1] == 7
+
+
+def test_trim_unlinks_only_fully_free_chunks(make_arena, prefix, clock):
+    arena = make_arena(idle_release_s=0)
+    a = arena.alloc(CHUNK)
+    b = arena.alloc(10)
+    assert shm_names(prefix) == [f"{prefix}0", f"{prefix}1"]
+    arena.free(a.ref)
+    arena.trim()                # idle for 0 s, not more than idle_release_s
+    assert shm_names(prefix) == [f"{prefix}0", f"{prefix}1"]
+    clock.now += 0.001
+    arena.trim()
+    assert shm_names(prefix) == [f"{prefix}1"]
+    assert arena.bytes_mapped == CHUNK
+    # the survivor still allocates, and a fresh chunk gets a new name
+    c = arena.alloc(CHUNK - 64)
+    assert c.ref.segment == f"{prefix}1"
+    d = arena.alloc(1)
+    assert d.ref.segment == f"{prefix}2"
+    arena.free(b.ref)
+    arena.free(c.ref)
+    clock.now += 0.001
+    arena.trim()
+    assert shm_names(prefix) == [f"{prefix}2"]
+    # freeing a ref of a trimmed chunk is ignored
+    arena.free(a.ref)
+    assert arena.bytes_used == 64
+
+
+def test_trim_waits_for_idle_release(make_arena, prefix, clock):
+    arena = make_arena(idle_release_s=10.0)
+    a = arena.alloc(10)
+    arena.free(a.ref)           # chunk idle since clock.now
+    arena.trim(clock.now + 10.0)
+    assert shm_names(prefix) == [f"{prefix}0"]
+    arena.trim(clock.now + 10.5)
+    assert shm_names(prefix) == []
+    assert arena.bytes_mapped == 0
+
+
+def test_free_trims_at_most_once_a_second(make_arena, prefix, clock):
+    arena = make_arena(idle_release_s=0)
+    a, b = arena.alloc(CHUNK), arena.alloc(CHUNK)
+    clock.now += 0.5
+    arena.free(a.ref)           # 0.5 s since the arena's last trim: no trim
+    assert shm_names(prefix) == [f"{prefix}0", f"{prefix}1"]
+    clock.now += 0.6
+    arena.free(b.ref)           # 1.1 s: trims chunk 0 (idle 0.6 s), keeps chunk 1 (idle 0 s)
+    assert shm_names(prefix) == [f"{prefix}1"]
+    clock.now += 0.9
+    arena.free(arena.alloc(10).ref)  # 0.9 s since the last trim: chunk 1 stays
+    assert shm_names(prefix) == [f"{prefix}1"]
+    clock.now += 0.2
+    arena.free(arena.alloc(10).ref)  # 1.1 s: trims, but chunk 1 has been idle 0 s
+    assert shm_names(prefix) == [f"{prefix}1"]
+    clock.now += 0.1
+    arena.trim()
+    assert shm_names(prefix) == []
+
+
+def test_slot_is_writable_and_visible_through_the_map_cache(make_arena, cache):
+    arena = make_arena()
+    arena.alloc(100)
+    slot = arena.alloc(5)
+    slot.view[:] = b"hello"
+    view = cache.view(slot.ref)
+    assert bytes(view) == b"hello"
+    view[0:1] = b"J"            # the reader's mapping is writable too and shares the pages
+    assert bytes(slot.view) == b"Jello"
+    other = arena.alloc(3)
+    other.view[:] = b"abc"
+    assert bytes(cache.view(other.ref)) == b"abc"  # second ref into the same, already mapped segment
+    view.release()
+
+
+def test_map_cache_missing_segment(cache, prefix):
+    with pytest.raises(shm.ShmError, match="does not exist"):
+        cache.view(ShmRef(f"{prefix}nope", 0, 1))
+
+
+@pytest.mark.parametrize("offset, nbytes", [(CHUNK - 10, 11), (CHUNK, 1), (-1, 1), (0, -1), (0, CHUNK + 1)])
+def test_map_cache_out_of_range(make_arena, cache, offset, nbytes):
+    arena = make_arena()
+    slot = arena.alloc(10)
+    ok = cache.view(ShmRef(slot.ref.segment, 0, CHUNK))
+    assert len(ok) == CHUNK
+    with pytest.raises(shm.ShmError, match="outside segment"):
+        cache.view(ShmRef(slot.ref.segment, offset, nbytes))
+
+
+def test_map_cache_forget_remaps(make_arena, cache, prefix):
+    name = f"{prefix}solo"
+    m = shm.create_segment(name, 128)
+    try:
+        m[0:3] = b"one"
+        assert bytes(cache.view(ShmRef(name, 0, 3))) == b"one"
+        shm.unlink_segment(name)
+        cache.forget(name)
+        with pytest.raises(shm.ShmError, match="does not exist"):
+            cache.view(ShmRef(name, 0, 3))
+    finally:
+        m.close()
+        shm.unlink_segment(name)
+
+
+def test_create_segment_refuses_more_than_free_space(monkeypatch, prefix):
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=2, f_frsize=4096))
+    name = f"{prefix}cap"
+    with pytest.raises(shm.ShmError, match="not enough space"):
+        shm.create_segment(name, 8193)
+    assert shm_names(prefix) == []
+    m = shm.create_segment(name, 8192)
+    try:
+        assert len(m) == 8192
+        assert shm_names(prefix) == [name]
+    finally:
+        m.close()
+        shm.unlink_segment(name)
+
+
+def test_arena_alloc_fails_cleanly_without_space(monkeypatch, make_arena, prefix):
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=0, f_frsize=4096))
+    arena = make_arena()
+    with pytest.raises(shm.ShmError):
+        arena.alloc(1)
+    assert shm_names(prefix) == []
+    assert arena.bytes_mapped == 0
+
+
+def test_create_segment_refuses_an_existing_name(prefix):
+    name = f"{prefix}dup"
+    m = shm.create_segment(name, 64)
+    try:
+        with pytest.raises(FileExistsError):
+            shm.create_segment(name, 64)
+    finally:
+        m.close()
+        shm.unlink_segment(name)
+
+
+def test_remove_stale_segments(prefix):
+    dead = f"{shm.PREFIX}{DEAD_PID}_{secrets.token_hex(6)}_x_0"
+    live = f"{prefix}x_0"
+    maps = [shm.create_segment(dead, 64), shm.create_segment(live, 64)]
+    try:
+        assert shm.remove_stale_segments() >= 1
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, dead))
+        assert os.path.exists(os.path.join(shm.SHM_DIR, live))
+    finally:
+        for m in maps:
+            m.close()
+        shm.unlink_segment(dead)
+        shm.unlink_segment(live)
+
+
+def test_remove_stale_segments_survives_odd_pids():
+    token = secrets.token_hex(6)
+    huge = f"{shm.PREFIX}{10 ** 20}_{token}_0"      # no pid is that large: stale
+    odd = [f"{shm.PREFIX}\u00b2_{token}_0",           # str.isdigit() but not a number int() reads
+           f"{shm.PREFIX}notapid_{token}_0"]
+    names = [huge] + odd
+    maps = [shm.create_segment(n, 64) for n in names]
+    try:
+        shm.remove_stale_segments()
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, huge))
+        assert all(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in odd)
+    finally:
+        for m in maps:
+            m.close()
+        for n in names:
+            shm.unlink_segment(n)
+
+
+def test_unlink_prefixed(prefix):
+    other = shm.new_server_prefix()
+    names = [f"{prefix}a", f"{prefix}b", f"{other}a"]
+    maps = [shm.create_segment(n, 64) for n in names]
+    try:
+        assert shm.unlink_prefixed(prefix) == 2
+        assert shm_names(prefix) == []
+        assert shm_names(other) == [f"{other}a"]
+        assert shm.unlink_prefixed(prefix) == 0
+    finally:
+        for m in maps:
+            m.close()
+        for n in names:
+            shm.unlink_segment(n)
+
+
+def test_unlink_segment_of_missing_name_is_quiet(prefix):
+    shm.unlink_segment(f"{prefix}never")
+
+
+def test_arena_close_unlinks_everything(prefix):
+    arena = shm.ShmArena(prefix, chunk_size=CHUNK)
+    try:
+        arena.alloc(CHUNK)
+        arena.alloc(CHUNK)
+        assert len(shm_names(prefix)) == 2
+    finally:
+        arena.close()
+    assert shm_names(prefix) == []
+    assert arena.bytes_mapped == 0
