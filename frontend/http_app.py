@@ -114,18 +114,14 @@ class KServeHttpApp:
             return self.infer(conn, req, model, version)
         catalog = self.client.catalog
         if action == "ready":
-            view = catalog.get(model)
+            catalog.get(model)              # an unknown model is a 404, not "not ready"
             try:
                 catalog.resolve(model, version)
-                ok = True
             except InferError as e:
                 if e.code == ErrorCode.INVALID_ARG:
                     raise
-                ok = False
-            if ok:
-                return conn.respond(req, 200, content_type="")
-            del view
-            return self.error(conn, req, 400, "Model version not ready")
+                return self.error(conn, req, 400, "Model version not ready")
+            return conn.respond(req, 200, content_type="")
         view, v = catalog.resolve(model, version)
         if action == "config":
             return conn.respond(req, 200, view.config_json)

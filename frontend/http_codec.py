@@ -61,7 +61,7 @@ def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], d
     if datatype == "BYTES":
         if not all(isinstance(x, str) for x in flat):
             raise invalid(f"input '{name}' of datatype BYTES must hold JSON strings")
-        return dtypes.serialize_bytes(np.array(flat, dtype=object))
+        return dtypes.serialize_bytes(np.array(flat, dtype=object)).tobytes()
     if datatype == "BOOL":
         if not all(isinstance(x, bool) for x in flat):
             raise invalid(f"input '{name}' of datatype BOOL must hold JSON true/false values")

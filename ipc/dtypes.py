@@ -1,6 +1,8 @@
 """Triton datatypes: wire names, config enum names, numpy dtypes and element sizes in one table."""
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 from ml_dtypes import bfloat16
 
@@ -22,6 +24,8 @@ _TABLE = {
     "BF16": ("TYPE_BF16", np.dtype(bfloat16), 2),
     "BYTES": ("TYPE_STRING", np.dtype(object), 0),
 }
+
+_U32 = struct.Struct("<I")
 
 WIRE_TYPES = tuple(_TABLE)
 CONFIG_TO_WIRE = {cfg: wire for wire, (cfg, _, _) in _TABLE.items()}
@@ -59,43 +63,64 @@ def byte_size(datatype: str, shape) -> int | None:
     return element_count(shape) * size if size else None
 
 
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """Triton's BYTES layout: per element a little-endian uint32 length, then the bytes."""
-    flat = array.reshape(-1)
-    items = [x.encode("utf-8") if isinstance(x, str) else bytes(x) for x in flat]
-    lengths = np.fromiter((len(x) for x in items), dtype="<u4", count=len(items))
-    out = bytearray(4 * len(items) + int(lengths.sum(dtype=np.int64)))
-    pos = 0
-    for item, length in zip(items, lengths.tolist()):
-        out[pos:pos + 4] = length.to_bytes(4, "little")
-        out[pos + 4:pos + 4 + length] = item
-        pos += 4 + length
-    return bytes(out)
+def _as_bytes(x) -> bytes:
+    if isinstance(x, str):
+        return x.encode("utf-8")
+    if isinstance(x, (bytes, bytearray, memoryview, np.bytes_)):
+        return bytes(x)
+    return str(x).encode("utf-8")  # numbers etc., as tritonclient does
+
+
+def serialize_bytes(array: np.ndarray) -> np.ndarray:
+    """Triton's BYTES layout as a uint8 array: per element a little-endian uint32 length, then
+    the bytes (str elements as UTF-8)."""
+    items = [x if type(x) is bytes else _as_bytes(x) for x in np.asarray(array).ravel().tolist()]
+    n = len(items)
+    if n == 0:
+        return np.empty(0, np.uint8)
+    lens = np.fromiter(map(len, items), dtype=np.int64, count=n)
+    if int(lens.max()) > 0xFFFFFFFF:
+        raise ValueError("a BYTES element exceeds 4 GiB, which the 32-bit length prefix cannot express")
+    data_start = np.arange(4, 4 * n + 1, 4, dtype=np.int64) + (np.cumsum(lens) - lens)
+    out = np.empty(int(data_start[-1] + lens[-1]), np.uint8)
+    prefix_idx = ((data_start - 4)[:, None] + np.arange(4)).ravel()
+    out[prefix_idx] = lens.astype("<u4").view(np.uint8)
+    if n <= 64 or out.size >= 1024 * n:
+        # large elements: one memcpy each beats a byte mask over the whole output
+        for b, start in zip(items, data_start.tolist()):
+            out[start:start + len(b)] = np.frombuffer(b, np.uint8)
+    else:
+        is_data = np.ones(out.size, bool)
+        is_data[prefix_idx] = False
+        out[is_data] = np.frombuffer(b"".join(items), np.uint8)
+    return out
 
 
 def deserialize_bytes(buffer, count: int | None = None) -> np.ndarray:
-    """Parse Triton's BYTES layout into an object array of bytes.
+    """Parse Triton's BYTES layout into a 1-D object array of bytes.
 
     With ``count`` given the buffer must hold exactly that many elements; ValueError otherwise.
     """
-    mv = memoryview(buffer).cast("B")
-    total = len(mv)
-    items = []
-    pos = 0
-    while pos < total:
-        if pos + 4 > total:
-            raise ValueError("truncated length prefix in BYTES data")
-        length = int.from_bytes(mv[pos:pos + 4], "little")
-        pos += 4
-        if pos + length > total:
-            raise ValueError("BYTES element extends past the end of the data")
-        items.append(bytes(mv[pos:pos + length]))
-        pos += length
-    if count is not None and len(items) != count:
-        raise ValueError(f"expected {count} BYTES elements, got {len(items)}")
-    out = np.empty(len(items), dtype=object)
-    out[:] = items
-    return out
+    buf = buffer if type(buffer) is bytes else memoryview(buffer).tobytes()
+    end = len(buf)
+    unpack = _U32.unpack_from
+    out, off = [], 0
+    while off < end:
+        if off + 4 > end:
+            raise ValueError(f"truncated BYTES buffer: element {len(out)} has a partial length "
+                             f"prefix ({end - off} of 4 bytes at offset {off})")
+        (n,) = unpack(buf, off)
+        off += 4
+        if off + n > end:
+            raise ValueError(f"truncated BYTES buffer: element {len(out)} declares {n} bytes but "
+                             f"only {end - off} remain at offset {off}")
+        out.append(buf[off:off + n])
+        off += n
+    if count is not None and len(out) != count:
+        raise ValueError(f"expected {count} BYTES elements, got {len(out)}")
+    result = np.empty(len(out), dtype=np.object_)
+    result[:] = out
+    return result
 
 
 def count_bytes_elements(buffer, expected: int) -> None:

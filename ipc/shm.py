@@ -70,44 +70,40 @@ def unlink_segment(name: str) -> None:
         pass
 
 
+def _names(prefix: str) -> list[str]:
+    try:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+
+
 def unlink_prefixed(prefix: str) -> int:
     """Remove every segment whose name starts with ``prefix``; returns how many."""
-    n = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return 0
+    names = _names(prefix)
     for name in names:
-        if name.startswith(prefix):
-            unlink_segment(name)
-            n += 1
-    return n
+        unlink_segment(name)
+    return len(names)
+
+
+def _launcher_alive(name: str) -> bool:
+    pid_text = name[len(PREFIX):].split("_", 1)[0]
+    if not (pid_text.isascii() and pid_text.isdigit()):
+        return True                 # not a name we made: leave it alone
+    try:
+        os.kill(int(pid_text), 0)
+    except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def remove_stale_segments() -> int:
     """Unlink segments of shmserve servers whose launcher process no longer exists."""
-    n = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return 0
-    for name in names:
-        if not name.startswith(PREFIX):
-            continue
-        pid_text = name[len(PREFIX):].split("_", 1)[0]
-        if not (pid_text.isascii() and pid_text.isdigit()):
-            continue
-        pid = int(pid_text)
-        try:
-            os.kill(pid, 0)
-            continue
-        except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
-            pass
-        except PermissionError:
-            continue
+    stale = [n for n in _names(PREFIX) if not _launcher_alive(n)]
+    for name in stale:
         unlink_segment(name)
-        n += 1
-    return n
+    return len(stale)
 
 
 @dataclass(slots=True)

@@ -13,6 +13,8 @@ import struct
 import threading
 
 import numpy as np
+
+from shmserve.ipc import dtypes as _dtypes
 from ml_dtypes import bfloat16
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
@@ -76,39 +78,12 @@ def numpy_to_triton_type(data_type):
         return None
 
 
-def _as_bytes(x):
-    if isinstance(x, str):
-        return x.encode("utf-8")
-    if isinstance(x, (bytes, bytearray, memoryview, np.bytes_)):
-        return bytes(x)
-    return str(x).encode("utf-8")  # numbers etc., as tritonclient does
-
-
 def serialize_byte_tensor(input_tensor):
     """Row-major elements -> uint8 array of (uint32 LE length, bytes) records."""
     arr = np.asarray(input_tensor)
     if arr.dtype.kind not in _BYTES_KINDS:
         raise ValueError(f"cannot serialize a {arr.dtype} array as BYTES (need object, bytes or str)")
-    items = [x if type(x) is bytes else _as_bytes(x) for x in arr.ravel(order="C").tolist()]
-    n = len(items)
-    if n == 0:
-        return np.empty(0, np.uint8)
-    lens = np.fromiter(map(len, items), dtype=np.int64, count=n)
-    if int(lens.max()) > 0xFFFFFFFF:
-        raise ValueError("a BYTES element exceeds 4 GiB, which the 32-bit length prefix cannot express")
-    data_start = np.arange(4, 4 * n + 1, 4, dtype=np.int64) + (np.cumsum(lens) - lens)
-    out = np.empty(int(data_start[-1] + lens[-1]), np.uint8)
-    prefix_idx = ((data_start - 4)[:, None] + np.arange(4)).ravel()
-    out[prefix_idx] = lens.astype("<u4").view(np.uint8)
-    if n <= 64 or out.size >= 1024 * n:
-        # Large elements: one memcpy each beats a byte mask over the whole output.
-        for b, start in zip(items, data_start.tolist()):
-            out[start:start + len(b)] = np.frombuffer(b, np.uint8)
-    else:
-        is_data = np.ones(out.size, bool)
-        is_data[prefix_idx] = False
-        out[is_data] = np.frombuffer(b"".join(items), np.uint8)
-    return out
+    return _dtypes.serialize_bytes(arr)
 
 
 def deserialize_bytes_tensor(encoded_tensor):
@@ -116,25 +91,7 @@ def deserialize_bytes_tensor(encoded_tensor):
     buf = encoded_tensor
     if isinstance(buf, np.ndarray) and buf.dtype == np.object_:
         buf = buf.item()  # tritonclient's serializer returns a 0-d object array holding the bytes
-    if type(buf) is not bytes:
-        buf = memoryview(buf).tobytes()  # one copy; slicing bytes below is then the cheapest per element
-    end = len(buf)
-    unpack = _U32.unpack_from
-    out, off = [], 0
-    while off < end:
-        if off + 4 > end:
-            raise ValueError(f"truncated BYTES buffer: element {len(out)} has a partial length prefix "
-                             f"({end - off} of 4 bytes at offset {off})")
-        (n,) = unpack(buf, off)
-        off += 4
-        if off + n > end:
-            raise ValueError(f"truncated BYTES buffer: element {len(out)} declares {n} bytes but only "
-                             f"{end - off} remain at offset {off}")
-        out.append(buf[off:off + n])
-        off += n
-    result = np.empty(len(out), dtype=np.object_)
-    result[:] = out
-    return result
+    return _dtypes.deserialize_bytes(buf)
 
 
 class TritonModelException(Exception):

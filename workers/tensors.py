@@ -25,7 +25,7 @@ def from_numpy(name: str, datatype: str, arr: np.ndarray, arena: ShmArena) -> Te
     if datatype == "BYTES":
         data = dtypes.serialize_bytes(arr)
         if len(data) <= INLINE_LIMIT:
-            return Tensor(name, datatype, shape, data)
+            return Tensor(name, datatype, shape, data.tobytes())
         slot = arena.alloc(len(data))
         slot.view[:] = data
         return Tensor(name, datatype, shape, None, slot.ref)

@@ -146,7 +146,7 @@ def test_json_inputs_nested_and_flat(catalog, arena):
     a, b, c = p.payload.inputs
     assert (a.name, a.datatype, a.shape) == ("A", "FP32", [2, 2])
     assert a.data == np.array([1, 2.5, 3, 4], dtype=np.float32).tobytes() and a.shm is None
-    assert b.data == dtypes.serialize_bytes(np.array(["x", "héllo", ""], dtype=object))
+    assert b.data == dtypes.serialize_bytes(np.array(["x", "héllo", ""], dtype=object)).tobytes()
     assert c.data == np.array([-7, 8], dtype=np.int32).tobytes()
     assert p.batch_size == 1
     assert p.request_id == "r1" and p.payload.request_id == "r1"
@@ -238,7 +238,7 @@ def test_large_binary_input_without_shm_body_is_inline(catalog, arena):
 
 
 def test_binary_bytes_and_mixed_inputs(catalog, arena):
-    strings = dtypes.serialize_bytes(np.array([b"ab", b"\xff"], dtype=object))
+    strings = dtypes.serialize_bytes(np.array([b"ab", b"\xff"], dtype=object)).tobytes()
     a = np.arange(4, dtype=np.float32).tobytes()
     body, hlen = binary_request({"inputs": [t_in("B", "BYTES", [2], binary_data_size=len(strings)),
                                             t_in("A", "FP32", [2, 2], binary_data_size=16),
@@ -263,7 +263,7 @@ def test_raw_body_deduces_the_variable_dim(catalog, arena):
 def test_raw_fixed_and_bytes_inputs(catalog, arena):
     p = parse(catalog, arena, "raw_fixed", b"\x01\x00\x02\x00\x03\x00", 0, None)
     assert p.payload.inputs[0].shape == [3]
-    s = dtypes.serialize_bytes(np.array([b"hello"], dtype=object))
+    s = dtypes.serialize_bytes(np.array([b"hello"], dtype=object)).tobytes()
     p = parse(catalog, arena, "raw_bytes", s, 0, None)
     assert (p.payload.inputs[0].shape, p.payload.inputs[0].data) == ([1], s)
 
@@ -484,7 +484,7 @@ def _parsed(binary, request_id=""):
 
 def _result(**kw):
     out0 = np.array([[1.5, 2], [3, 4]], dtype=np.float32).tobytes()
-    out1 = dtypes.serialize_bytes(np.array(["é", "b"], dtype=object))
+    out1 = dtypes.serialize_bytes(np.array(["é", "b"], dtype=object)).tobytes()
     outputs = [Tensor("OUT0", "FP32", [2, 2], data=out0), Tensor("OUT1", "BYTES", [2], data=out1)]
     return InferResult(1, "multi", 3, outputs=outputs, **kw), [out0, out1]
 
@@ -556,7 +556,7 @@ def test_parse_then_render_round_trip(catalog, arena):
     doc = {"id": "x", "inputs": [A_OK, B_OK],
            "outputs": [{"name": "OUT1"}, {"name": "OUT0", "parameters": {"binary_data": True}}]}
     parsed = parse(catalog, arena, "multi", jbody(doc))
-    out1 = dtypes.serialize_bytes(np.array(["z"], dtype=object))
+    out1 = dtypes.serialize_bytes(np.array(["z"], dtype=object)).tobytes()
     out0 = parsed.payload.inputs[0].data
     result = InferResult(1, "multi", 1, outputs=[Tensor("OUT1", "BYTES", [1], data=out1),
                                                  Tensor("OUT0", "FP32", [2, 2], data=out0)])

@@ -22,7 +22,7 @@ def wire(*items: bytes) -> bytes:
     (np.array([], dtype=object), []),
 ], ids=["str", "bytes", "non-ascii", "U", "S", "2d", "empty"])
 def test_bytes_round_trip(array, expected):
-    data = dtypes.serialize_bytes(array)
+    data = dtypes.serialize_bytes(array).tobytes()
     assert data == wire(*expected)
     out = dtypes.deserialize_bytes(data)
     assert out.dtype == object and out.shape == (len(expected),)
@@ -43,9 +43,9 @@ def test_deserialize_from_a_memoryview_slice():
 
 
 @pytest.mark.parametrize("data, match", [
-    (b"\x01\x00", "truncated length prefix"),
-    (wire(b"ab") + b"\x01", "truncated length prefix"),
-    (struct.pack("<I", 5) + b"abc", "extends past the end"),
+    (b"\x01\x00", "partial length prefix"),
+    (wire(b"ab") + b"\x01", "partial length prefix"),
+    (struct.pack("<I", 5) + b"abc", "declares 5 bytes but only 3 remain"),
 ])
 def test_deserialize_errors(data, match):
     with pytest.raises(ValueError, match=match):
