@@ -7,6 +7,9 @@ from .batching import DefaultScheduler, QueuedRequest
 from .model_config import ModelConfig
 from .states import InstanceState, ModelState
 
+# Queued requests per model version before new ones are refused with 503 (Triton's default
+# scheduler has no bound; an unbounded queue turns overload into memory growth).
+DEFAULT_MAX_QUEUE = 4096
 # Restart backoff for a worker that died: doubles from the first value up to the cap.
 BACKOFF_FIRST_S = 0.2
 BACKOFF_CAP_S = 10.0
@@ -41,7 +44,8 @@ class ModelVersion:
     state: ModelState = ModelState.LOADING
     reason: str = ""
     instances: list[Instance] = field(default_factory=list)
-    scheduler: DefaultScheduler = field(default_factory=DefaultScheduler)
+    scheduler: DefaultScheduler = field(
+        default_factory=lambda: DefaultScheduler(max_queue_size=DEFAULT_MAX_QUEUE))
 
     def all_started(self) -> bool:
         return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)

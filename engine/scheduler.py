@@ -65,7 +65,10 @@ class Scheduler:
                     continue
                 for group in entry.config.instance_group:
                     kind = "GPU" if group.kind == group.KIND_GPU else "CPU"
-                    devices = list(group.gpus) if kind == "GPU" else [0]
+                    # a GPU group on a machine without GPUs still gets its workers: the backend
+                    # then refuses to load with the reason, instead of the model silently
+                    # having no instances
+                    devices = (list(group.gpus) or [0]) if kind == "GPU" else [0]
                     for device in devices:
                         for i in range(group.count):
                             ver.instances.append(Instance(f"{group.name}_{i}", kind, device))

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import textwrap
 
 from shmserve.ipc.dtypes import WIRE_TO_CONFIG
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 IDENTITY = textwrap.dedent('''
     import triton_python_backend_utils as pb_utils
@@ -154,7 +157,34 @@ def build_test_repository(root: str) -> str:
                 { name: "B", data_type: TYPE_INT32, dims: [ 3 ], optional: true } ]
         output [ { name: "SUM", data_type: TYPE_INT32, dims: [ 3 ] } ]
     ''', OPTIONAL)
+    add_versioned_model(repo)
     return repo
+
+
+VERSION_ECHO = textwrap.dedent('''
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.version = int(args["model_version"])
+
+        def execute(self, requests):
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("VERSION", np.array([self.version], dtype=np.int32))])
+                    for _ in requests]
+''')
+
+
+def add_versioned_model(repo: str) -> None:
+    """Versions 1, 2 and 3 on disk; the policy serves 1 and 3."""
+    for v in (1, 2, 3):
+        write_model(repo, "versioned", '''
+            backend: "python"
+            max_batch_size: 0
+            version_policy: { specific { versions: [ 1, 3 ] } }
+            input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+            output [ { name: "VERSION", data_type: TYPE_INT32, dims: [ 1 ] } ]
+        ''', VERSION_ECHO, version=v)
 
 
 def build_bad_repository(root: str) -> str:
@@ -188,6 +218,14 @@ def build_bad_repository(root: str) -> str:
         input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
         output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
     ''', IDENTITY)
+    onnx_gpu = os.path.join(repo, "onnx_gpu", "1")
+    os.makedirs(onnx_gpu)
+    shutil.copy(os.path.join(REPO_ROOT, "configs", "models", "mlp_onnx", "1", "model.onnx"), onnx_gpu)
+    with open(os.path.join(repo, "onnx_gpu", "config.pbtxt"), "w") as f:
+        f.write('backend: "onnxruntime"\nmax_batch_size: 8\n'
+                'input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]\n'
+                'output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]\n'
+                'instance_group [ { kind: KIND_GPU } ]\n')
     write_model(repo, "bad_backend", '''
         backend: "tensorflow"
         max_batch_size: 0

@@ -216,3 +216,16 @@ def test_gzip_request_body(server):
     r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=body,
                       headers={"Content-Encoding": "br"}, timeout=30)
     assert r.status_code == 501 and r.headers["Accept-Encoding"] == "gzip, deflate"
+
+
+def test_version_policy_specific(client):
+    meta = client.get_model_metadata("versioned")
+    assert meta["versions"] == ["1", "3"]
+    inp = httpclient.InferInput("INPUT0", [1], "INT32")
+    inp.set_data_from_numpy(np.array([0], dtype=np.int32))
+    assert client.infer("versioned", [inp]).as_numpy("VERSION")[0] == 3       # highest ready
+    assert client.infer("versioned", [inp], model_version="1").as_numpy("VERSION")[0] == 1
+    with pytest.raises(InferenceServerException) as e:
+        client.infer("versioned", [inp], model_version="2")
+    assert e.value.status() == "404"
+    assert client.get_model_metadata("versioned", "1")["versions"] == ["1"]
