@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-metrics", type=triton_bool, default=True)
     p.add_argument("--http-max-input-size", type=int, default=1 << 26,
                    help="largest JSON part of an HTTP request in bytes")
+    p.add_argument("--allow-client-shm", type=triton_bool, default=True,
+                   help="serve clients' system/CUDA shared-memory regions (Triton's default is "
+                        "false; shmserve serves same-host clients, so it is on)")
     p.add_argument("--id", default="triton", help="server name reported by GET /v2")
     p.add_argument("--log-verbose", type=int, default=0)
     p.add_argument("--exit-timeout-secs", type=float, default=30.0,
@@ -64,7 +67,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         grpc_address=a.grpc_address or a.host, grpc_port=a.grpc_port, allow_grpc=a.allow_grpc,
         metrics_address=a.metrics_address or a.http_address or a.host,
         metrics_port=a.metrics_port, allow_metrics=a.allow_metrics,
-        http_max_input_size=a.http_max_input_size, exit_timeout_secs=a.exit_timeout_secs,
+        http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
+        exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
         log_verbose=a.log_verbose, port_file=a.port_file)
     return settings, a

@@ -14,7 +14,8 @@ import msgspec
 import zmq
 
 from shmserve.ipc import channel, shm
-from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, FrontendHello, InferResult,
+from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments,
+                                   FrontendHello, InferResult,
                                    InstanceSpec, IpcStatsQuery, IpcStatsReply, ModelInfo,
                                    ModelTable, RequestRoute, ServerSettings, Shutdown,
                                    SubmitRequest, VersionInfo,
@@ -147,6 +148,10 @@ class Scheduler:
             if box is None:
                 box = self.frontends[msg.frontend] = channel.Outbox(msg.address)
             box.send(self.model_table())
+        elif isinstance(msg, ForgetSegments):
+            for _, inst in self.by_spawn.values():
+                if inst.outbox is not None:
+                    inst.outbox.send(msg)
         elif isinstance(msg, IpcStatsQuery):
             self.frontends[msg.frontend].send(IpcStatsReply(msg.query_id, channel.COUNTERS.as_dict()))
 

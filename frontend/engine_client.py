@@ -14,7 +14,7 @@ from typing import Callable
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (ErrorCode, FrontendHello, InferResult, IpcStatsQuery,
+from shmserve.ipc.messages import (ErrorCode, ForgetSegments, FrontendHello, InferResult, IpcStatsQuery,
                                    IpcStatsReply, ModelTable, ReleaseOutputs, ShmRef,
                                    SubmitRequest)
 
@@ -62,6 +62,9 @@ class EngineClient:
             box.send(ReleaseOutputs(refs), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("could not return %d output slot(s) to %s", len(refs), worker)
+
+    def forget_segments(self, segments: list[str]) -> None:
+        self.scheduler.send(ForgetSegments(segments))
 
     async def scheduler_stats(self, timeout: float = 2.0) -> dict[str, int]:
         qid = next(self.ids)

@@ -9,14 +9,17 @@ from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import ErrorCode, InferResult, encode as encode_message
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import http_codec
+from . import http_codec, request
 from .engine_client import EngineClient
 from .errors import InferError, http_status, invalid
 from .http_server import HttpConnection, HttpRequest
+from .request import PreparedRequest
+from .shm_registry import ShmRegistry
 
 log = logging.getLogger("shmserve.http")
 
-EXTENSIONS = ["model_configuration", "binary_tensor_data", "parameters"]
+EXTENSIONS = ["model_repository", "model_configuration", "system_shared_memory",
+              "cuda_shared_memory", "binary_tensor_data", "parameters"]
 MAX_BODY = 1 << 32
 _NOT_FOUND = b'{"error":"Not Found"}'
 _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
@@ -24,11 +27,12 @@ _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
 
 class KServeHttpApp:
     def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
-                 server_id: str, server_version: str, strict_readiness: bool,
-                 max_input_size: int):
+                 registry: ShmRegistry, server_id: str, server_version: str,
+                 strict_readiness: bool, max_input_size: int):
         self.client = client
         self.arena = arena
         self.maps = maps
+        self.registry = registry
         self.strict_readiness = strict_readiness
         self.max_input_size = max_input_size
         self.server_metadata = http_codec.encode_json(
@@ -91,6 +95,8 @@ class KServeHttpApp:
             if method != "GET":
                 return self.not_allowed(conn, req)
             return conn.respond(req, 200, self.server_metadata)
+        if path.startswith("/v2/systemsharedmemory") or path.startswith("/v2/cudasharedmemory"):
+            return self.shared_memory(conn, req)
         if path == "/v2/repository/index":
             if method != "POST":
                 return self.not_allowed(conn, req)
@@ -140,6 +146,48 @@ class KServeHttpApp:
             ready = doc.get("ready", False)
         conn.respond(req, 200, http_codec.encode_json(self.client.catalog.index(ready)))
 
+    def shared_memory(self, conn: HttpConnection, req: HttpRequest) -> None:
+        parts = req.path.split("/")[2:]          # e.g. systemsharedmemory region r register
+        kind = parts[0]
+        name = ""
+        if len(parts) >= 3 and parts[1] == "region":
+            name = unquote(parts[2])
+            parts = [kind] + parts[3:]
+        if len(parts) != 2 or parts[1] not in ("status", "register", "unregister"):
+            return conn.respond(req, 404, _NOT_FOUND)
+        action = parts[1]
+        if req.method != ("GET" if action == "status" else "POST"):
+            return self.not_allowed(conn, req)
+        system = kind == "systemsharedmemory"
+        reg = self.registry
+        if action == "status":
+            regions = reg.status_system(name) if system else reg.status_cuda(name)
+            return conn.respond(req, 200, http_codec.encode_json(regions))
+        if action == "unregister":
+            gone = reg.unregister_system(name) if system else reg.unregister_cuda(name)
+            if gone:
+                self.client.forget_segments(gone)
+            return conn.respond(req, 200, content_type="")
+        if not name:
+            raise invalid("shared memory register needs a region name in the path "
+                          "(.../region/<name>/register)")
+        try:
+            doc = http_codec.decode_json(req.body) if req.body else {}
+        except Exception:
+            raise invalid("failed to parse the shared memory register request JSON") from None
+        if not isinstance(doc, dict):
+            raise invalid("the shared memory register request must be a JSON object")
+        if system:
+            for field in ("key", "byte_size"):
+                if field not in doc:
+                    raise invalid(f"shared memory register request for '{name}' is missing '{field}'")
+            region = reg.register_system(name, doc["key"], doc.get("offset", 0), doc["byte_size"])
+            # a key may name a segment the client re-created: drop stale mappings of it first
+            self.client.forget_segments([region.segment])
+        else:
+            reg.register_cuda(name, doc.get("raw_handle"), doc.get("device_id"), doc.get("byte_size"))
+        conn.respond(req, 200, content_type="")
+
     def not_allowed(self, conn, req):
         self.release_body(req)
         conn.respond(req, 405, _NOT_ALLOWED)
@@ -182,7 +230,7 @@ class KServeHttpApp:
             req.body_slot = slot
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
-        parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena)
+        parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena, self.registry)
         payload = encode_message(parsed.payload)
         self.client.submit(view.name, v, parsed.batch_size, payload,
                            lambda result: self.infer_done(conn, req, parsed, result))
@@ -196,17 +244,21 @@ class KServeHttpApp:
             raise invalid(f"failed to decompress the {encoding} request body: {e}") from None
         return out
 
-    def infer_done(self, conn: HttpConnection, req: HttpRequest, parsed, result: InferResult) -> None:
+    def infer_done(self, conn: HttpConnection, req: HttpRequest, parsed: PreparedRequest,
+                   result: InferResult) -> None:
         # the worker has finished reading the inputs: their memory can be reused now
         self.release_body(req)
-        for ref in parsed.scratch:
-            self.arena.free(ref)
-        refs = [t.shm for t in result.outputs if t.shm is not None]
+        request.release(parsed, self.arena)
+        in_region = parsed.outputs
+        refs = [t.shm for t in result.outputs
+                if t.shm is not None and not (t.name in in_region and in_region[t.name].region)]
         try:
             if result.error:
                 return self.error(conn, req, http_status(result.code), result.error)
             try:
-                views = [t.data if t.shm is None else self.maps.view(t.shm) for t in result.outputs]
+                views = [t.data if t.shm is None else
+                         None if in_region.get(t.name) and in_region[t.name].region else
+                         self.maps.view(t.shm) for t in result.outputs]
                 header, parts, hlen = http_codec.render_response(result, parsed, views)
             except (ShmError, InferError) as e:
                 status = 400 if isinstance(e, InferError) else 500

@@ -7,7 +7,6 @@ socket into shared memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -15,28 +14,17 @@ import numpy as np
 
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import InferPayload, InferResult, ShmRef, Tensor
+from shmserve.ipc.messages import InferResult, ShmRef, Tensor
 from shmserve.ipc.shm import ShmArena
 
-from . import validation
+from . import request, validation
 from .catalog import ModelView
 from .errors import invalid
+from .request import PreparedRequest
+from .shm_registry import ShmRegistry
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
-
-# request parameters that steer the HTTP layer and are not passed to the model
-_HTTP_ONLY_PARAMS = ("binary_data_output",)
-
-
-@dataclass
-class ParsedRequest:
-    payload: InferPayload
-    batch_size: int
-    binary_outputs: dict[str, bool]        # output name -> return as binary
-    request_id: str
-    scratch: list[ShmRef] = field(default_factory=list)  # arena slots to free after the response
-
 
 def _flatten(data: Any) -> list:
     if not isinstance(data, list):
@@ -85,7 +73,7 @@ def _shape(name: str, value: Any) -> list[int]:
 
 
 def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef | None,
-                arena: ShmArena) -> ParsedRequest:
+                arena: ShmArena, registry: ShmRegistry) -> PreparedRequest:
     """Parse and validate; raises InferError with a message that names the problem."""
     mv = memoryview(body)
     if header_len == 0:
@@ -112,19 +100,19 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
         raise invalid("request 'id' must be a string")
     scratch: list[ShmRef] = []
     try:
-        return _parse_inputs(model, mv, header_len, body_ref, arena, doc, inputs, params,
-                             request_id, scratch)
+        return _parse(model, mv, header_len, body_ref, arena, registry, doc, inputs, params,
+                      request_id, scratch)
     except BaseException:
         for ref in scratch:     # the request fails: nobody else will free what it copied in
             arena.free(ref)
         raise
 
 
-def _parse_inputs(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef | None,
-                  arena: ShmArena, doc: dict, inputs: list, params: dict, request_id: str,
-                  scratch: list[ShmRef]) -> ParsedRequest:
+def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef | None,
+           arena: ShmArena, registry: ShmRegistry, doc: dict, inputs: list, params: dict,
+           request_id: str, scratch: list[ShmRef]) -> PreparedRequest:
     cursor = header_len
-    tensors = []
+    tensors, regions = [], []
     for item in inputs:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise invalid("each entry of 'inputs' must be an object with a string 'name'")
@@ -134,15 +122,18 @@ def _parse_inputs(model: ModelView, mv: memoryview, header_len: int, body_ref: S
             raise invalid(f"input '{name}' has invalid datatype '{datatype}'")
         shape = _shape(name, item.get("shape"))
         tparams = item.get("parameters") or {}
-        has_data = "data" in item
-        bsize = tparams.get("binary_data_size")
-        if "shared_memory_region" in tparams:
-            raise invalid(f"input '{name}': shared_memory_region is not supported on this server yet")
-        if has_data == (bsize is not None):
-            raise invalid(f"input '{name}' must set exactly one of 'data' and the "
-                          f"'binary_data_size' parameter")
+        if not isinstance(tparams, dict):
+            raise invalid(f"input '{name}': 'parameters' must be a JSON object")
         t = Tensor(name, datatype, shape)
-        if bsize is not None:
+        sources = ("data" in item) + ("binary_data_size" in tparams) + \
+            ("shared_memory_region" in tparams)
+        if sources != 1:
+            raise invalid(f"input '{name}' must set only one of 'data', the 'binary_data_size' "
+                          f"parameter and the 'shared_memory_region' parameter")
+        if "shared_memory_region" in tparams:
+            request.input_from_region(registry, model, t, tparams, regions)
+        elif "binary_data_size" in tparams:
+            bsize = tparams["binary_data_size"]
             if not isinstance(bsize, int) or isinstance(bsize, bool) or bsize < 0:
                 raise invalid(f"input '{name}': binary_data_size must be a non-negative integer")
             if cursor + bsize > len(mv):
@@ -169,42 +160,26 @@ def _parse_inputs(model: ModelView, mv: memoryview, header_len: int, body_ref: S
     if cursor != len(mv):
         raise invalid(f"unexpected additional input data for model '{model.name}': "
                       f"{len(mv) - cursor} bytes after the last binary input")
-    batch = validation.validate_inputs(model, tensors)
     binary_default = params.get("binary_data_output", False) is True
     outputs = doc.get("outputs")
-    binary: dict[str, bool] = {}
-    if outputs is None:
-        names = list(model.output_names)
-        for n in names:
-            binary[n] = binary_default
-    else:
+    wanted = None
+    if outputs is not None:
         if not isinstance(outputs, list):
             raise invalid("request 'outputs' must be an array")
-        names = []
+        wanted = []
         for o in outputs:
             if not isinstance(o, dict) or not isinstance(o.get("name"), str):
                 raise invalid("each entry of 'outputs' must be an object with a string 'name'")
             oparams = o.get("parameters") or {}
-            if "shared_memory_region" in oparams:
-                raise invalid(f"output '{o['name']}': shared_memory_region is not supported on "
-                              f"this server yet")
-            if "classification" in oparams:
-                raise invalid(f"output '{o['name']}': the classification extension is not "
-                              f"supported on this server yet")
-            names.append(o["name"])
-            b = oparams.get("binary_data", binary_default)
-            binary[o["name"]] = b is True
-        validation.check_outputs(model, names)
-    for key in params:
-        if key.startswith("triton_"):
-            raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' cannot "
-                          f"be set by a request")
-    model_params = {k: v for k, v in params.items() if k not in _HTTP_ONLY_PARAMS}
-    payload = InferPayload(request_id, tensors, names, model_params)
-    return ParsedRequest(payload, batch, binary, request_id, scratch)
+            if not isinstance(oparams, dict):
+                raise invalid(f"output '{o['name']}': 'parameters' must be a JSON object")
+            wanted.append(request.output_wanted(registry, o["name"], oparams, binary_default,
+                                                regions))
+    return request.prepare(model, tensors, wanted, params, request_id, scratch, regions,
+                           binary_default)
 
 
-def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None) -> ParsedRequest:
+def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None) -> PreparedRequest:
     """Inference-Header-Content-Length: 0 — the whole body is the data of the only input."""
     if len(model.inputs) != 1:
         raise invalid(f"raw binary request (Inference-Header-Content-Length: 0) needs a model with "
@@ -235,10 +210,7 @@ def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None) -> Par
         t.shm = body_ref
     else:
         t.data = bytes(mv)
-    validation.validate_inputs(model, [t])
-    names = list(model.output_names)
-    payload = InferPayload("", [t], names, {})
-    return ParsedRequest(payload, 1, {n: True for n in names}, "")
+    return request.prepare(model, [t], None, {}, "", [], [], binary_default=True)
 
 
 def _json_data(t: Tensor, buf) -> list:
@@ -250,15 +222,20 @@ def _json_data(t: Tensor, buf) -> list:
     return np.frombuffer(buf, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).tolist()
 
 
-def render_response(result: InferResult, parsed: ParsedRequest, views: list) -> tuple[bytes, list, int]:
+def render_response(result: InferResult, prepared: PreparedRequest, views: list) -> tuple[bytes, list, int]:
     """JSON header, binary parts in output order, and the JSON length (for the header field).
 
-    ``views`` holds each output's bytes (inline bytes or a shared-memory view).
+    ``views`` holds each output's bytes (inline bytes or a shared-memory view), or None for an
+    output that was written into a client's region.
     """
     outputs, parts = [], []
     for t, buf in zip(result.outputs, views):
         out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
-        if parsed.binary_outputs.get(t.name, False):
+        wanted = prepared.outputs.get(t.name)
+        if wanted is not None and wanted.region:
+            out["parameters"] = {"shared_memory_region": wanted.region,
+                                 "shared_memory_byte_size": t.shm.nbytes}
+        elif wanted is not None and wanted.binary:
             out["parameters"] = {"binary_data_size": len(buf)}
             if len(buf):
                 parts.append(buf)
@@ -266,8 +243,8 @@ def render_response(result: InferResult, parsed: ParsedRequest, views: list) -> 
             out["data"] = _json_data(t, buf)
         outputs.append(out)
     doc: dict[str, Any] = {}
-    if parsed.request_id:
-        doc["id"] = parsed.request_id
+    if prepared.request_id:
+        doc["id"] = prepared.request_id
     doc["model_name"] = result.model
     doc["model_version"] = str(result.version)
     if result.parameters:

@@ -22,6 +22,7 @@ from . import http_server
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
+from .shm_registry import ShmRegistry
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -33,11 +34,13 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     client = EngineClient(settings.run_dir, frontend_id, loop)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
+    registry = ShmRegistry(settings.allow_client_shm)
     servers, ports = [], {}
     try:
         if settings.allow_http:
-            app = KServeHttpApp(client, arena, maps, settings.server_id, settings.server_version,
-                                settings.strict_readiness, settings.http_max_input_size)
+            app = KServeHttpApp(client, arena, maps, registry, settings.server_id,
+                                settings.server_version, settings.strict_readiness,
+                                settings.http_max_input_size)
             srv = await http_server.serve(app, settings.http_address, settings.http_port)
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]

@@ -31,11 +31,16 @@ class Tensor(msgspec.Struct, array_like=True):
     shm: ShmRef | None = None
 
 
+class OutputSpec(msgspec.Struct, array_like=True):
+    name: str
+    shm: ShmRef | None = None   # write the output here (a client's region) instead of returning it
+
+
 class InferPayload(msgspec.Struct, array_like=True):
     """What a worker needs to execute one request; opaque to the scheduler."""
     request_id: str
     inputs: list[Tensor]
-    outputs: list[str]          # requested output names; empty = all outputs of the model
+    outputs: list[OutputSpec]   # the outputs to produce, in response order
     parameters: dict[str, Any] = {}
     correlation_id: int | str = 0
     flags: int = 0
@@ -106,6 +111,16 @@ class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
     refs: list[ShmRef]
 
 
+# ---- frontend -> scheduler -> every worker -----------------------------------------------------
+class ForgetSegments(msgspec.Struct, array_like=True, tag=23):
+    """Client segments that were (re)registered or unregistered: drop cached mappings of them.
+
+    It travels the same path as requests (through the scheduler), so a worker sees it before
+    any request that was sent after it.
+    """
+    segments: list[str]
+
+
 # ---- worker -> scheduler ---------------------------------------------------------------------
 class WorkerReady(msgspec.Struct, array_like=True, tag=30):
     instance: int
@@ -138,7 +153,7 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
 
 Message = Union[
     FrontendHello, SubmitRequest, IpcStatsQuery, ModelTable, IpcStatsReply, ExecuteBatch,
-    Shutdown, ReleaseOutputs, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
+    Shutdown, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -175,6 +190,7 @@ class ServerSettings(msgspec.Struct):
     metrics_port: int = 8002
     allow_metrics: bool = True
     http_max_input_size: int = 1 << 26
+    allow_client_shm: bool = True
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
     exit_on_error: bool = False

@@ -16,7 +16,8 @@ import msgspec
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, InferResult, ReleaseOutputs,
+from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments, InferResult,
+                                   ReleaseOutputs,
                                    Shutdown, WorkerArgs, WorkerLoadFailed, WorkerReady,
                                    decode_payload)
 from shmserve.ipc.proc import StopFlag, die_with_parent
@@ -76,11 +77,14 @@ class Worker:
                 elif isinstance(msg, ReleaseOutputs):
                     for ref in msg.refs:
                         self.arena.free(ref)
+                elif isinstance(msg, ForgetSegments):
+                    for name in msg.segments:
+                        self.maps.forget(name)
                 elif isinstance(msg, Shutdown):
                     return
 
     def execute(self, batch: ExecuteBatch, frames) -> None:
-        work, ready = [], []
+        work, ready, targets = [], [], []
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
             try:
@@ -89,9 +93,10 @@ class Worker:
                 for t in p.inputs:
                     inputs[t.name] = self.reshapes.model_input(t.name, tensors.to_numpy(t, self.maps))
                     types[t.name] = t.datatype
-                work.append(WorkRequest(inputs, types, p.outputs, p.request_id, p.parameters,
-                                        p.correlation_id, p.flags))
+                work.append(WorkRequest(inputs, types, [o.name for o in p.outputs], p.request_id,
+                                        p.parameters, p.correlation_id, p.flags))
                 ready.append(i)
+                targets.append({o.name: o.shm for o in p.outputs if o.shm is not None})
             except (ShmError, ValueError, msgspec.DecodeError) as e:
                 results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
@@ -105,8 +110,8 @@ class Worker:
                     results[i] = self.error(batch.routes[i].req_id, f"execute failed: {e}",
                                             ErrorCode.INTERNAL)
             if responses is not None:
-                for i, resp in zip(ready, responses):
-                    results[i] = self.result(batch.routes[i].req_id, resp)
+                for i, resp, target in zip(ready, responses, targets):
+                    results[i] = self.result(batch.routes[i].req_id, resp, target)
         failed = 0
         for route, res in zip(batch.routes, results):
             if res.error:
@@ -117,24 +122,34 @@ class Worker:
     def error(self, req_id: int, message: str, code: str) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
 
-    def result(self, req_id: int, resp) -> InferResult:
+    def result(self, req_id: int, resp, targets: dict) -> InferResult:
         if resp.error:
             return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
         outs, uses_shm = [], False
         try:
             for name, datatype, arr in resp.outputs:
                 arr = self.reshapes.client_output(name, arr)
+                target = targets.get(name)
+                if target is not None:
+                    outs.append(tensors.into_region(name, datatype, arr, target, self.maps))
+                    continue
                 t = tensors.from_numpy(name, datatype, arr, self.arena)
                 uses_shm |= t.shm is not None
                 outs.append(t)
+        except tensors.OutputTooLarge as e:
+            self.free_outputs(outs, targets)
+            return self.error(req_id, str(e), ErrorCode.INVALID_ARG)
         except (ShmError, ValueError, TypeError) as e:
-            for t in outs:
-                if t.shm is not None:
-                    self.arena.free(t.shm)
+            self.free_outputs(outs, targets)
             return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
         return InferResult(req_id, self.spec.model_name, self.spec.version, outs,
                            worker=self.inbox.address if uses_shm else "",
                            parameters=resp.parameters)
+
+    def free_outputs(self, outs, targets: dict) -> None:
+        for t in outs:
+            if t.shm is not None and t.name not in targets:
+                self.arena.free(t.shm)
 
     def close(self) -> None:
         if self.backend is not None:

@@ -5,7 +5,7 @@ import numpy as np
 
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import Tensor
+from shmserve.ipc.messages import ShmRef, Tensor
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 
@@ -35,6 +35,28 @@ def from_numpy(name: str, datatype: str, arr: np.ndarray, arena: ShmArena) -> Te
     slot = arena.alloc(nbytes)
     np.copyto(np.frombuffer(slot.view, dtype=arr.dtype).reshape(arr.shape), arr, casting="no")
     return Tensor(name, datatype, shape, None, slot.ref)
+
+
+class OutputTooLarge(Exception):
+    pass
+
+
+def into_region(name: str, datatype: str, arr: np.ndarray, target: ShmRef,
+                maps: ShmMapCache) -> Tensor:
+    """Write an output straight into the client's region; the Tensor then says how many bytes."""
+    data = dtypes.serialize_bytes(arr) if datatype == "BYTES" else arr
+    nbytes = data.nbytes
+    if nbytes > target.nbytes:
+        raise OutputTooLarge(f"shared memory size specified with the request for output '{name}' "
+                             f"({target.nbytes} bytes) should be at least {nbytes} bytes to hold "
+                             f"the results")
+    view = maps.view(ShmRef(target.segment, target.offset, nbytes))
+    dst = np.frombuffer(view, dtype=data.dtype).reshape(data.shape)
+    same = data.flags.c_contiguous and \
+        dst.__array_interface__["data"][0] == data.__array_interface__["data"][0]
+    if not same:        # an identity model may hand back the very memory it is asked to fill
+        np.copyto(dst, data, casting="no")
+    return Tensor(name, datatype, list(arr.shape), None, ShmRef(target.segment, target.offset, nbytes))
 
 
 class Reshapes:

@@ -12,6 +12,8 @@ from shmserve.engine.model_config import normalize
 from shmserve.frontend import http_codec
 from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
+from shmserve.frontend.request import OutputWanted, PreparedRequest
+from shmserve.frontend.shm_registry import ShmRegistry
 from shmserve.ipc import dtypes, shm
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import ErrorCode, InferResult, ModelInfo, ModelTable, ShmRef, Tensor, VersionInfo
@@ -120,7 +122,7 @@ def t_in(name, datatype, shape, data=None, **params):
 
 
 def parse(catalog, arena, model, body, header_len=None, body_ref=None):
-    return http_codec.parse_infer(catalog.get(model), body, header_len, body_ref, arena)
+    return http_codec.parse_infer(catalog.get(model), body, header_len, body_ref, arena, ShmRegistry())
 
 
 def binary_request(doc, *parts):
@@ -150,8 +152,8 @@ def test_json_inputs_nested_and_flat(catalog, arena):
     assert c.data == np.array([-7, 8], dtype=np.int32).tobytes()
     assert p.batch_size == 1
     assert p.request_id == "r1" and p.payload.request_id == "r1"
-    assert p.payload.outputs == ["OUT0", "OUT1"]
-    assert p.binary_outputs == {"OUT0": False, "OUT1": False}
+    assert [o.name for o in p.payload.outputs] == ["OUT0", "OUT1"]
+    assert {n: o.binary for n, o in p.outputs.items()} == {"OUT0": False, "OUT1": False}
     assert p.scratch == [] and arena.bytes_used == 0
     assert p.payload.parameters == {}
 
@@ -167,7 +169,7 @@ def test_json_batched_request(catalog, arena):
     x, y = p.payload.inputs
     assert np.frombuffer(x.data, dtype=np.int64).tolist() == [1, 2, 3, 4, 5, -6]
     assert y.data == b"\x01\x00"
-    assert p.request_id == "" and p.payload.outputs == ["Z"]
+    assert p.request_id == "" and [o.name for o in p.payload.outputs] == ["Z"]
 
 
 def test_request_parameters_reach_the_model(catalog, arena):
@@ -256,8 +258,8 @@ def test_raw_body_deduces_the_variable_dim(catalog, arena):
     assert (t.name, t.datatype, t.shape) == ("R", "FP32", [1, 2, 6])
     assert t.data == data
     assert p.batch_size == 1 and p.request_id == ""
-    assert p.payload.outputs == ["O1", "O2"]
-    assert p.binary_outputs == {"O1": True, "O2": True}
+    assert [o.name for o in p.payload.outputs] == ["O1", "O2"]
+    assert {n: o.binary for n, o in p.outputs.items()} == {"O1": True, "O2": True}
 
 
 def test_raw_fixed_and_bytes_inputs(catalog, arena):
@@ -316,8 +318,8 @@ def test_binary_data_output(catalog, arena, params, outputs, expected):
     if outputs is not None:
         doc["outputs"] = outputs
     p = parse(catalog, arena, "multi", jbody(doc))
-    assert p.binary_outputs == expected
-    assert p.payload.outputs == list(expected)
+    assert {n: o.binary for n, o in p.outputs.items()} == expected
+    assert [o.name for o in p.payload.outputs] == list(expected)
     assert "binary_data_output" not in p.payload.parameters
 
 
@@ -335,10 +337,10 @@ INPUT_ERRORS = [
     ("shape-float", "multi", [t_in("A", "FP32", [2.0, 2], [0] * 4), B_OK], "input 'A': 'shape' must be"),
     ("shape-bool", "multi", [t_in("A", "FP32", [True, 2], [0] * 4), B_OK], "input 'A': 'shape' must be"),
     ("data-and-binary", "multi", [t_in("A", "FP32", [2, 2], [0] * 4, binary_data_size=16), B_OK],
-     "input 'A' must set exactly one of"),
-    ("neither", "multi", [t_in("A", "FP32", [2, 2]), B_OK], "input 'A' must set exactly one of"),
+     "input 'A' must set only one of"),
+    ("neither", "multi", [t_in("A", "FP32", [2, 2]), B_OK], "input 'A' must set only one of"),
     ("shm-region", "multi", [t_in("A", "FP32", [2, 2], shared_memory_region="r", shared_memory_byte_size=16), B_OK],
-     "input 'A': shared_memory_region is not supported"),
+     "input 'A': Unable to find shared memory region: 'r'"),
     ("binary-size-negative", "multi", [t_in("A", "FP32", [2, 2], binary_data_size=-1), B_OK],
      "input 'A': binary_data_size must be a non-negative integer"),
     ("binary-size-str", "multi", [t_in("A", "FP32", [2, 2], binary_data_size="16"), B_OK],
@@ -442,7 +444,7 @@ OUTPUT_ERRORS = [
     ("not-list", {"name": "OUT0"}, "request 'outputs' must be an array"),
     ("no-name", [{"parameters": {}}], "each entry of 'outputs' must be an object with a string 'name'"),
     ("shm", [{"name": "OUT0", "parameters": {"shared_memory_region": "r"}}],
-     "output 'OUT0': shared_memory_region is not supported"),
+     "output 'OUT0': Unable to find shared memory region: 'r'"),
     ("classification", [{"name": "OUT1", "parameters": {"classification": 2}}],
      "output 'OUT1': the classification extension is not supported"),
 ]
@@ -479,7 +481,8 @@ def test_failed_parse_frees_the_scratch_it_allocated(catalog, arena):
 # ---- render_response --------------------------------------------------------------------------
 
 def _parsed(binary, request_id=""):
-    return http_codec.ParsedRequest(payload=None, batch_size=1, binary_outputs=binary, request_id=request_id)
+    return PreparedRequest(payload=None, batch_size=1, request_id=request_id,
+                           outputs={n: OutputWanted(n, b) for n, b in binary.items()})
 
 
 def _result(**kw):

@@ -1,0 +1,103 @@
+"""Turning a protocol's view of an infer request into one ``InferPayload``: the steps HTTP and
+gRPC share (client shared-memory references, validation, output selection, reserved parameters)
+and the clean-up after the answer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from shmserve.ipc.messages import InferPayload, OutputSpec, ShmRef, Tensor
+from shmserve.ipc.shm import ShmArena
+
+from . import validation
+from .catalog import ModelView
+from .errors import invalid
+from .shm_registry import ShmRegistry, SystemRegion
+
+# request parameters that steer the protocol layer and are not passed to the model
+PROTOCOL_PARAMS = ("binary_data_output",)
+
+
+@dataclass(slots=True)
+class OutputWanted:
+    name: str
+    binary: bool = False                  # HTTP: return as binary data
+    region: str = ""                      # client region the output is written into
+    ref: ShmRef | None = None
+
+
+@dataclass
+class PreparedRequest:
+    payload: InferPayload
+    batch_size: int
+    outputs: dict[str, OutputWanted]
+    request_id: str
+    scratch: list[ShmRef] = field(default_factory=list)    # frontend arena slots to free
+    regions: list[SystemRegion] = field(default_factory=list)  # client regions in use
+
+
+def input_from_region(registry: ShmRegistry, model: ModelView, t: Tensor, params: dict,
+                      regions: list[SystemRegion]) -> None:
+    what = f"input '{t.name}'"
+    region, ref = registry.resolve(params.get("shared_memory_region"),
+                                   params.get("shared_memory_byte_size"),
+                                   params.get("shared_memory_offset", 0), what)
+    validation.check_byte_size(model, t, ref.nbytes)
+    t.shm = ref
+    regions.append(region)
+
+
+def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default: bool,
+                  regions: list[SystemRegion]) -> OutputWanted:
+    if "classification" in params:
+        if "shared_memory_region" in params:
+            raise invalid(f"output '{name}': classification cannot be written to shared memory")
+        raise invalid(f"output '{name}': the classification extension is not supported on this "
+                      f"server yet")
+    if "shared_memory_region" in params:
+        if params.get("binary_data") is True:
+            raise invalid(f"output '{name}': binary_data cannot be combined with "
+                          f"shared_memory_region")
+        region, ref = registry.resolve(params["shared_memory_region"],
+                                       params.get("shared_memory_byte_size"),
+                                       params.get("shared_memory_offset", 0), f"output '{name}'")
+        regions.append(region)
+        return OutputWanted(name, False, region.name, ref)
+    binary = params.get("binary_data", binary_default)
+    return OutputWanted(name, binary is True)
+
+
+def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted] | None,
+            params: dict[str, Any], request_id: str, scratch: list[ShmRef],
+            regions: list[SystemRegion], binary_default: bool = False) -> PreparedRequest:
+    batch = validation.validate_inputs(model, tensors)
+    if outputs is None:
+        outputs = [OutputWanted(n, binary_default) for n in model.output_names]
+    else:
+        validation.check_outputs(model, [o.name for o in outputs])
+    wanted = {}
+    for o in outputs:
+        if o.name in wanted:
+            raise invalid(f"output '{o.name}' is requested more than once")
+        wanted[o.name] = o
+    for key in params:
+        if key.startswith("triton_"):
+            raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' cannot "
+                          f"be set by a request")
+    model_params = {k: v for k, v in params.items() if k not in PROTOCOL_PARAMS}
+    payload = InferPayload(request_id, tensors, [OutputSpec(o.name, o.ref) for o in outputs],
+                           model_params)
+    for r in regions:
+        r.in_use += 1
+    return PreparedRequest(payload, batch, wanted, request_id, scratch, regions)
+
+
+def release(prepared: PreparedRequest, arena: ShmArena) -> None:
+    """The worker is done with the request's memory: free our slots, let go of client regions."""
+    for ref in prepared.scratch:
+        arena.free(ref)
+    prepared.scratch = []
+    for r in prepared.regions:
+        r.in_use -= 1
+    prepared.regions = []

@@ -1,0 +1,154 @@
+"""Shared-memory regions that clients register (system and CUDA), and resolving tensor references
+into them.
+
+The frontend only checks regions and hands out ``ShmRef``s into them: the worker reads inputs from
+and writes outputs into the client's memory directly. Nothing here ever unlinks a client's
+segment; unregistering only forgets it.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import _posixshmem
+
+from shmserve.ipc.messages import ErrorCode, ShmRef
+from shmserve.ipc.shm import PREFIX
+
+from .errors import InferError, invalid
+
+CUDA_UNSUPPORTED = "CUDA shared memory is not supported on this server"
+
+
+@dataclass
+class SystemRegion:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    segment: str                # key without its leading '/'
+    in_use: int = 0
+
+
+def _unsupported() -> InferError:
+    return InferError(ErrorCode.UNSUPPORTED, "client shared memory is disabled on this server "
+                                             "(start it with --allow-client-shm=true)")
+
+
+def _non_negative_int(value, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise invalid(f"{what} must be a non-negative integer, got {value!r}")
+    return value
+
+
+class ShmRegistry:
+    def __init__(self, allowed: bool = True):
+        self.allowed = allowed
+        self.system: dict[str, SystemRegion] = {}
+
+    # ---- system shared memory ----------------------------------------------------------------
+    def register_system(self, name: str, key, offset, byte_size) -> SystemRegion:
+        if not self.allowed:
+            raise _unsupported()
+        if not name:
+            raise invalid("shared memory region name must not be empty")
+        if not isinstance(key, str) or not key.strip("/"):
+            raise invalid(f"shared memory region '{name}': 'key' must be a non-empty string")
+        offset = _non_negative_int(offset, f"shared memory region '{name}': 'offset'")
+        byte_size = _non_negative_int(byte_size, f"shared memory region '{name}': 'byte_size'")
+        if name in self.system:
+            raise InferError(ErrorCode.ALREADY_EXISTS,
+                             f"shared memory region '{name}' is already registered")
+        segment = key[1:] if key.startswith("/") else key
+        if "/" in segment:
+            raise invalid(f"shared memory key '{key}' is not a valid POSIX shared memory name")
+        if segment.startswith(PREFIX):
+            raise invalid(f"shared memory key '{key}' names one of the server's own segments; "
+                          f"register a segment your client created")
+        try:
+            fd = _posixshmem.shm_open("/" + segment, os.O_RDWR, 0)
+        except FileNotFoundError:
+            raise invalid(f"Unable to open shared memory region '{name}': no segment with key "
+                          f"'{key}' exists") from None
+        except PermissionError:
+            raise invalid(f"Unable to open shared memory region '{name}': permission denied for "
+                          f"key '{key}'") from None
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if offset + byte_size > size:
+            raise invalid(f"shared memory region '{name}': offset {offset} + byte_size "
+                          f"{byte_size} exceeds the {size} bytes of segment '{key}'")
+        region = SystemRegion(name, key, offset, byte_size, segment)
+        self.system[name] = region
+        return region
+
+    def unregister_system(self, name: str | None) -> list[str]:
+        """Forget one region (or all); returns the segments no longer referenced by any region."""
+        if not self.allowed:
+            raise _unsupported()
+        if name:
+            region = self.system.get(name)
+            if region is None:
+                return []       # as Triton: unregistering an unknown region is not an error
+            regions = [region]
+        else:
+            regions = list(self.system.values())
+        busy = [r.name for r in regions if r.in_use]
+        if busy:
+            raise invalid(f"cannot unregister shared memory region(s) {busy} while requests "
+                          f"that use them are in flight")
+        for r in regions:
+            del self.system[r.name]
+        still = {r.segment for r in self.system.values()}
+        return sorted({r.segment for r in regions} - still)
+
+    def status_system(self, name: str | None) -> list[dict]:
+        if name:
+            region = self.system.get(name)
+            if region is None:
+                raise InferError(ErrorCode.NOT_FOUND,
+                                 f"Unable to find system shared memory region: '{name}'")
+            regions = [region]
+        else:
+            regions = self.system.values()
+        return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
+                for r in regions]
+
+    # ---- CUDA shared memory ------------------------------------------------------------------
+    def register_cuda(self, name: str, raw_handle, device_id, byte_size) -> None:
+        if not self.allowed:
+            raise _unsupported()
+        raise invalid(CUDA_UNSUPPORTED)
+
+    def unregister_cuda(self, name: str | None) -> list[str]:
+        if not self.allowed:
+            raise _unsupported()
+        return []
+
+    def status_cuda(self, name: str | None) -> list[dict]:
+        if name:
+            raise InferError(ErrorCode.NOT_FOUND,
+                             f"Unable to find cuda shared memory region: '{name}'")
+        return []
+
+    # ---- tensors in regions ------------------------------------------------------------------
+    def resolve(self, region_name, byte_size, offset, what: str) -> tuple[SystemRegion, ShmRef]:
+        if not self.allowed:
+            raise _unsupported()
+        if not isinstance(region_name, str):
+            raise invalid(f"{what}: shared_memory_region must be a string")
+        region = self.system.get(region_name)
+        if region is None:
+            raise invalid(f"{what}: Unable to find shared memory region: '{region_name}'")
+        if byte_size is None:
+            raise invalid(f"{what}: shared_memory_byte_size must be given with "
+                          f"shared_memory_region")
+        byte_size = _non_negative_int(byte_size, f"{what}: shared_memory_byte_size")
+        offset = _non_negative_int(offset or 0, f"{what}: shared_memory_offset")
+        if offset + byte_size > region.byte_size:
+            raise invalid(f"{what}: shared_memory_offset {offset} + shared_memory_byte_size "
+                          f"{byte_size} exceeds the {region.byte_size} bytes of region "
+                          f"'{region_name}'")
+        return region, ShmRef(region.segment, region.offset + offset, byte_size)
