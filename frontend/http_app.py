@@ -21,6 +21,7 @@ log = logging.getLogger("shmserve.http")
 EXTENSIONS = ["model_repository", "model_configuration", "system_shared_memory",
               "cuda_shared_memory", "binary_tensor_data", "parameters"]
 MAX_BODY = 1 << 32
+LOAD_UNLOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
 _NOT_FOUND = b'{"error":"Not Found"}'
 _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
 
@@ -101,6 +102,12 @@ class KServeHttpApp:
             if method != "POST":
                 return self.not_allowed(conn, req)
             return self.repository_index(conn, req)
+        if path.startswith("/v2/repository/models/") and (path.endswith("/load")
+                                                           or path.endswith("/unload")):
+            if method != "POST":
+                return self.not_allowed(conn, req)
+            # explicit model control arrives with issue 5; until then we run in "none" mode
+            return self.error(conn, req, 503, LOAD_UNLOAD_REFUSED)
         parts = path.split("/")
         if len(parts) < 4 or parts[1] != "v2" or parts[2] != "models" or not parts[3]:
             return conn.respond(req, 404, _NOT_FOUND)
@@ -249,16 +256,12 @@ class KServeHttpApp:
         # the worker has finished reading the inputs: their memory can be reused now
         self.release_body(req)
         request.release(parsed, self.arena)
-        in_region = parsed.outputs
-        refs = [t.shm for t in result.outputs
-                if t.shm is not None and not (t.name in in_region and in_region[t.name].region)]
+        refs = request.worker_slots(result, parsed)
         try:
             if result.error:
                 return self.error(conn, req, http_status(result.code), result.error)
             try:
-                views = [t.data if t.shm is None else
-                         None if in_region.get(t.name) and in_region[t.name].region else
-                         self.maps.view(t.shm) for t in result.outputs]
+                views = request.output_views(result, parsed, self.maps)
                 header, parts, hlen = http_codec.render_response(result, parsed, views)
             except (ShmError, InferError) as e:
                 status = 400 if isinstance(e, InferError) else 500

@@ -233,8 +233,7 @@ def render_response(result: InferResult, prepared: PreparedRequest, views: list)
         out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
         wanted = prepared.outputs.get(t.name)
         if wanted is not None and wanted.region:
-            out["parameters"] = {"shared_memory_region": wanted.region,
-                                 "shared_memory_byte_size": t.shm.nbytes}
+            pass    # the bytes are in the client's region; Triton adds no parameters here
         elif wanted is not None and wanted.binary:
             out["parameters"] = {"binary_data_size": len(buf)}
             if len(buf):

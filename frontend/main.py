@@ -18,7 +18,7 @@ from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
-from . import http_server
+from . import grpc_service, http_server
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
@@ -36,6 +36,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     maps = ShmMapCache()
     registry = ShmRegistry(settings.allow_client_shm)
     servers, ports = [], {}
+    grpc_svc = grpc_server = None
     try:
         if settings.allow_http:
             app = KServeHttpApp(client, arena, maps, registry, settings.server_id,
@@ -45,6 +46,13 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]
             log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
+        if settings.allow_grpc:
+            grpc_svc = grpc_service.InferenceService(client, arena, maps, registry,
+                                                     settings.server_id, settings.server_version,
+                                                     settings.strict_readiness)
+            grpc_server, ports["grpc"] = await grpc_service.serve(
+                grpc_svc, settings.grpc_address, settings.grpc_port)
+            log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
             srv = await http_server.serve(MetricsApp(client),
                                           settings.metrics_address or settings.http_address,
@@ -61,12 +69,16 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         log.info("frontend stopping")
         if settings.allow_http:
             app.accepting = False
+        if grpc_svc is not None:
+            grpc_svc.accepting = False
         for srv in servers:
             srv.close()
         deadline = loop.time() + settings.exit_timeout_secs
         while client.pending and loop.time() < deadline:
             await asyncio.sleep(0.05)
         client.fail_all("the server is shutting down")
+        if grpc_server is not None:
+            await grpc_server.stop(grace=1.0)
     finally:
         client.close()
         arena.close()

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmserve.ipc.messages import InferPayload, OutputSpec, ShmRef, Tensor
-from shmserve.ipc.shm import ShmArena
+from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor
+from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 from . import validation
 from .catalog import ModelView
@@ -16,7 +16,7 @@ from .errors import invalid
 from .shm_registry import ShmRegistry, SystemRegion
 
 # request parameters that steer the protocol layer and are not passed to the model
-PROTOCOL_PARAMS = ("binary_data_output",)
+PROTOCOL_PARAMS = ("binary_data_output", "triton_enable_empty_final_response")
 
 
 @dataclass(slots=True)
@@ -82,7 +82,7 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
             raise invalid(f"output '{o.name}' is requested more than once")
         wanted[o.name] = o
     for key in params:
-        if key.startswith("triton_"):
+        if key.startswith("triton_") and key not in PROTOCOL_PARAMS:
             raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' cannot "
                           f"be set by a request")
     model_params = {k: v for k, v in params.items() if k not in PROTOCOL_PARAMS}
@@ -101,3 +101,22 @@ def release(prepared: PreparedRequest, arena: ShmArena) -> None:
     for r in prepared.regions:
         r.in_use -= 1
     prepared.regions = []
+
+
+def worker_slots(result: InferResult, prepared: PreparedRequest) -> list[ShmRef]:
+    """Output slots of the worker's arena that the answer points at (to give back once sent)."""
+    return [t.shm for t in result.outputs if t.shm is not None
+            and not (t.name in prepared.outputs and prepared.outputs[t.name].region)]
+
+
+def output_views(result: InferResult, prepared: PreparedRequest, maps: ShmMapCache) -> list:
+    """Each output's bytes: inline bytes, a view of the worker's slot, or None when the output
+    was written into the client's region. Raises ShmError if a slot cannot be mapped."""
+    views = []
+    for t in result.outputs:
+        wanted = prepared.outputs.get(t.name)
+        if wanted is not None and wanted.region:
+            views.append(None)
+        else:
+            views.append(t.data if t.shm is None else maps.view(t.shm))
+    return views

@@ -79,6 +79,8 @@ class Server:
             ports = wait_for(self._ports, timeout, "the server to write its port file")
             self.http_port = ports["http"]
             self.metrics_port = ports.get("metrics")
+            self.grpc_port = ports.get("grpc")
+            self.grpc_url = f"127.0.0.1:{self.grpc_port}"
             self.url = f"127.0.0.1:{self.http_port}"
             self.base = f"http://{self.url}"
             if wait_ready:

@@ -1,0 +1,150 @@
+"""KServe v2 gRPC infer messages (tritonclient's generated ``service_pb2``) to and from our
+request records. Validation is the shared path in ``request``/``validation``."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from shmserve.ipc import dtypes
+from shmserve.ipc.channel import INLINE_LIMIT
+from shmserve.ipc.messages import InferResult, ShmRef, Tensor
+from shmserve.ipc.shm import ShmArena
+
+from . import request, validation
+from .catalog import ModelView
+from .errors import invalid
+from .request import PreparedRequest
+from .shm_registry import ShmRegistry
+
+# typed contents field per datatype (FP16/BF16 only travel raw, TRITON.md §2.2)
+_CONTENTS_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+    "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+    "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents",
+}
+
+
+def parameters_to_dict(params) -> dict[str, Any]:
+    out = {}
+    for key, p in params.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which else None
+    return out
+
+
+def set_parameter(target, key: str, value) -> None:
+    p = target[key]
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def _typed_contents(model: ModelView, t: Tensor, contents) -> bytes:
+    field = _CONTENTS_FIELD.get(t.datatype)
+    if field is None:
+        raise invalid(f"input '{t.name}' of datatype {t.datatype} must be sent in "
+                      f"raw_input_contents")
+    values = getattr(contents, field)
+    count = dtypes.element_count(t.shape)
+    if len(values) != count:
+        raise invalid(f"unexpected number of elements for input '{t.name}' for model "
+                      f"'{model.name}': shape {t.shape} needs {count}, got {len(values)}")
+    if t.datatype == "BYTES":
+        return dtypes.serialize_bytes(np.array(list(values), dtype=object)).tobytes()
+    try:
+        return np.array(values, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).tobytes()
+    except OverflowError as e:
+        raise invalid(f"input '{t.name}' holds a value that is not a valid {t.datatype}: {e}") from None
+
+
+def _has_contents(contents) -> bool:
+    return any(len(getattr(contents, f)) for f in set(_CONTENTS_FIELD.values()))
+
+
+def parse_infer(model: ModelView, req: pb.ModelInferRequest, arena: ShmArena,
+                registry: ShmRegistry) -> PreparedRequest:
+    scratch: list[ShmRef] = []
+    try:
+        return _parse(model, req, arena, registry, scratch)
+    except BaseException:
+        for ref in scratch:
+            arena.free(ref)
+        raise
+
+
+def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
+           scratch: list[ShmRef]) -> PreparedRequest:
+    raw = req.raw_input_contents
+    next_raw = 0
+    tensors, regions = [], []
+    for inp in req.inputs:
+        name = inp.name
+        if inp.datatype not in dtypes.ELEMENT_SIZE:
+            raise invalid(f"input '{name}' has invalid datatype '{inp.datatype}'")
+        shape = list(inp.shape)
+        if any(d < 0 for d in shape):
+            raise invalid(f"input '{name}': 'shape' must be a list of non-negative integers")
+        t = Tensor(name, inp.datatype, shape)
+        tparams = parameters_to_dict(inp.parameters)
+        typed = inp.HasField("contents") and _has_contents(inp.contents)
+        if "shared_memory_region" in tparams:
+            if typed:
+                raise invalid(f"input '{name}' must set only one of contents and the "
+                              f"'shared_memory_region' parameter")
+            request.input_from_region(registry, model, t, tparams, regions)
+            tensors.append(t)
+            continue
+        if typed:
+            if raw:
+                raise invalid(f"contents field must not be specified when using "
+                              f"raw_input_contents for '{name}' for model '{model.name}'")
+            data = _typed_contents(model, t, inp.contents)
+        else:
+            if next_raw >= len(raw):
+                raise invalid(f"input '{name}' for model '{model.name}' has no data: give "
+                              f"raw_input_contents, typed contents or a shared memory region")
+            data = raw[next_raw]
+            next_raw += 1
+            validation.check_byte_size(model, t, len(data), data)
+        if len(data) > INLINE_LIMIT:
+            slot = arena.alloc(len(data))
+            slot.view[:] = data
+            scratch.append(slot.ref)
+            t.shm = slot.ref
+        else:
+            t.data = data
+        tensors.append(t)
+    if next_raw != len(raw):
+        raise invalid(f"expected {next_raw} raw_input_contents entries for model "
+                      f"'{model.name}', got {len(raw)}")
+    wanted = None
+    if req.outputs:
+        wanted = [request.output_wanted(registry, o.name, parameters_to_dict(o.parameters),
+                                        True, regions) for o in req.outputs]
+    return request.prepare(model, tensors, wanted, parameters_to_dict(req.parameters), req.id,
+                           scratch, regions, binary_default=True)
+
+
+def build_response(result: InferResult, prepared: PreparedRequest, views: list) -> pb.ModelInferResponse:
+    """Outputs always travel in raw_output_contents, one entry per output (empty for outputs
+    written into a client's region), as Triton does and as tritonclient reads them."""
+    resp = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version),
+                                 id=prepared.request_id)
+    for t, buf in zip(result.outputs, views):
+        out = resp.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        wanted = prepared.outputs.get(t.name)
+        if wanted is not None and wanted.region:
+            resp.raw_output_contents.append(b"")     # the bytes are in the client's region
+        else:
+            resp.raw_output_contents.append(bytes(buf))
+    for key, value in result.parameters.items():
+        set_parameter(resp.parameters, key, value)
+    return resp

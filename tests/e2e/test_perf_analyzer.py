@@ -1,0 +1,46 @@
+"""The real perf_analyzer (from the tritonclient 2.51.0 wheel) runs unmodified against shmserve."""
+import csv
+import os
+import subprocess
+
+import pytest
+
+from serverproc import REPO_ROOT
+
+CACHE = os.path.expanduser("~/.cache/shmserve-tools")
+
+
+@pytest.fixture(scope="session")
+def perf_analyzer():
+    script = os.path.join(REPO_ROOT, "bench", "install-perf-analyzer.sh")
+    out = subprocess.run(["bash", script, CACHE], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"installing perf_analyzer failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout.strip().splitlines()[-1]
+
+
+CASES = {
+    "http": ["-i", "http"],
+    "grpc": ["-i", "grpc"],
+    "http-system-shm": ["-i", "http", "--shared-memory", "system", "--output-shared-memory-size", "65536"],
+    "grpc-system-shm": ["-i", "grpc", "--shared-memory", "system", "--output-shared-memory-size", "65536"],
+    "grpc-streaming": ["-i", "grpc", "--streaming"],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_perf_analyzer_reports_throughput(server, perf_analyzer, tmp_path, case):
+    port = server.grpc_port if "grpc" in case else server.http_port
+    report = tmp_path / "report.csv"
+    cmd = [perf_analyzer, "-m", "identity_fp32", "-u", f"127.0.0.1:{port}", "--shape", "INPUT0:16",
+           "--concurrency-range", "1:2", "--measurement-interval", "800", "--max-trials", "4",
+           "--stability-percentage", "999", "--percentile", "99", "-f", str(report),
+           *CASES[case]]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "error" not in out.stdout.lower(), out.stdout
+    with open(report) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["Concurrency"] for r in rows] == ["1", "2"]
+    for r in rows:
+        assert float(r["Inferences/Second"]) > 0
+        assert float(r["p99 latency"]) > 0
