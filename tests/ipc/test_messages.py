@@ -27,6 +27,7 @@ MESSAGES = [
     m.ExecuteBatch(8, []),
     m.Shutdown(),
     m.ReleaseOutputs([REF, m.ShmRef("seg", 0, 0)]),
+    m.ForgetSegments(["shmtest_a", "shmtest_b"]),
     m.WorkerReady(instance=4, pid=1234, address="ipc:///tmp/w4"),
     m.WorkerLoadFailed(4, "ImportError: no module named foo"),
     m.BatchDone(4, 7),
@@ -57,7 +58,8 @@ def test_messages_are_tagged_arrays():
 
 @pytest.mark.parametrize("payload", [
     m.InferPayload("", [], []),
-    m.InferPayload("req-1", TENSORS, ["OUTPUT0", "OUTPUT1"], {"delay_ms": 5, "s": "x", "b": False},
+    m.InferPayload("req-1", TENSORS, [m.OutputSpec("OUTPUT0"), m.OutputSpec("OUTPUT1", REF)],
+                   {"delay_ms": 5, "s": "x", "b": False},
                    correlation_id=17, flags=3),
     m.InferPayload("req-2", TENSORS[:1], [], correlation_id="session-a"),
 ], ids=["empty", "full", "string-correlation"])
@@ -69,8 +71,8 @@ def test_payload_round_trip(payload):
 
 
 def test_payload_defaults():
-    out = m.decode_payload(msgspec.msgpack.encode(["id", [["X", "INT32", [1]]], ["Y"]]))
-    assert out == m.InferPayload("id", [m.Tensor("X", "INT32", [1])], ["Y"])
+    out = m.decode_payload(msgspec.msgpack.encode(["id", [["X", "INT32", [1]]], [["Y"]]]))
+    assert out == m.InferPayload("id", [m.Tensor("X", "INT32", [1])], [m.OutputSpec("Y")])
     assert out.parameters == {} and out.correlation_id == 0 and out.flags == 0
     assert out.inputs[0].data is None and out.inputs[0].shm is None
 
