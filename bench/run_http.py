@@ -46,13 +46,15 @@ def _server_cmd(binary: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from shmserve.engine.cli import main; sys.exit(main())"]
 
 
-def _wait_port_file(path: str, proc: subprocess.Popen, deadline: float) -> int:
+def _wait_port_file(path: str, proc: subprocess.Popen, deadline: float) -> dict:
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before listening")
         try:
             with open(path) as f:
-                return int(json.load(f)["http"])
+                ports = json.load(f)
+                int(ports["http"])
+                return ports
         except (FileNotFoundError, json.JSONDecodeError, KeyError, ValueError, TypeError):
             time.sleep(0.1)  # not written yet, or caught half-written
     raise TimeoutError(f"server did not write {path} in time")
@@ -75,11 +77,13 @@ def _wait_ready(host: str, port: int, proc: subprocess.Popen, deadline: float) -
     raise TimeoutError("server did not become ready in time")
 
 
-def start_server(args, workdir: str) -> tuple[subprocess.Popen, str]:
+def start_server(args, workdir: str) -> tuple[subprocess.Popen, dict]:
+    """Start shmserve on OS-picked ports; returns the process and {"http": port, "grpc": ...}."""
     port_file = os.path.join(workdir, "ports.json")
     log_path = os.path.join(workdir, "server.log")
     cmd = _server_cmd(args.server_bin) + ["--model-repository", args.model_repository,
-                                          "--http-port", "0", "--port-file", port_file]
+                                          "--http-port", "0", "--grpc-port", "0",
+                                          "--metrics-port", "0", "--port-file", port_file]
     log = open(log_path, "wb")
     # Own session so a SIGKILL fallback can take the server's worker processes down with it.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -87,14 +91,14 @@ def start_server(args, workdir: str) -> tuple[subprocess.Popen, str]:
     log.close()
     try:
         deadline = time.monotonic() + args.start_timeout
-        port = _wait_port_file(port_file, proc, deadline)
-        _wait_ready("127.0.0.1", port, proc, deadline)
+        ports = _wait_port_file(port_file, proc, deadline)
+        _wait_ready("127.0.0.1", ports["http"], proc, deadline)
     except BaseException:
         stop_server(proc)
         with open(log_path, "rb") as f:
             sys.stderr.write(f.read()[-4000:].decode("utf-8", "replace"))
         raise
-    return proc, f"127.0.0.1:{port}"
+    return proc, ports
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 20.0) -> int | None:
@@ -184,7 +188,8 @@ def main(argv=None) -> int:
         try:
             if args.start:
                 try:
-                    proc, url = start_server(args, workdir)
+                    proc, ports = start_server(args, workdir)
+                    url = f"127.0.0.1:{ports['http']}"
                 except (RuntimeError, TimeoutError, OSError) as e:
                     print(f"could not start the server: {e}", file=sys.stderr)
                     return 2

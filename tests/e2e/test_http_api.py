@@ -128,11 +128,12 @@ ALL_TYPES = ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "IN
              "FP16", "FP32", "FP64", "BF16", "BYTES"]
 
 
-@pytest.mark.parametrize("wire", ALL_TYPES)
-@pytest.mark.parametrize("binary", [True, False])
+# FP16/BF16 cannot travel as JSON: that refusal has tests of its own below
+ROUND_TRIPS = [(w, b) for w in ALL_TYPES for b in (True, False) if b or w not in ("FP16", "BF16")]
+
+
+@pytest.mark.parametrize("wire, binary", ROUND_TRIPS)
 def test_every_datatype_round_trips(client, wire, binary):
-    if not binary and wire in ("FP16", "BF16"):
-        pytest.skip("FP16/BF16 cannot travel as JSON (the refusal is tested separately)")
     data = _sample(wire, 10).reshape(2, 5)
     inp = httpclient.InferInput("INPUT0", data.shape, wire)
     inp.set_data_from_numpy(data, binary_data=binary)
