@@ -18,6 +18,12 @@ class QueuedRequest:
     batch_size: int
     payload: Any                # opaque payload frame, forwarded to the worker untouched
     enqueued_ns: int = 0
+    priority: int = 0           # the request's `priority` parameter; 0 = the default level
+    timeout_us: int = 0         # the request's `timeout` parameter; 0 = none given
+    shape_key: str = ""         # requests batch together only with an equal key
+    received_ns: int = 0        # when the frontend received it (CLOCK_MONOTONIC, system-wide)
+    deadline_ns: int = 0        # queue timeout; 0 = none
+    dispatched_ns: int = 0
 
 
 class QueueFull(Exception):
@@ -54,11 +60,16 @@ class DefaultScheduler:
     def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
         out = []
         while self.queue and self.idle:
-            out.append((self.idle.pop(), [self.queue.popleft()]))
+            req = self.queue.popleft()
+            req.dispatched_ns = self.clock()
+            out.append((self.idle.pop(), [req]))
         return out
 
     def next_deadline_ns(self) -> int | None:
         return None
+
+    def take_expired(self) -> list[QueuedRequest]:
+        return []
 
     def drain(self) -> list[QueuedRequest]:
         """Take every queued request out (the model is going away)."""

@@ -39,6 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-address", default=None)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--allow-metrics", type=triton_bool, default=True)
+    p.add_argument("--allow-cpu-metrics", type=triton_bool, default=True)
+    p.add_argument("--allow-gpu-metrics", type=triton_bool, default=True)
+    p.add_argument("--metrics-interval-ms", type=int, default=2000,
+                   help="how often CPU, memory and GPU gauges are sampled")
+    p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
+                   help="counter_latencies=true|false (default true), "
+                        "histogram_latencies=true|false (default false)")
     p.add_argument("--http-max-input-size", type=int, default=1 << 26,
                    help="largest JSON part of an HTTP request in bytes")
     p.add_argument("--allow-client-shm", type=triton_bool, default=True,
@@ -58,8 +65,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def metrics_config(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, bool]:
+    known = {"counter_latencies": True, "histogram_latencies": False}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in known:
+            parser.error(f"--metrics-config {item!r}: expected counter_latencies=<bool> or "
+                         f"histogram_latencies=<bool> (summary_latencies is not supported yet)")
+        try:
+            known[key] = triton_bool(value)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"--metrics-config {item!r}: {e}")
+    return known
+
+
 def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    mc = metrics_config(parser, a.metrics_config)
+    if a.metrics_interval_ms <= 0:
+        parser.error("--metrics-interval-ms must be positive")
     settings = ServerSettings(
         model_repositories=a.model_repository, run_dir="", segment_prefix="", launcher_pid=0,
         server_id=a.id, server_version=VERSION, model_config_name=a.model_config_name,
@@ -67,6 +92,9 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         grpc_address=a.grpc_address or a.host, grpc_port=a.grpc_port, allow_grpc=a.allow_grpc,
         metrics_address=a.metrics_address or a.http_address or a.host,
         metrics_port=a.metrics_port, allow_metrics=a.allow_metrics,
+        allow_cpu_metrics=a.allow_cpu_metrics, allow_gpu_metrics=a.allow_gpu_metrics,
+        metrics_interval_ms=a.metrics_interval_ms,
+        counter_latencies=mc["counter_latencies"], histogram_latencies=mc["histogram_latencies"],
         http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
         exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,

@@ -78,6 +78,24 @@ def _check_tensors(cfg: mc.ModelConfig, kind: str, tensors) -> None:
                                   f"dims {list(t.dims)}")
 
 
+def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
+    db, name, mbs = cfg.dynamic_batching, cfg.name, cfg.max_batch_size
+    for p in db.preferred_batch_size:
+        if p <= 0 or (mbs > 0 and p > mbs):
+            raise ConfigError(f"model '{name}': dynamic_batching preferred_batch_size {p} must be "
+                              f"between 1 and max_batch_size ({mbs})")
+    if not db.preferred_batch_size and mbs > 0:
+        db.preferred_batch_size.append(mbs)
+    levels = db.priority_levels
+    if levels and not 1 <= db.default_priority_level <= levels:
+        raise ConfigError(f"model '{name}': dynamic_batching default_priority_level must be in "
+                          f"[1, {levels}] when priority_levels is {levels}")
+    for level in db.priority_queue_policy:
+        if not 1 <= level <= levels:
+            raise ConfigError(f"model '{name}': dynamic_batching priority_queue_policy has level "
+                              f"{level}, outside [1, priority_levels={levels}]")
+
+
 def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelConfig:
     """Check a config and fill the defaults Triton fills (TRITON.md §3.3); raises ConfigError."""
     if cfg.name and cfg.name != name:
@@ -110,9 +128,8 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         cfg.version_policy.latest.num_versions = 1
     elif cfg.version_policy.HasField("latest") and cfg.version_policy.latest.num_versions == 0:
         cfg.version_policy.latest.num_versions = 1
-    if cfg.HasField("dynamic_batching") and not cfg.dynamic_batching.preferred_batch_size \
-            and cfg.max_batch_size > 0:
-        cfg.dynamic_batching.preferred_batch_size.append(cfg.max_batch_size)
+    if cfg.HasField("dynamic_batching"):
+        _check_dynamic_batching(cfg)
     if cfg.HasField("sequence_batching"):
         raise ConfigError(f"model '{name}': sequence_batching is not supported yet")
     if not cfg.instance_group:

@@ -1,11 +1,14 @@
 """Runtime records of loaded model versions and their instances (state only, no sockets)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from .batching import DefaultScheduler, QueuedRequest
+from .dynamic_batcher import DynamicBatcher, batcher_config
 from .model_config import ModelConfig
 from .states import InstanceState, ModelState
+from .stats import VersionStats
 
 # Queued requests per model version before new ones are refused with 503 (Triton's default
 # scheduler has no bound; an unbounded queue turns overload into memory growth).
@@ -44,8 +47,16 @@ class ModelVersion:
     state: ModelState = ModelState.LOADING
     reason: str = ""
     instances: list[Instance] = field(default_factory=list)
-    scheduler: DefaultScheduler = field(
-        default_factory=lambda: DefaultScheduler(max_queue_size=DEFAULT_MAX_QUEUE))
+    scheduler: DefaultScheduler | DynamicBatcher = None
+    stats: VersionStats = None
+    load_started: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self):
+        if self.config.HasField("dynamic_batching"):
+            self.scheduler = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE)
+        else:
+            self.scheduler = DefaultScheduler(max_queue_size=DEFAULT_MAX_QUEUE)
+        self.stats = VersionStats(self.name, self.version)
 
     def all_started(self) -> bool:
         return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)

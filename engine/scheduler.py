@@ -16,7 +16,7 @@ import zmq
 from shmserve.ipc import channel, shm
 from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments,
                                    FrontendHello, InferResult,
-                                   InstanceSpec, IpcStatsQuery, IpcStatsReply, ModelInfo,
+                                   InstanceSpec, ModelInfo, StatsQuery, StatsReply,
                                    ModelTable, RequestRoute, ServerSettings, Shutdown,
                                    SubmitRequest, VersionInfo,
                                    WorkerLoadFailed, WorkerReady)
@@ -152,14 +152,28 @@ class Scheduler:
             for _, inst in self.by_spawn.values():
                 if inst.outbox is not None:
                     inst.outbox.send(msg)
-        elif isinstance(msg, IpcStatsQuery):
-            self.frontends[msg.frontend].send(IpcStatsReply(msg.query_id, channel.COUNTERS.as_dict()))
+        elif isinstance(msg, StatsQuery):
+            self.frontends[msg.frontend].send(self.statistics(msg))
 
     def reply_error(self, frontend: int, req_id: int, model: str, version: int, code: str,
                     message: str) -> None:
         box = self.frontends.get(frontend)
         if box is not None:
             box.send(InferResult(req_id, model, version, error=message, code=code))
+
+    def statistics(self, q: StatsQuery) -> StatsReply:
+        ipc = channel.COUNTERS.as_dict()
+        if q.model and q.model not in self.entries:
+            return StatsReply(q.query_id, [], ipc, f"requested model '{q.model}' is not available")
+        chosen = [v for (name, version), v in sorted(self.versions.items())
+                  if (not q.model or name == q.model) and (q.version < 0 or version == q.version)
+                  and v.state == ModelState.READY]
+        if q.model and not chosen:
+            if q.version >= 0:
+                return StatsReply(q.query_id, [], ipc, f"requested model version is not "
+                                                       f"available for model '{q.model}'")
+            return StatsReply(q.query_id, [], ipc, f"requested model '{q.model}' is not available")
+        return StatsReply(q.query_id, [v.stats.snapshot(len(v.scheduler)) for v in chosen], ipc)
 
     def submit(self, msg: SubmitRequest, payload) -> None:
         ver = self.versions.get((msg.model, msg.version))
@@ -168,15 +182,24 @@ class Scheduler:
                              f"Request for unknown model: '{msg.model}' version {msg.version} is "
                              f"not at ready state")
             return
+        req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
+                            priority=msg.priority, timeout_us=msg.timeout_us,
+                            shape_key=msg.shape_key, received_ns=msg.received_ns)
         try:
-            ver.scheduler.enqueue(QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload))
+            ver.scheduler.enqueue(req)
         except QueueFull as e:
-            self.reply_error(msg.frontend, msg.req_id, msg.model, msg.version,
-                             ErrorCode.UNAVAILABLE, str(e))
+            self.reject(ver, req, str(e))
             return
         self.dispatch(ver)
 
+    def reject(self, ver: ModelVersion, req: QueuedRequest, message: str) -> None:
+        ver.stats.failed("REJECTED", time.monotonic_ns() - req.received_ns)
+        self.reply_error(req.frontend, req.req_id, ver.name, ver.version, ErrorCode.UNAVAILABLE,
+                         message)
+
     def dispatch(self, ver: ModelVersion) -> None:
+        for req in ver.scheduler.take_expired():
+            self.reject(ver, req, "Request timeout expired")
         for inst, reqs in ver.scheduler.next_batches():
             self.batch_counter += 1
             inst.state = InstanceState.BUSY
@@ -192,10 +215,26 @@ class Scheduler:
         ver, inst = found
         if inst.batch_id != msg.batch_id or inst.state != InstanceState.BUSY:
             return
+        self.account(ver, inst.batch, msg)
         inst.batch = None
         inst.state = InstanceState.IDLE
         ver.scheduler.instance_idle(inst)
         self.dispatch(ver)
+
+    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone) -> None:
+        now = time.monotonic_ns()
+        failed = set(done.failed)
+        stats = ver.stats
+        stats.executed(sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or
+                       sum(r.batch_size for r in batch), done.compute_input_ns,
+                       done.compute_infer_ns, done.compute_output_ns)
+        for i, r in enumerate(batch):
+            if i in failed:
+                stats.failed("BACKEND", now - r.received_ns)
+            else:
+                stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
+                                done.compute_input_ns, done.compute_infer_ns,
+                                done.compute_output_ns)
 
     def worker_ready(self, msg: WorkerReady) -> None:
         found = self.by_spawn.get(msg.instance)
@@ -206,6 +245,7 @@ class Scheduler:
         inst.state = InstanceState.IDLE
         ver.scheduler.instance_idle(inst)
         if ver.state == ModelState.LOADING and ver.all_started():
+            ver.stats.record.load_seconds = time.monotonic() - ver.load_started
             self.set_state(ver, ModelState.READY)
             self.check_startup()
             self.publish()
@@ -250,7 +290,9 @@ class Scheduler:
         if inst.batch:
             reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
                       f"exited unexpectedly ({how}) while executing this request")
+            now = time.monotonic_ns()
             for r in inst.batch:
+                ver.stats.failed("BACKEND", now - r.received_ns)
                 self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
                                  reason)
             inst.batch = None
@@ -271,6 +313,22 @@ class Scheduler:
         log.warning("instance %s of model '%s' exited (%s); restarting in %.1fs", inst.name,
                     ver.name, how, inst.backoff_s)
         inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, 0.2))
+
+    def batching_due(self) -> float:
+        """Form batches whose delay or timeout passed; seconds until the next such deadline."""
+        now = time.monotonic_ns()
+        wait = 1.0
+        for ver in self.versions.values():
+            deadline = ver.scheduler.next_deadline_ns()
+            if deadline is None:
+                continue
+            if deadline <= now:
+                self.dispatch(ver)
+                deadline = ver.scheduler.next_deadline_ns()
+                if deadline is None:
+                    continue
+            wait = min(wait, max(0.0, (deadline - now) / 1e9))
+        return wait
 
     def restart_due(self) -> float:
         """Restart instances whose backoff expired; returns seconds until the next one is due."""
@@ -307,7 +365,7 @@ class Scheduler:
                     self.worker_exited(fd)
             if stop.set:
                 break
-            timeout = self.restart_due()
+            timeout = min(self.restart_due(), self.batching_due())
 
     def shutdown(self, timeout_s: float) -> None:
         self.stopping = True

@@ -36,6 +36,13 @@ class ModelView:
     output_names: list[str] = field(default_factory=list)
     required_inputs: list[str] = field(default_factory=list)
     platform: str = ""
+    variable_inputs: frozenset = frozenset()     # inputs whose dims have -1 (and not ragged)
+    has_optional: bool = False
+    preserve_ordering: bool = False
+
+    @property
+    def batch_sensitive(self) -> bool:
+        return bool(self.variable_inputs) or self.has_optional
 
     def ready_versions(self) -> list[int]:
         return sorted(v for v, (s, _) in self.states.items() if s == "READY")
@@ -62,6 +69,11 @@ def _view(info) -> ModelView:
     cfg.ParseFromString(info.config)
     view = ModelView(info.name, cfg, config_to_json(cfg).encode(), states,
                      max_batch_size=cfg.max_batch_size, platform=cfg.platform or cfg.backend)
+    view.variable_inputs = frozenset(t.name for t in cfg.input
+                                     if -1 in t.dims and not t.allow_ragged_batch)
+    view.has_optional = any(t.optional for t in cfg.input)
+    view.preserve_ordering = cfg.HasField("dynamic_batching") and \
+        cfg.dynamic_batching.preserve_ordering
     for t in cfg.input:
         spec = TensorSpec(t.name, CONFIG_TO_WIRE[DataType.Name(t.data_type)], list(t.dims),
                           t.optional)

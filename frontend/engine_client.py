@@ -9,16 +9,19 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import time
+from collections import deque
 from typing import Callable
 
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (ErrorCode, ForgetSegments, FrontendHello, InferResult, IpcStatsQuery,
-                                   IpcStatsReply, ModelTable, ReleaseOutputs, ShmRef,
-                                   SubmitRequest)
+from shmserve.ipc.messages import (ErrorCode, ForgetSegments, FrontendHello, InferResult,
+                                   ModelTable, ReleaseOutputs, ShmRef, StatsQuery, StatsReply,
+                                   SubmitRequest, encode as encode_message)
 
 from .catalog import ModelCatalog
+from .request import PreparedRequest
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -34,6 +37,9 @@ class EngineClient:
         self.workers: dict[str, channel.Outbox] = {}
         self.catalog = ModelCatalog()
         self.pending: dict[int, ResultCallback] = {}
+        self.order: dict[tuple[str, int], deque[int]] = {}     # preserve_ordering models
+        self.ordered_key: dict[int, tuple[str, int]] = {}
+        self.held: dict[int, InferResult] = {}
         self.queries: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
         self.table_event = asyncio.Event()
@@ -41,18 +47,48 @@ class EngineClient:
         loop.call_soon(self._drain)     # the fd is edge-triggered: collect anything already queued
         self.scheduler.send(FrontendHello(frontend_id, self.inbox.address))
 
-    def submit(self, model: str, version: int, batch_size: int, payload: bytes,
-               on_result: ResultCallback) -> int:
+    def submit(self, model: str, version: int, prepared: PreparedRequest,
+               on_result: ResultCallback, ordered: bool = False) -> int:
+        """Send a request; ``on_result`` gets its InferResult. With ``ordered`` (the model's
+        preserve_ordering), results are handed over in submission order."""
         req_id = next(self.ids)
+        head = SubmitRequest(req_id, self.frontend_id, model, version, prepared.batch_size,
+                             time.monotonic_ns(), prepared.priority, prepared.timeout_us,
+                             prepared.shape_key)
         try:
-            self.scheduler.send(SubmitRequest(req_id, self.frontend_id, model, version, batch_size),
-                                (payload,), zmq.NOBLOCK)
+            self.scheduler.send(head, (encode_message(prepared.payload),), zmq.NOBLOCK)
         except zmq.Again:
             on_result(InferResult(req_id, model, version, error="the scheduler queue is full",
                                   code=ErrorCode.UNAVAILABLE))
             return req_id
         self.pending[req_id] = on_result
+        if ordered:
+            key = (model, version)
+            self.order.setdefault(key, deque()).append(req_id)
+            self.ordered_key[req_id] = key
         return req_id
+
+    def _deliver(self, msg: InferResult) -> None:
+        key = self.ordered_key.get(msg.req_id)
+        if key is None:
+            cb = self.pending.pop(msg.req_id, None)
+            if cb is not None:
+                cb(msg)
+            elif msg.worker:
+                # a late answer (its request already failed): give its slots back
+                refs = [t.shm for t in msg.outputs if t.shm is not None]
+                if refs:
+                    self.release(msg.worker, refs)
+            return
+        self.held[msg.req_id] = msg
+        queue = self.order[key]
+        while queue and queue[0] in self.held:
+            rid = queue.popleft()
+            del self.ordered_key[rid]
+            result = self.held.pop(rid)
+            cb = self.pending.pop(rid, None)
+            if cb is not None:
+                cb(result)
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
         box = self.workers.get(worker)
@@ -66,11 +102,12 @@ class EngineClient:
     def forget_segments(self, segments: list[str]) -> None:
         self.scheduler.send(ForgetSegments(segments))
 
-    async def scheduler_stats(self, timeout: float = 2.0) -> dict[str, int]:
+    async def statistics(self, model: str = "", version: int = -1,
+                         timeout: float = 5.0) -> StatsReply:
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut
-        self.scheduler.send(IpcStatsQuery(self.frontend_id, qid))
+        self.scheduler.send(StatsQuery(self.frontend_id, qid, model, version))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -84,9 +121,8 @@ class EngineClient:
             except zmq.Again:
                 return
             if isinstance(msg, InferResult):
-                cb = self.pending.pop(msg.req_id, None)
-                if cb is not None:
-                    cb(msg)
+                if msg.req_id in self.pending:
+                    self._deliver(msg)
                 elif msg.worker:
                     # a late answer (its request already failed): give its slots back
                     refs = [t.shm for t in msg.outputs if t.shm is not None]
@@ -95,13 +131,16 @@ class EngineClient:
             elif isinstance(msg, ModelTable):
                 self.catalog.update(msg)
                 self.table_event.set()
-            elif isinstance(msg, IpcStatsReply):
+            elif isinstance(msg, StatsReply):
                 fut = self.queries.get(msg.query_id)
                 if fut is not None and not fut.done():
-                    fut.set_result(msg.stats)
+                    fut.set_result(msg)
 
     def fail_all(self, message: str) -> None:
         pending, self.pending = self.pending, {}
+        self.order.clear()
+        self.ordered_key.clear()
+        self.held.clear()
         for req_id, cb in pending.items():
             cb(InferResult(req_id, "", 0, error=message, code=ErrorCode.UNAVAILABLE))
 

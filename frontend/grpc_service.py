@@ -12,10 +12,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from shmserve.ipc.messages import ErrorCode, InferResult, encode as encode_message
+from shmserve.ipc.messages import ErrorCode, InferResult
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import grpc_codec, request
+from . import grpc_codec, request, statistics
 from .engine_client import EngineClient
 from .errors import InferError
 from .http_app import EXTENSIONS, LOAD_UNLOAD_REFUSED
@@ -90,8 +90,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.ModelConfigResponse(config=view.config)
 
     async def ModelStatistics(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "the statistics extension is not available on this server yet")
+        try:
+            if request.version and not request.version.isdigit():
+                raise InferError(ErrorCode.INVALID_ARG, f"invalid model version "
+                                                        f"'{request.version}'")
+            reply = await self.client.statistics(request.name,
+                                                 int(request.version) if request.version else -1)
+            return statistics.to_proto(statistics.check(reply))
+        except InferError as e:
+            await self._abort(context, e)
 
     # ---- inference -------------------------------------------------------------------------------
     async def _infer(self, req: pb.ModelInferRequest) -> pb.ModelInferResponse:
@@ -101,8 +108,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         view, v = self.client.catalog.resolve(req.model_name, req.model_version)
         prepared = grpc_codec.parse_infer(view, req, self.arena, self.registry)
         fut = asyncio.get_running_loop().create_future()
-        self.client.submit(view.name, v, prepared.batch_size, encode_message(prepared.payload),
-                           fut.set_result)
+        self.client.submit(view.name, v, prepared, fut.set_result, view.preserve_ordering)
         result: InferResult = await fut
         request.release(prepared, self.arena)
         refs = request.worker_slots(result, prepared)

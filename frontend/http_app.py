@@ -1,15 +1,16 @@
 """The KServe v2 HTTP/REST endpoints with Triton's extensions (TRITON.md §1)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import zlib
 from urllib.parse import unquote
 
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import ErrorCode, InferResult, encode as encode_message
+from shmserve.ipc.messages import ErrorCode, InferResult
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import http_codec, request
+from . import http_codec, request, statistics
 from .engine_client import EngineClient
 from .errors import InferError, http_status, invalid
 from .http_server import HttpConnection, HttpRequest
@@ -18,8 +19,9 @@ from .shm_registry import ShmRegistry
 
 log = logging.getLogger("shmserve.http")
 
-EXTENSIONS = ["model_repository", "model_configuration", "system_shared_memory",
-              "cuda_shared_memory", "binary_tensor_data", "parameters"]
+EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
+              "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
+              "statistics"]
 MAX_BODY = 1 << 32
 LOAD_UNLOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
 _NOT_FOUND = b'{"error":"Not Found"}'
@@ -108,6 +110,10 @@ class KServeHttpApp:
                 return self.not_allowed(conn, req)
             # explicit model control arrives with issue 5; until then we run in "none" mode
             return self.error(conn, req, 503, LOAD_UNLOAD_REFUSED)
+        if path == "/v2/models/stats":
+            if method != "GET":
+                return self.not_allowed(conn, req)
+            return self.statistics(conn, req, "", "")
         parts = path.split("/")
         if len(parts) < 4 or parts[1] != "v2" or parts[2] != "models" or not parts[3]:
             return conn.respond(req, 404, _NOT_FOUND)
@@ -117,7 +123,7 @@ class KServeHttpApp:
         if len(rest) >= 2 and rest[0] == "versions":
             version = rest[1]
             rest = rest[2:]
-        if len(rest) > 1 or (rest and rest[0] not in ("ready", "config", "infer")):
+        if len(rest) > 1 or (rest and rest[0] not in ("ready", "config", "infer", "stats")):
             return conn.respond(req, 404, _NOT_FOUND)
         action = rest[0] if rest else ""
         want = "POST" if action == "infer" else "GET"
@@ -125,6 +131,8 @@ class KServeHttpApp:
             return self.not_allowed(conn, req)
         if action == "infer":
             return self.infer(conn, req, model, version)
+        if action == "stats":
+            return self.statistics(conn, req, model, version)
         catalog = self.client.catalog
         if action == "ready":
             catalog.get(model)              # an unknown model is a 404, not "not ready"
@@ -140,6 +148,21 @@ class KServeHttpApp:
             return conn.respond(req, 200, view.config_json)
         return conn.respond(req, 200, http_codec.encode_json(
             view.metadata(v if version else None)))
+
+    def statistics(self, conn: HttpConnection, req: HttpRequest, model: str, version: str) -> None:
+        if version and not version.isdigit():
+            raise invalid(f"invalid model version '{version}' for model '{model}'")
+
+        async def answer():
+            try:
+                reply = await self.client.statistics(model, int(version) if version else -1)
+                body = http_codec.encode_json(statistics.to_json(statistics.check(reply)))
+            except InferError as e:
+                return self.error(conn, req, http_status(e.code), e.message)
+            except asyncio.TimeoutError:
+                return self.error(conn, req, 503, "the scheduler did not answer in time")
+            conn.respond(req, 200, body)
+        asyncio.get_running_loop().create_task(answer())
 
     def repository_index(self, conn: HttpConnection, req: HttpRequest) -> None:
         ready = False
@@ -238,9 +261,9 @@ class KServeHttpApp:
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena, self.registry)
-        payload = encode_message(parsed.payload)
-        self.client.submit(view.name, v, parsed.batch_size, payload,
-                           lambda result: self.infer_done(conn, req, parsed, result))
+        self.client.submit(view.name, v, parsed,
+                           lambda result: self.infer_done(conn, req, parsed, result),
+                           view.preserve_ordering)
 
     def _decompress(self, body, encoding: str) -> bytes:
         try:

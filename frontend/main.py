@@ -23,6 +23,7 @@ from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
 from .shm_registry import ShmRegistry
+from .system_metrics import SystemSampler
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -36,7 +37,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     maps = ShmMapCache()
     registry = ShmRegistry(settings.allow_client_shm)
     servers, ports = [], {}
-    grpc_svc = grpc_server = None
+    grpc_svc = grpc_server = sampler_task = None
     try:
         if settings.allow_http:
             app = KServeHttpApp(client, arena, maps, registry, settings.server_id,
@@ -54,7 +55,14 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                 grpc_svc, settings.grpc_address, settings.grpc_port)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
-            srv = await http_server.serve(MetricsApp(client),
+            sampler = None
+            if settings.allow_cpu_metrics or settings.allow_gpu_metrics:
+                sampler = SystemSampler(settings.metrics_interval_ms / 1000,
+                                        settings.allow_cpu_metrics, settings.allow_gpu_metrics)
+                sampler_task = loop.create_task(sampler.run())
+            metrics_app = MetricsApp(client, sampler, settings.counter_latencies,
+                                     settings.histogram_latencies)
+            srv = await http_server.serve(metrics_app,
                                           settings.metrics_address or settings.http_address,
                                           settings.metrics_port)
             servers.append(srv)
@@ -77,6 +85,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         while client.pending and loop.time() < deadline:
             await asyncio.sleep(0.05)
         client.fail_all("the server is shutting down")
+        if sampler_task is not None:
+            sampler_task.cancel()
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
     finally:

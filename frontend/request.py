@@ -35,6 +35,9 @@ class PreparedRequest:
     request_id: str
     scratch: list[ShmRef] = field(default_factory=list)    # frontend arena slots to free
     regions: list[SystemRegion] = field(default_factory=list)  # client regions in use
+    priority: int = 0
+    timeout_us: int = 0
+    shape_key: str = ""
 
 
 def input_from_region(registry: ShmRegistry, model: ModelView, t: Tensor, params: dict,
@@ -85,12 +88,36 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         if key.startswith("triton_") and key not in PROTOCOL_PARAMS:
             raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' cannot "
                           f"be set by a request")
+    priority = _unsigned(params, "priority")
+    timeout_us = _unsigned(params, "timeout")
     model_params = {k: v for k, v in params.items() if k not in PROTOCOL_PARAMS}
     payload = InferPayload(request_id, tensors, [OutputSpec(o.name, o.ref) for o in outputs],
                            model_params)
     for r in regions:
         r.in_use += 1
-    return PreparedRequest(payload, batch, wanted, request_id, scratch, regions)
+    return PreparedRequest(payload, batch, wanted, request_id, scratch, regions, priority,
+                           timeout_us, shape_key(model, tensors))
+
+
+def _unsigned(params: dict, key: str) -> int:
+    value = params.get(key, 0)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise invalid(f"request parameter '{key}' must be a non-negative integer, got {value!r}")
+    return value
+
+
+def shape_key(model: ModelView, tensors: list[Tensor]) -> str:
+    """Requests may share a batch only if the shapes of their variable-dim inputs agree (and,
+    with optional inputs, the same inputs are present): this key says which ones can."""
+    if not model.batch_sensitive:
+        return ""
+    parts = []
+    for t in sorted(tensors, key=lambda t: t.name):
+        if t.name in model.variable_inputs:
+            parts.append(f"{t.name}{t.shape[1:] if model.max_batch_size else t.shape}")
+        elif model.has_optional:
+            parts.append(t.name)
+    return ";".join(parts)
 
 
 def release(prepared: PreparedRequest, arena: ShmArena) -> None:

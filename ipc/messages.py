@@ -53,17 +53,23 @@ class FrontendHello(msgspec.Struct, array_like=True, tag=1):
 
 
 class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
-    """Routing header; the payload frame follows."""
+    """Routing header; the payload frame follows. Holds what batching decides on."""
     req_id: int
     frontend: int
     model: str
     version: int
     batch_size: int
+    received_ns: int = 0        # time.monotonic_ns() at the frontend (system-wide clock)
+    priority: int = 0
+    timeout_us: int = 0
+    shape_key: str = ""         # equal keys may share a batch (variable-dim input shapes)
 
 
-class IpcStatsQuery(msgspec.Struct, array_like=True, tag=3):
+class StatsQuery(msgspec.Struct, array_like=True, tag=3):
     frontend: int
     query_id: int
+    model: str = ""             # "" = every model
+    version: int = -1           # -1 = every ready version
 
 
 # ---- scheduler -> frontend -------------------------------------------------------------------
@@ -85,9 +91,46 @@ class ModelTable(msgspec.Struct, array_like=True, tag=10):
     startup_done: bool
 
 
-class IpcStatsReply(msgspec.Struct, array_like=True, tag=11):
+class Duration(msgspec.Struct, array_like=True):
+    count: int = 0
+    ns: int = 0
+
+
+class BatchStatistics(msgspec.Struct, array_like=True):
+    batch_size: int
+    compute_input: Duration
+    compute_infer: Duration
+    compute_output: Duration
+
+
+class ModelStatistics(msgspec.Struct, array_like=True):
+    """One model version's counters, kept by the scheduler for the server's whole life."""
+    name: str
+    version: int
+    last_inference: int = 0     # ms since the epoch
+    inference_count: int = 0
+    execution_count: int = 0
+    success: Duration = msgspec.field(default_factory=Duration)
+    fail: Duration = msgspec.field(default_factory=Duration)
+    queue: Duration = msgspec.field(default_factory=Duration)
+    compute_input: Duration = msgspec.field(default_factory=Duration)
+    compute_infer: Duration = msgspec.field(default_factory=Duration)
+    compute_output: Duration = msgspec.field(default_factory=Duration)
+    cache_hit: Duration = msgspec.field(default_factory=Duration)
+    cache_miss: Duration = msgspec.field(default_factory=Duration)
+    batch_stats: list[BatchStatistics] = []
+    failures: dict[str, int] = {}           # reason (REJECTED, CANCELED, BACKEND, OTHER) -> count
+    pending: int = 0                        # queued, not yet handed to an instance
+    load_seconds: float = 0.0
+    latency_buckets: list[int] = []         # first-response histogram counts (ms buckets)
+    latency_sum_ms: float = 0.0
+
+
+class StatsReply(msgspec.Struct, array_like=True, tag=11):
     query_id: int
-    stats: dict[str, int]
+    models: list[ModelStatistics]
+    ipc: dict[str, int]
+    error: str = ""
 
 
 # ---- scheduler -> worker ---------------------------------------------------------------------
@@ -136,7 +179,10 @@ class WorkerLoadFailed(msgspec.Struct, array_like=True, tag=31):
 class BatchDone(msgspec.Struct, array_like=True, tag=32):
     instance: int
     batch_id: int
-    failed: int = 0
+    failed: list[int] = []      # positions in the batch of requests that failed
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
 
 
 # ---- worker (or scheduler on a worker's behalf) -> frontend ----------------------------------
@@ -152,7 +198,7 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
 
 
 Message = Union[
-    FrontendHello, SubmitRequest, IpcStatsQuery, ModelTable, IpcStatsReply, ExecuteBatch,
+    FrontendHello, SubmitRequest, StatsQuery, ModelTable, StatsReply, ExecuteBatch,
     Shutdown, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
 ]
 
@@ -189,6 +235,11 @@ class ServerSettings(msgspec.Struct):
     metrics_address: str = ""
     metrics_port: int = 8002
     allow_metrics: bool = True
+    allow_cpu_metrics: bool = True
+    allow_gpu_metrics: bool = True
+    metrics_interval_ms: int = 2000
+    counter_latencies: bool = True
+    histogram_latencies: bool = False
     http_max_input_size: int = 1 << 26
     allow_client_shm: bool = True
     exit_timeout_secs: float = 30.0

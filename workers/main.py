@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -84,6 +85,8 @@ class Worker:
                     return
 
     def execute(self, batch: ExecuteBatch, frames) -> None:
+        clock = time.monotonic_ns
+        t0 = clock()
         work, ready, targets = [], [], []
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
@@ -100,24 +103,30 @@ class Worker:
             except (ShmError, ValueError, msgspec.DecodeError) as e:
                 results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
+        t1 = t2 = clock()
         if work:
             try:
                 responses = self.backend.execute(work)
+                t2 = clock()
             except Exception as e:  # a backend bug must fail the batch, not the worker
                 log.exception("execute failed")
                 responses = None
                 for i in ready:
                     results[i] = self.error(batch.routes[i].req_id, f"execute failed: {e}",
                                             ErrorCode.INTERNAL)
-            if responses is not None:
+            if responses is None:
+                t2 = clock()
+            else:
                 for i, resp, target in zip(ready, responses, targets):
                     results[i] = self.result(batch.routes[i].req_id, resp, target)
-        failed = 0
-        for route, res in zip(batch.routes, results):
+        t3 = clock()
+        failed = []
+        for i, (route, res) in enumerate(zip(batch.routes, results)):
             if res.error:
-                failed += 1
+                failed.append(i)
             self.frontend(route.frontend).send(res)
-        self.scheduler.send(BatchDone(self.args.instance, batch.batch_id, failed))
+        self.scheduler.send(BatchDone(self.args.instance, batch.batch_id, failed,
+                                      t1 - t0, t2 - t1, t3 - t2))
 
     def error(self, req_id: int, message: str, code: str) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)

@@ -180,6 +180,8 @@ def test_repository_rpcs(client):
     with pytest.raises(InferenceServerException) as e:
         client.load_model("simple")
     assert "polling is enabled" in e.value.message()
+    stats = client.get_inference_statistics("simple").model_stats
+    assert [(s.name, s.version) for s in stats] == [("simple", "1")]
     with pytest.raises(InferenceServerException) as e:
-        client.get_inference_statistics("simple")
-    assert "UNIMPLEMENTED" in str(e.value.status())
+        client.get_inference_statistics("no_such_model")
+    assert "is not available" in e.value.message()

@@ -5,13 +5,12 @@ import uuid
 
 import numpy as np
 import pytest
-import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from serverproc import Server, wait_for
+from serverproc import Server, descendants, wait_for
 from test_data_path import ipc_metrics
 from shmserve.ipc.channel import INLINE_LIMIT
 
@@ -221,7 +220,7 @@ def test_unregister_in_use_is_refused_then_allowed(server, regions):
 
     t = threading.Thread(target=slow)
     t.start()
-    wait_for(lambda: _in_use(server, r.name), 20, "the request to hold the region")
+    wait_for(lambda: _model_sleeping(server, "pid_slow"), 20, "the request to reach execute()")
     _expect_error(lambda: c.unregister_system_shared_memory(r.name), "in flight")
     t.join(30)
     assert done and done[0].as_numpy("OUTPUT0")[0, 0] == 1.0
@@ -229,11 +228,19 @@ def test_unregister_in_use_is_refused_then_allowed(server, regions):
     assert r.exists()
 
 
-def _in_use(server, name) -> bool:
-    r = requests.post(f"{server.base}/v2/systemsharedmemory/region/{name}/unregister", timeout=10)
-    if r.status_code == 200:       # not in use yet: put it back and look again
-        raise AssertionError("the region was unregistered before the request used it")
-    return "in flight" in r.json()["error"]
+def _model_sleeping(server, model: str) -> bool:
+    """Some worker of ``model`` is inside time.sleep (so its request holds its region)."""
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if f'"model_name":"{model}"' not in f.read():
+                    continue
+            with open(f"/proc/{pid}/wchan") as f:
+                if "nanosleep" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def test_worker_mapping_released_on_unregister(server, regions):

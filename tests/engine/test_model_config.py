@@ -235,6 +235,7 @@ def test_config_to_dict_int64_as_numbers_and_enums_as_strings():
         dynamic_batching {
           max_queue_delay_microseconds: 100
           priority_levels: 2
+          default_priority_level: 2
           default_queue_policy { default_timeout_microseconds: 7 }
           priority_queue_policy { key: 1 value: { default_timeout_microseconds: 500 } }
           priority_queue_policy { key: 2 value: { default_timeout_microseconds: 9000000000 } }

@@ -15,14 +15,23 @@ TENSORS = [
 MESSAGES = [
     m.FrontendHello(3, "ipc:///tmp/run/frontend-3"),
     m.SubmitRequest(req_id=42, frontend=3, model="simple", version=1, batch_size=8),
-    m.IpcStatsQuery(frontend=1, query_id=9),
+    m.SubmitRequest(1, 0, "mlp", 2, 4, received_ns=123, priority=2, timeout_us=500,
+                    shape_key="INPUT0[7]"),
+    m.StatsQuery(frontend=1, query_id=9),
+    m.StatsQuery(1, 10, "simple", 1),
     m.ModelTable([
         m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),
                                                   m.VersionInfo(2, "UNAVAILABLE", "load failed: x")]),
         m.ModelInfo("broken", b"", [m.VersionInfo(-1, "UNAVAILABLE", "bad config")]),
     ], startup_done=True),
     m.ModelTable([], startup_done=False),
-    m.IpcStatsReply(9, {"bytes_inline": 10, "bytes_shm": 1 << 40}),
+    m.StatsReply(9, [], {"sent_bytes": 10, "received_bytes": 1 << 40}),
+    m.StatsReply(9, [m.ModelStatistics("simple", 1, inference_count=5, success=m.Duration(5, 900),
+                                       batch_stats=[m.BatchStatistics(2, m.Duration(1, 2),
+                                                                      m.Duration(1, 3),
+                                                                      m.Duration(1, 4))],
+                                       failures={"REJECTED": 1})], {}, ""),
+    m.StatsReply(10, [], {}, "requested model 'x' is not available"),
     m.ExecuteBatch(7, [m.RequestRoute(1, 0), m.RequestRoute(2, 5)]),
     m.ExecuteBatch(8, []),
     m.Shutdown(),
@@ -31,7 +40,7 @@ MESSAGES = [
     m.WorkerReady(instance=4, pid=1234, address="ipc:///tmp/w4"),
     m.WorkerLoadFailed(4, "ImportError: no module named foo"),
     m.BatchDone(4, 7),
-    m.BatchDone(4, 8, failed=2),
+    m.BatchDone(4, 8, failed=[0, 2], compute_input_ns=5, compute_infer_ns=6, compute_output_ns=7),
     m.InferResult(1, "simple", 1),
     m.InferResult(2, "simple", 3, outputs=TENSORS, worker="ipc:///tmp/w4",
                   parameters={"sequence_id": 5, "note": "é", "flag": True, "ratio": 0.5}),
@@ -53,7 +62,7 @@ def test_every_message_type_is_covered():
 
 def test_messages_are_tagged_arrays():
     assert m.encode(m.Shutdown()) == msgspec.msgpack.encode([21])
-    assert m.encode(m.BatchDone(1, 2)) == msgspec.msgpack.encode([32, 1, 2, 0])
+    assert m.encode(m.BatchDone(1, 2)) == msgspec.msgpack.encode([32, 1, 2, [], 0, 0, 0])
 
 
 @pytest.mark.parametrize("payload", [

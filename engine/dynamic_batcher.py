@@ -1,0 +1,219 @@
+"""Triton's dynamic batcher (TRITON.md §5.2) as a pure core: queues per priority level, queue
+policies, preferred batch sizes, the delay measured from the oldest request, shape grouping.
+
+The shell asks ``next_batches()`` whenever a request arrives or an instance frees up, and sleeps
+until ``next_deadline_ns()`` otherwise: there is no polling tick.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from .batching import QueuedRequest, QueueFull
+
+
+@dataclass(frozen=True, slots=True)
+class QueuePolicy:
+    max_queue_size: int = 0             # 0 = unbounded (the shell still applies a global bound)
+    timeout_us: int = 0                 # default queue timeout; 0 = none
+    allow_override: bool = False
+    delay_on_timeout: bool = False      # timeout_action DELAY instead of REJECT
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    max_batch_size: int
+    preferred: tuple[int, ...] = ()
+    max_queue_delay_us: int = 0
+    preserve_ordering: bool = False
+    priority_levels: int = 0
+    default_priority_level: int = 0
+    default_policy: QueuePolicy = QueuePolicy()
+    level_policies: tuple[tuple[int, QueuePolicy], ...] = ()
+
+
+class _Level:
+    __slots__ = ("policy", "ready", "delayed")
+
+    def __init__(self, policy: QueuePolicy):
+        self.policy = policy
+        self.ready: deque[QueuedRequest] = deque()
+        self.delayed: deque[QueuedRequest] = deque()    # timed out with action DELAY
+
+    def __len__(self):
+        return len(self.ready) + len(self.delayed)
+
+
+class DynamicBatcher:
+    def __init__(self, cfg: BatcherConfig, max_queue_size: int = 0,
+                 clock: Callable[[], int] = time.monotonic_ns):
+        self.cfg = cfg
+        self.clock = clock
+        self.max_queue_size = max_queue_size
+        policies = dict(cfg.level_policies)
+        n = max(1, cfg.priority_levels)
+        self.levels = [_Level(policies.get(i + 1, cfg.default_policy)) for i in range(n)]
+        self.preferred = sorted(p for p in cfg.preferred if 0 < p <= cfg.max_batch_size)
+        self.delay_ns = cfg.max_queue_delay_us * 1000
+        self.idle: list[Hashable] = []
+        self.count = 0
+        # earliest queue timeout of any request (may be stale-early after dispatch: that only
+        # costs one extra scan, which recomputes it)
+        self.earliest_deadline = 0
+
+    # ---- queueing ------------------------------------------------------------------------------
+    def level_of(self, priority: int) -> int:
+        levels = self.cfg.priority_levels
+        if levels and 1 <= priority <= levels:
+            return priority - 1
+        if levels and 1 <= self.cfg.default_priority_level <= levels:
+            return self.cfg.default_priority_level - 1
+        return 0
+
+    def enqueue(self, req: QueuedRequest) -> None:
+        level = self.levels[self.level_of(req.priority)]
+        policy = level.policy
+        if (policy.max_queue_size and len(level) >= policy.max_queue_size) or \
+                (self.max_queue_size and self.count >= self.max_queue_size):
+            raise QueueFull("Exceeds maximum queue size")
+        now = self.clock()
+        req.enqueued_ns = now
+        timeout = policy.timeout_us
+        if policy.allow_override and req.timeout_us > 0:
+            # a request may ask for a shorter wait than the model's default, or for one where
+            # the model sets none
+            timeout = min(timeout, req.timeout_us) if timeout else req.timeout_us
+        req.deadline_ns = now + timeout * 1000 if timeout else 0
+        if req.deadline_ns and (not self.earliest_deadline or req.deadline_ns < self.earliest_deadline):
+            self.earliest_deadline = req.deadline_ns
+        level.ready.append(req)
+        self.count += 1
+
+    def take_expired(self) -> list[QueuedRequest]:
+        """Requests whose queue timeout passed: REJECT ones are returned (to be failed), DELAY
+        ones move behind the requests that have not expired."""
+        now = self.clock()
+        rejected = []
+        if not self.earliest_deadline or self.earliest_deadline > now:
+            return rejected
+        self.earliest_deadline = 0
+        for level in self.levels:
+            keep = deque()
+            for r in level.ready:
+                if r.deadline_ns and r.deadline_ns <= now:
+                    if level.policy.delay_on_timeout:
+                        r.deadline_ns = 0
+                        level.delayed.append(r)
+                    else:
+                        rejected.append(r)
+                        self.count -= 1
+                else:
+                    keep.append(r)
+                    if r.deadline_ns and (not self.earliest_deadline
+                                          or r.deadline_ns < self.earliest_deadline):
+                        self.earliest_deadline = r.deadline_ns
+            level.ready = keep
+        return rejected
+
+    # ---- instances ---------------------------------------------------------------------------------
+    def instance_idle(self, key: Hashable) -> None:
+        if key not in self.idle:
+            self.idle.append(key)
+
+    def instance_gone(self, key: Hashable) -> None:
+        if key in self.idle:
+            self.idle.remove(key)
+
+    # ---- forming batches -----------------------------------------------------------------------------
+    def _pending(self):
+        for level in self.levels:
+            yield from level.ready
+            yield from level.delayed
+
+    def _candidate(self) -> tuple[list[QueuedRequest], bool]:
+        """The batch the queue head can form, and whether it must wait no longer."""
+        mbs = self.cfg.max_batch_size
+        batch: list[QueuedRequest] = []
+        total = 0
+        best = 0            # length of the longest prefix whose size is a preferred size
+        closed = False      # the batch cannot grow: full, or the next request does not fit
+        for r in self._pending():
+            if batch and (r.shape_key != batch[0].shape_key or total + r.batch_size > mbs):
+                closed = True
+                break
+            batch.append(r)
+            total += r.batch_size
+            if total in self.preferred:
+                best = len(batch)
+            if total >= mbs:
+                closed = True
+                break
+        if not batch:
+            return batch, False
+        if best:
+            return batch[:best], True
+        if closed or self.delay_ns == 0:
+            return batch, True
+        oldest = min(r.enqueued_ns for r in batch)
+        return batch, self.clock() - oldest >= self.delay_ns
+
+    def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
+        out = []
+        while self.idle and self.count:
+            batch, due = self._candidate()
+            if not due:
+                break
+            now = self.clock()
+            for r in batch:
+                self._remove(r)
+                r.dispatched_ns = now
+            out.append((self.idle.pop(), batch))
+        return out
+
+    def _remove(self, r: QueuedRequest) -> None:
+        level = self.levels[self.level_of(r.priority)]
+        if level.ready and level.ready[0] is r:
+            level.ready.popleft()
+        elif level.delayed and level.delayed[0] is r:
+            level.delayed.popleft()
+        else:   # batches take a prefix of the pending order, so this is not reached; be safe
+            (level.ready if r in level.ready else level.delayed).remove(r)
+        self.count -= 1
+
+    def next_deadline_ns(self) -> int | None:
+        """When the shell must look again: the oldest request's delay, or a queue timeout."""
+        deadlines = [self.earliest_deadline] if self.earliest_deadline else []
+        if self.count and self.delay_ns:
+            batch, due = self._candidate()
+            if batch and not due:
+                deadlines.append(min(r.enqueued_ns for r in batch) + self.delay_ns)
+        return min(deadlines) if deadlines else None
+
+    def drain(self) -> list[QueuedRequest]:
+        out = list(self._pending())
+        for level in self.levels:
+            level.ready.clear()
+            level.delayed.clear()
+        self.count = 0
+        return out
+
+    def __len__(self) -> int:
+        return self.count
+
+
+def batcher_config(cfg) -> BatcherConfig:
+    """From a normalized ModelConfig with ``dynamic_batching`` set."""
+    db = cfg.dynamic_batching
+
+    def policy(p) -> QueuePolicy:
+        return QueuePolicy(p.max_queue_size, p.default_timeout_microseconds,
+                           p.allow_timeout_override, p.timeout_action == p.DELAY)
+
+    return BatcherConfig(
+        max_batch_size=max(1, cfg.max_batch_size), preferred=tuple(db.preferred_batch_size),
+        max_queue_delay_us=db.max_queue_delay_microseconds, preserve_ordering=db.preserve_ordering,
+        priority_levels=db.priority_levels, default_priority_level=db.default_priority_level,
+        default_policy=policy(db.default_queue_policy),
+        level_policies=tuple((int(k), policy(v)) for k, v in db.priority_queue_policy.items()))

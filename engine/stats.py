@@ -1,0 +1,72 @@
+"""Statistics of one model version, accumulated in the scheduler (pure: no sockets).
+
+All counters live in this one process, which sees every request's fate: queue time when it is
+dispatched, compute times from the worker's BatchDone, failures it rejects itself. A worker that
+restarts therefore neither resets nor double-counts anything, and /stats and /metrics are two
+views of the same numbers.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+
+from shmserve.ipc.messages import BatchStatistics, Duration, ModelStatistics
+
+FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
+# Triton's default buckets for nv_inference_first_response_histogram_ms
+DEFAULT_LATENCY_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
+
+
+def _add(d: Duration, ns: int) -> None:
+    d.count += 1
+    d.ns += max(0, ns)
+
+
+class VersionStats:
+    def __init__(self, name: str, version: int, buckets_ms=DEFAULT_LATENCY_BUCKETS_MS,
+                 wall_clock=time.time):
+        self.record = ModelStatistics(name, version, failures={r: 0 for r in FAILURE_REASONS})
+        self.buckets_ms = tuple(buckets_ms)
+        self.record.latency_buckets = [0] * (len(self.buckets_ms) + 1)
+        self.batches: dict[int, BatchStatistics] = {}
+        self.wall_clock = wall_clock
+
+    def _latency(self, ms: float) -> None:
+        r = self.record
+        r.latency_buckets[bisect.bisect_left(self.buckets_ms, ms)] += 1
+        r.latency_sum_ms += ms
+
+    def executed(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
+        """One execution of ``batch_size`` inferences (the sum of its requests' batch sizes)."""
+        r = self.record
+        r.execution_count += 1
+        r.last_inference = int(self.wall_clock() * 1000)
+        b = self.batches.get(batch_size)
+        if b is None:
+            b = self.batches[batch_size] = BatchStatistics(batch_size, Duration(), Duration(),
+                                                           Duration())
+        _add(b.compute_input, input_ns)
+        _add(b.compute_infer, infer_ns)
+        _add(b.compute_output, output_ns)
+
+    def succeeded(self, batch_size: int, total_ns: int, queue_ns: int, input_ns: int,
+                  infer_ns: int, output_ns: int) -> None:
+        r = self.record
+        r.inference_count += batch_size
+        _add(r.success, total_ns)
+        _add(r.queue, queue_ns)
+        _add(r.compute_input, input_ns)
+        _add(r.compute_infer, infer_ns)
+        _add(r.compute_output, output_ns)
+        self._latency(total_ns / 1e6)
+
+    def failed(self, reason: str, total_ns: int) -> None:
+        r = self.record
+        _add(r.fail, total_ns)
+        r.failures[reason if reason in r.failures else "OTHER"] += 1
+
+    def snapshot(self, pending: int) -> ModelStatistics:
+        r = self.record
+        r.pending = pending
+        r.batch_stats = [self.batches[k] for k in sorted(self.batches)]
+        return r
