@@ -135,12 +135,14 @@ class DynamicBatcher:
     def _candidate(self) -> tuple[list[QueuedRequest], bool]:
         """The batch the queue head can form, and whether it must wait no longer."""
         mbs = self.cfg.max_batch_size
+        # past the largest preferred size a batch is not worth growing further
+        limit = self.preferred[-1] if self.preferred else mbs
         batch: list[QueuedRequest] = []
         total = 0
         best = 0            # length of the longest prefix whose size is a preferred size
         closed = False      # the batch cannot grow: full, or the next request does not fit
         for r in self._pending():
-            if batch and (r.shape_key != batch[0].shape_key or total + r.batch_size > mbs):
+            if batch and (r.shape_key != batch[0].shape_key or total + r.batch_size > limit):
                 closed = True
                 break
             batch.append(r)
@@ -152,12 +154,11 @@ class DynamicBatcher:
                 break
         if not batch:
             return batch, False
+        if self.delay_ns and self.clock() - min(r.enqueued_ns for r in batch) >= self.delay_ns:
+            return batch, True          # the oldest has waited long enough: send all we have
         if best:
             return batch[:best], True
-        if closed or self.delay_ns == 0:
-            return batch, True
-        oldest = min(r.enqueued_ns for r in batch)
-        return batch, self.clock() - oldest >= self.delay_ns
+        return batch, closed or self.delay_ns == 0
 
     def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
         out = []
@@ -185,10 +186,12 @@ class DynamicBatcher:
     def next_deadline_ns(self) -> int | None:
         """When the shell must look again: the oldest request's delay, or a queue timeout."""
         deadlines = [self.earliest_deadline] if self.earliest_deadline else []
-        if self.count and self.delay_ns:
+        if self.count and self.idle:
+            # without an idle instance nothing can go anyway; one becoming idle wakes the shell
             batch, due = self._candidate()
-            if batch and not due:
-                deadlines.append(min(r.enqueued_ns for r in batch) + self.delay_ns)
+            if batch:
+                deadlines.append(self.clock() if due else
+                                 min(r.enqueued_ns for r in batch) + self.delay_ns)
         return min(deadlines) if deadlines else None
 
     def drain(self) -> list[QueuedRequest]:

@@ -316,12 +316,12 @@ class Scheduler:
 
     def batching_due(self) -> float:
         """Form batches whose delay or timeout passed; seconds until the next such deadline."""
-        now = time.monotonic_ns()
         wait = 1.0
         for ver in self.versions.values():
             deadline = ver.scheduler.next_deadline_ns()
             if deadline is None:
                 continue
+            now = time.monotonic_ns()       # read after the deadline, which may be "now" itself
             if deadline <= now:
                 self.dispatch(ver)
                 deadline = ver.scheduler.next_deadline_ns()

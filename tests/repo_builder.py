@@ -158,6 +158,7 @@ def build_test_repository(root: str) -> str:
         output [ { name: "SUM", data_type: TYPE_INT32, dims: [ 3 ] } ]
     ''', OPTIONAL)
     add_versioned_model(repo)
+    add_batching_models(repo)
     return repo
 
 
@@ -185,6 +186,61 @@ def add_versioned_model(repo: str) -> None:
             input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
             output [ { name: "VERSION", data_type: TYPE_INT32, dims: [ 1 ] } ]
         ''', VERSION_ECHO, version=v)
+
+
+BATCH_ECHO = textwrap.dedent('''
+    import itertools, json, time
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    _calls = itertools.count(1)
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            call = next(_calls)
+            delay = max(json.loads(r.parameters()).get("delay_ms", 0) for r in requests)
+            time.sleep(delay / 1000.0)
+            out = []
+            for r in requests:
+                x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+                n = x.shape[0]
+                out.append(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("OUTPUT0", x),
+                    pb_utils.Tensor("CALL", np.full((n, 1), call, dtype=np.int64)),
+                    pb_utils.Tensor("REQUESTS", np.full((n, 1), len(requests), dtype=np.int64))]))
+            return out
+''')
+
+BATCH_IO = '''
+    backend: "python"
+    max_batch_size: 8
+    input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] },
+             { name: "CALL", data_type: TYPE_INT64, dims: [ 1 ] },
+             { name: "REQUESTS", data_type: TYPE_INT64, dims: [ 1 ] } ]
+'''
+
+
+def add_batching_models(repo: str) -> None:
+    """Python models that report which execution served a request and how many shared it."""
+    variants = {
+        # waits up to 10 s for a batch of 4 (so the test, not the clock, decides the batch)
+        "batch4": "dynamic_batching { preferred_batch_size: [ 4 ] max_queue_delay_microseconds: 10000000 }",
+        # a lone request waits out the 300 ms delay
+        "delayed": "dynamic_batching { preferred_batch_size: [ 8 ] max_queue_delay_microseconds: 300000 }",
+        "timeout_reject": "dynamic_batching { default_queue_policy { timeout_action: REJECT "
+                          "default_timeout_microseconds: 100000 } }",
+        "bounded": "dynamic_batching { default_queue_policy { max_queue_size: 1 } }",
+        "prio": "dynamic_batching { priority_levels: 2 default_priority_level: 2 }",
+        "ordered": "dynamic_batching { preserve_ordering: true }\n"
+                   "instance_group [ { count: 2, kind: KIND_CPU } ]",
+        "unordered": "dynamic_batching { }\ninstance_group [ { count: 2, kind: KIND_CPU } ]",
+    }
+    for name, extra in variants.items():
+        config = BATCH_IO + extra
+        if name in ("prio", "ordered", "unordered", "bounded", "timeout_reject"):
+            config = config.replace("max_batch_size: 8", "max_batch_size: 1")
+        write_model(repo, name, config, BATCH_ECHO)
 
 
 def build_bad_repository(root: str) -> str:

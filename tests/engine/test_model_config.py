@@ -281,3 +281,47 @@ def test_config_to_json_is_compact_and_round_trips():
     assert json.loads(text) == model_config.config_to_dict(cfg)
     assert '"dims":[4]' in text and '"max_queue_delay_microseconds":250' in text
     assert model_config.config_from_json(text) == cfg
+
+
+# ---- normalize: dynamic batching --------------------------------------------------------------
+
+@pytest.mark.parametrize("db, match", [
+    ("preferred_batch_size: [ 0 ]",
+     r"model 'm': dynamic_batching preferred_batch_size 0 must be between 1 and max_batch_size \(8\)"),
+    ("preferred_batch_size: [ 2, -1 ]", r"preferred_batch_size -1 must be between 1 and max_batch_size"),
+    ("preferred_batch_size: [ 4, 9 ]",
+     r"preferred_batch_size 9 must be between 1 and max_batch_size \(8\)"),
+    ("priority_levels: 2", r"default_priority_level must be in \[1, 2\] when priority_levels is 2"),
+    ("priority_levels: 2 default_priority_level: 3",
+     r"model 'm': dynamic_batching default_priority_level must be in \[1, 2\]"),
+    ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 3 value { } }",
+     r"model 'm': dynamic_batching priority_queue_policy has level 3, outside "
+     r"\[1, priority_levels=2\]"),
+    ("priority_levels: 2 default_priority_level: 1 priority_queue_policy { key: 0 value { } }",
+     r"priority_queue_policy has level 0, outside \[1, priority_levels=2\]"),
+    ("priority_queue_policy { key: 1 value { } }",
+     r"priority_queue_policy has level 1, outside \[1, priority_levels=0\]"),
+], ids=["preferred-0", "preferred-neg", "preferred-above-max", "default-level-0",
+        "default-level-above", "policy-level-above", "policy-level-0", "policy-without-levels"])
+def test_normalize_dynamic_batching_errors(db, match):
+    with pytest.raises(ConfigError, match=match):
+        norm(BASIC + f"dynamic_batching {{ {db} }}")
+
+
+def test_normalize_dynamic_batching_valid_priorities():
+    cfg = norm(BASIC + """dynamic_batching {
+        preferred_batch_size: [ 1, 8 ]
+        priority_levels: 3 default_priority_level: 3
+        priority_queue_policy { key: 1 value { max_queue_size: 2 } }
+        priority_queue_policy { key: 3 value { timeout_action: DELAY } } }""")
+    db = cfg.dynamic_batching
+    assert list(db.preferred_batch_size) == [1, 8]
+    assert sorted(db.priority_queue_policy) == [1, 3]
+    assert db.default_priority_level == 3
+
+
+def test_normalize_dynamic_batching_preferred_defaults_to_max_batch_size():
+    cfg = norm(BASIC.replace("max_batch_size: 8", "max_batch_size: 5") +
+               "dynamic_batching { max_queue_delay_microseconds: 100 }")
+    assert list(cfg.dynamic_batching.preferred_batch_size) == [5]
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 100

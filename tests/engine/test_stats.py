@@ -1,0 +1,154 @@
+"""VersionStats: the scheduler's per-version counters, with an injected wall clock."""
+import pytest
+
+from shmserve.engine.stats import DEFAULT_LATENCY_BUCKETS_MS, FAILURE_REASONS, VersionStats
+from shmserve.ipc.messages import Duration
+
+MS = 1_000_000      # ns per millisecond
+
+
+class Wall:
+    def __init__(self, t=1_700_000_000.5):
+        self.t = t
+
+    def __call__(self):
+        return self.t
+
+
+@pytest.fixture
+def wall():
+    return Wall()
+
+
+@pytest.fixture
+def stats(wall):
+    return VersionStats("m", 3, wall_clock=wall)
+
+
+def test_fresh_record(stats):
+    r = stats.snapshot(0)
+    assert (r.name, r.version) == ("m", 3)
+    assert (r.last_inference, r.inference_count, r.execution_count, r.pending) == (0, 0, 0, 0)
+    for d in (r.success, r.fail, r.queue, r.compute_input, r.compute_infer, r.compute_output,
+              r.cache_hit, r.cache_miss):
+        assert d == Duration(0, 0)
+    assert r.batch_stats == []
+    assert r.failures == {"REJECTED": 0, "CANCELED": 0, "BACKEND": 0, "OTHER": 0}
+    assert list(r.failures) == list(FAILURE_REASONS)
+    assert r.latency_buckets == [0] * (len(DEFAULT_LATENCY_BUCKETS_MS) + 1)
+    assert r.latency_sum_ms == 0.0
+
+
+def test_succeeded_accumulates(stats):
+    stats.succeeded(4, total_ns=10 * MS, queue_ns=1_000, input_ns=200, infer_ns=3_000, output_ns=40)
+    stats.succeeded(1, total_ns=20 * MS, queue_ns=2_000, input_ns=100, infer_ns=1_000, output_ns=60)
+    r = stats.snapshot(0)
+    assert r.inference_count == 5                  # batch sizes, not requests
+    assert r.success == Duration(2, 30 * MS)
+    assert r.queue == Duration(2, 3_000)
+    assert r.compute_input == Duration(2, 300)
+    assert r.compute_infer == Duration(2, 4_000)
+    assert r.compute_output == Duration(2, 100)
+    assert r.execution_count == 0                  # executions are counted by executed()
+    assert r.fail == Duration(0, 0)
+
+
+def test_negative_durations_count_as_zero(stats):
+    stats.succeeded(1, total_ns=-5, queue_ns=-1, input_ns=-1, infer_ns=-1, output_ns=-1)
+    stats.failed("BACKEND", -7)
+    stats.executed(1, -1, -2, -3)
+    r = stats.snapshot(0)
+    assert r.success == Duration(1, 0) and r.queue == Duration(1, 0)
+    assert r.fail == Duration(1, 0)
+    assert r.batch_stats[0].compute_infer == Duration(1, 0)
+
+
+def test_failed_by_reason(stats):
+    stats.failed("REJECTED", 100)
+    stats.failed("REJECTED", 200)
+    stats.failed("BACKEND", 50)
+    stats.failed("CANCELED", 1)
+    stats.failed("SOMETHING_ELSE", 10)
+    stats.failed("", 10)
+    r = stats.snapshot(0)
+    assert r.fail == Duration(6, 371)
+    assert r.failures == {"REJECTED": 2, "CANCELED": 1, "BACKEND": 1, "OTHER": 2}
+    assert r.inference_count == 0 and r.success == Duration(0, 0)
+    assert r.latency_buckets == [0] * 5            # failures are not in the latency histogram
+
+
+def test_executed_counts_executions_and_groups_batch_sizes(stats):
+    stats.executed(4, 10, 100, 1)
+    stats.executed(1, 20, 200, 2)
+    stats.executed(4, 30, 300, 3)
+    stats.executed(2, 40, 400, 4)
+    r = stats.snapshot(0)
+    assert r.execution_count == 4
+    assert r.inference_count == 0                  # inferences are counted by succeeded()
+    assert [b.batch_size for b in r.batch_stats] == [1, 2, 4]      # sorted by batch size
+    b4 = r.batch_stats[2]
+    assert (b4.compute_input, b4.compute_infer, b4.compute_output) == \
+        (Duration(2, 40), Duration(2, 400), Duration(2, 4))
+    b1 = r.batch_stats[0]
+    assert (b1.compute_input, b1.compute_infer, b1.compute_output) == \
+        (Duration(1, 20), Duration(1, 200), Duration(1, 2))
+    # the batch durations are separate objects, not shared
+    assert b4.compute_input is not b4.compute_infer
+
+
+def test_snapshot_sorts_sizes_added_later(stats):
+    stats.executed(8, 1, 1, 1)
+    assert [b.batch_size for b in stats.snapshot(0).batch_stats] == [8]
+    stats.executed(3, 1, 1, 1)
+    stats.executed(5, 1, 1, 1)
+    assert [b.batch_size for b in stats.snapshot(0).batch_stats] == [3, 5, 8]
+
+
+def test_last_inference_from_the_wall_clock(stats, wall):
+    stats.succeeded(1, 1, 1, 1, 1, 1)
+    assert stats.snapshot(0).last_inference == 0   # set per execution
+    stats.executed(1, 1, 1, 1)
+    assert stats.snapshot(0).last_inference == 1_700_000_000_500
+    wall.t = 1_700_000_123.25
+    stats.executed(1, 1, 1, 1)
+    assert stats.snapshot(0).last_inference == 1_700_000_123_250
+
+
+@pytest.mark.parametrize("total_ms, bucket", [
+    (0, 0), (99.5, 0), (100, 0),                   # a value on an edge goes to that bucket
+    (100.001, 1), (500, 1), (500.5, 2), (2000, 2), (4999, 3), (5000, 3),
+    (5000.001, 4), (60_000, 4),                    # above the last edge: the overflow bucket
+])
+def test_latency_buckets(stats, total_ms, bucket):
+    stats.succeeded(1, int(total_ms * MS), 0, 0, 0, 0)
+    r = stats.snapshot(0)
+    expected = [0] * 5
+    expected[bucket] = 1
+    assert r.latency_buckets == expected
+    assert r.latency_sum_ms == pytest.approx(total_ms)
+
+
+def test_latency_sum_and_custom_buckets(wall):
+    s = VersionStats("m", 1, buckets_ms=[1, 10], wall_clock=wall)
+    for ms in (0.5, 1, 2, 10, 11, 12):
+        s.succeeded(1, int(ms * MS), 0, 0, 0, 0)
+    r = s.snapshot(0)
+    assert r.latency_buckets == [2, 2, 2]
+    assert r.latency_sum_ms == pytest.approx(36.5)
+
+
+def test_snapshot_pending(stats):
+    assert stats.snapshot(7).pending == 7
+    assert stats.snapshot(0).pending == 0
+
+
+def test_versions_do_not_share_counters(wall):
+    a = VersionStats("a", 1, wall_clock=wall)
+    b = VersionStats("b", 1, wall_clock=wall)
+    a.failed("REJECTED", 1)
+    a.succeeded(2, 50 * MS, 0, 0, 0, 0)
+    a.executed(2, 0, 0, 0)
+    rb = b.snapshot(0)
+    assert rb.failures["REJECTED"] == 0
+    assert rb.latency_buckets == [0] * 5
+    assert rb.success == Duration(0, 0) and rb.batch_stats == []
