@@ -42,12 +42,12 @@ def install() -> str:
 
 
 def run_one(pa: str, url: str, protocol: str, concurrency: int, extra: list[str],
-            interval_ms: int, workdir: str) -> dict:
+            interval_ms: int, workdir: str, model: str = "identity_fp32") -> dict:
     """perf_analyzer's default stability rule (10%) first; on a noisy 2-core machine p99 may not
     settle, so a second try accepts 30% and the row says so."""
     report = os.path.join(workdir, "pa.csv")
     for stability in (10, 30):
-        cmd = [pa, "-m", "identity_fp32", "-i", protocol, "-u", url,
+        cmd = [pa, "-m", model, "-i", protocol, "-u", url,
                "--concurrency-range", str(concurrency), "--measurement-interval", str(interval_ms),
                "--percentile", "99", "--stability-percentage", str(stability), "-f", report, *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

@@ -6,6 +6,7 @@ workers untouched; tensor bytes never pass through here except tiny inline ones.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -23,6 +24,7 @@ from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSeg
 from shmserve.ipc.proc import StopFlag, die_with_parent
 
 from . import model_config
+from .alarm import Alarm
 from .batching import QueuedRequest, QueueFull
 from .models import BACKOFF_CAP_S, HEALTHY_AFTER_S, Instance, ModelVersion
 from .repository import ModelEntry, ModelRepository
@@ -45,10 +47,14 @@ class Scheduler:
         self.by_pidfd: dict[int, int] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.inbox.socket, zmq.POLLIN)
+        self.alarm = Alarm(channel.context())
+        self.poller.register(self.alarm.socket, zmq.POLLIN)
         self.spawn_counter = 0
         self.batch_counter = 0
         self.startup_done = False
         self.exit_requested = False
+        self.backoff: set[tuple[ModelVersion, Instance]] = set()   # instances waiting to restart
+        self.batching: list[ModelVersion] = []      # versions whose batcher has deadlines
 
     # ---- loading -------------------------------------------------------------------------------
     def load_all(self) -> None:
@@ -61,6 +67,8 @@ class Scheduler:
             for plan in entry.versions:
                 ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json)
                 self.versions[(name, plan.version)] = ver
+                if entry.config.HasField("dynamic_batching"):
+                    self.batching.append(ver)
                 if plan.error:
                     self.set_state(ver, ModelState.UNAVAILABLE, plan.error)
                     continue
@@ -263,6 +271,8 @@ class Scheduler:
             # a restart that no longer loads: keep the others serving, retry with backoff
             log.error("instance %s of '%s' failed to reload: %s", inst.name, ver.name, msg.reason)
             inst.state = InstanceState.BACKOFF
+            inst.restart_at = time.monotonic() + inst.backoff_s
+            self.backoff.add((ver, inst))
 
     def fail_version(self, ver: ModelVersion, reason: str) -> None:
         self.set_state(ver, ModelState.UNAVAILABLE, reason)
@@ -310,39 +320,39 @@ class Scheduler:
         inst.deaths += 1
         inst.state = InstanceState.BACKOFF
         inst.restart_at = now + inst.backoff_s
+        self.backoff.add((ver, inst))
         log.warning("instance %s of model '%s' exited (%s); restarting in %.1fs", inst.name,
                     ver.name, how, inst.backoff_s)
         inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, 0.2))
 
-    def batching_due(self) -> float:
-        """Form batches whose delay or timeout passed; seconds until the next such deadline."""
-        wait = 1.0
-        for ver in self.versions.values():
+    def batching_due(self) -> int | None:
+        """Form batches whose delay or timeout passed; the next such deadline (monotonic ns)."""
+        earliest = None
+        for ver in self.batching:
             deadline = ver.scheduler.next_deadline_ns()
             if deadline is None:
                 continue
-            now = time.monotonic_ns()       # read after the deadline, which may be "now" itself
-            if deadline <= now:
+            if deadline <= time.monotonic_ns():     # read after the deadline: it may be "now"
                 self.dispatch(ver)
                 deadline = ver.scheduler.next_deadline_ns()
                 if deadline is None:
                     continue
-            wait = min(wait, max(0.0, (deadline - now) / 1e9))
-        return wait
+            if earliest is None or deadline < earliest:
+                earliest = deadline
+        return earliest
 
     def restart_due(self) -> float:
         """Restart instances whose backoff expired; returns seconds until the next one is due."""
         now = time.monotonic()
         wait = 1.0
-        for ver in self.versions.values():
-            if ver.state != ModelState.READY:
-                continue
-            for inst in ver.instances:
-                if inst.state == InstanceState.BACKOFF:
-                    if inst.restart_at <= now:
-                        self.spawn(ver, inst)
-                    else:
-                        wait = min(wait, inst.restart_at - now)
+        for ver, inst in list(self.backoff):
+            if ver.state != ModelState.READY or inst.state != InstanceState.BACKOFF:
+                self.backoff.discard((ver, inst))
+            elif inst.restart_at <= now:
+                self.backoff.discard((ver, inst))
+                self.spawn(ver, inst)
+            else:
+                wait = min(wait, inst.restart_at - now)
         return wait
 
     # ---- loop --------------------------------------------------------------------------------------
@@ -352,7 +362,7 @@ class Scheduler:
         self.load_all()
         timeout = 1.0
         while not stop.set and not self.exit_requested:
-            events = dict(self.poller.poll(int(timeout * 1000)))
+            events = dict(self.poller.poll(math.ceil(timeout * 1000)))
             if self.inbox.socket in events:
                 while True:
                     try:
@@ -363,9 +373,14 @@ class Scheduler:
             for fd in list(events):
                 if isinstance(fd, int) and fd in self.by_pidfd:
                     self.worker_exited(fd)
+            if self.alarm.socket in events:
+                self.alarm.clear()
             if stop.set:
                 break
-            timeout = min(self.restart_due(), self.batching_due())
+            # batch deadlines need sub-millisecond precision, which the alarm thread gives;
+            # restarts are fine with the poll's milliseconds
+            self.alarm.set(self.batching_due())
+            timeout = self.restart_due()
 
     def shutdown(self, timeout_s: float) -> None:
         self.stopping = True

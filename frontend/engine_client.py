@@ -17,6 +17,7 @@ import zmq
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (ErrorCode, ForgetSegments, FrontendHello, InferResult,
+                                   InferResults,
                                    ModelTable, ReleaseOutputs, ShmRef, StatsQuery, StatsReply,
                                    SubmitRequest, encode as encode_message)
 
@@ -121,13 +122,10 @@ class EngineClient:
             except zmq.Again:
                 return
             if isinstance(msg, InferResult):
-                if msg.req_id in self.pending:
-                    self._deliver(msg)
-                elif msg.worker:
-                    # a late answer (its request already failed): give its slots back
-                    refs = [t.shm for t in msg.outputs if t.shm is not None]
-                    if refs:
-                        self.release(msg.worker, refs)
+                self._deliver(msg)
+            elif isinstance(msg, InferResults):
+                for result in msg.results:
+                    self._deliver(result)
             elif isinstance(msg, ModelTable):
                 self.catalog.update(msg)
                 self.table_event.set()

@@ -197,9 +197,15 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     parameters: dict[str, Any] = {}
 
 
+class InferResults(msgspec.Struct, array_like=True, tag=41):
+    """The answers of one batch that go to the same frontend, in one message."""
+    results: list[InferResult]
+
+
 Message = Union[
     FrontendHello, SubmitRequest, StatsQuery, ModelTable, StatsReply, ExecuteBatch,
     Shutdown, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
+    InferResults,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -18,6 +18,7 @@ import zmq
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments, InferResult,
+                                   InferResults,
                                    ReleaseOutputs,
                                    Shutdown, WorkerArgs, WorkerLoadFailed, WorkerReady,
                                    decode_payload)
@@ -121,10 +122,13 @@ class Worker:
                     results[i] = self.result(batch.routes[i].req_id, resp, target)
         t3 = clock()
         failed = []
+        by_frontend: dict[int, list[InferResult]] = {}
         for i, (route, res) in enumerate(zip(batch.routes, results)):
             if res.error:
                 failed.append(i)
-            self.frontend(route.frontend).send(res)
+            by_frontend.setdefault(route.frontend, []).append(res)
+        for fid, answers in by_frontend.items():
+            self.frontend(fid).send(answers[0] if len(answers) == 1 else InferResults(answers))
         self.scheduler.send(BatchDone(self.args.instance, batch.batch_id, failed,
                                       t1 - t0, t2 - t1, t3 - t2))
 

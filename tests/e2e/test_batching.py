@@ -194,8 +194,9 @@ def test_counters_survive_a_worker_restart(server):
     _faulty(c, 9)
     after = _stats(server, "faulty")
     ok_before, ok_after = before["inference_stats"]["success"]["count"], after["inference_stats"]["success"]["count"]
-    assert ok_after >= ok_before + 2                   # _worker_pid twice at least, plus 9
-    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
+    assert ok_after >= ok_before + 2, (before, after)  # _worker_pid twice at least, plus 9
+    assert after["inference_stats"]["fail"]["count"] == \
+        before["inference_stats"]["fail"]["count"] + 1, (before, after)
     m = _metric_samples(server)
     labels = (("model", "faulty"), ("version", "1"))
     assert m[("nv_inference_request_failure", tuple(sorted(labels + (("reason", "BACKEND"),))))] >= 1

@@ -38,6 +38,10 @@ def test_perf_analyzer_reports_throughput(server, perf_analyzer, tmp_path, case)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     assert "error" not in out.stdout.lower(), out.stdout
+    if case == "http":
+        # the server-side summary comes from the statistics extension
+        assert "Server:" in out.stdout and "Inference count:" in out.stdout, out.stdout
+        assert "queue" in out.stdout and "compute infer" in out.stdout, out.stdout
     with open(report) as f:
         rows = list(csv.DictReader(f))
     assert [r["Concurrency"] for r in rows] == ["1", "2"]

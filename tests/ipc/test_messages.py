@@ -37,6 +37,7 @@ MESSAGES = [
     m.Shutdown(),
     m.ReleaseOutputs([REF, m.ShmRef("seg", 0, 0)]),
     m.ForgetSegments(["shmtest_a", "shmtest_b"]),
+    m.InferResults([m.InferResult(1, "a", 1), m.InferResult(2, "a", 1, error="x", code="INTERNAL")]),
     m.WorkerReady(instance=4, pid=1234, address="ipc:///tmp/w4"),
     m.WorkerLoadFailed(4, "ImportError: no module named foo"),
     m.BatchDone(4, 7),
