@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often CPU, memory and GPU gauges are sampled")
     p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
                    help="counter_latencies=true|false (default true), "
-                        "histogram_latencies=true|false (default false)")
+                        "histogram_latencies=true|false, summary_latencies=true|false "
+                        "(default false)")
     p.add_argument("--http-max-input-size", type=int, default=1 << 26,
                    help="largest JSON part of an HTTP request in bytes")
     p.add_argument("--allow-client-shm", type=triton_bool, default=True,
@@ -66,12 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def metrics_config(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, bool]:
-    known = {"counter_latencies": True, "histogram_latencies": False}
+    known = {"counter_latencies": True, "histogram_latencies": False, "summary_latencies": False}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in known:
-            parser.error(f"--metrics-config {item!r}: expected counter_latencies=<bool> or "
-                         f"histogram_latencies=<bool> (summary_latencies is not supported yet)")
+            parser.error(f"--metrics-config {item!r}: expected counter_latencies, "
+                         f"histogram_latencies or summary_latencies=<bool>")
         try:
             known[key] = triton_bool(value)
         except argparse.ArgumentTypeError as e:
@@ -95,6 +96,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         allow_cpu_metrics=a.allow_cpu_metrics, allow_gpu_metrics=a.allow_gpu_metrics,
         metrics_interval_ms=a.metrics_interval_ms,
         counter_latencies=mc["counter_latencies"], histogram_latencies=mc["histogram_latencies"],
+        summary_latencies=mc["summary_latencies"],
         http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
         exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,

@@ -50,13 +50,14 @@ class ModelVersion:
     scheduler: DefaultScheduler | DynamicBatcher = None
     stats: VersionStats = None
     load_started: float = field(default_factory=time.monotonic)
+    summaries: bool = False             # keep latency windows for summary metrics
 
     def __post_init__(self):
         if self.config.HasField("dynamic_batching"):
             self.scheduler = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE)
         else:
             self.scheduler = DefaultScheduler(max_queue_size=DEFAULT_MAX_QUEUE)
-        self.stats = VersionStats(self.name, self.version)
+        self.stats = VersionStats(self.name, self.version, summaries=self.summaries)
 
     def all_started(self) -> bool:
         return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)

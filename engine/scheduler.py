@@ -65,7 +65,8 @@ class Scheduler:
                 continue
             cfg_json = model_config.config_to_json(entry.config)
             for plan in entry.versions:
-                ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json)
+                ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json,
+                                   summaries=self.settings.summary_latencies)
                 self.versions[(name, plan.version)] = ver
                 if entry.config.HasField("dynamic_batching"):
                     self.batching.append(ver)

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
+
+import numpy as np
 
 from shmserve.ipc.messages import BatchStatistics, Duration, ModelStatistics
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 # Triton's default buckets for nv_inference_first_response_histogram_ms
 DEFAULT_LATENCY_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
+# Triton's default summary quantiles; summaries cover the latest observations
+SUMMARY_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
+SUMMARY_WINDOW = 4096
+SUMMARY_KINDS = ("request", "queue", "compute_input", "compute_infer", "compute_output")
 
 
 def _add(d: Duration, ns: int) -> None:
@@ -24,8 +31,10 @@ def _add(d: Duration, ns: int) -> None:
 
 class VersionStats:
     def __init__(self, name: str, version: int, buckets_ms=DEFAULT_LATENCY_BUCKETS_MS,
-                 wall_clock=time.time):
+                 wall_clock=time.time, summaries: bool = False):
         self.record = ModelStatistics(name, version, failures={r: 0 for r in FAILURE_REASONS})
+        self.windows = {k: deque(maxlen=SUMMARY_WINDOW) for k in SUMMARY_KINDS} if summaries \
+            else None
         self.buckets_ms = tuple(buckets_ms)
         self.record.latency_buckets = [0] * (len(self.buckets_ms) + 1)
         self.batches: dict[int, BatchStatistics] = {}
@@ -59,6 +68,13 @@ class VersionStats:
         _add(r.compute_infer, infer_ns)
         _add(r.compute_output, output_ns)
         self._latency(total_ns / 1e6)
+        if self.windows is not None:
+            w = self.windows
+            w["request"].append(total_ns / 1e3)
+            w["queue"].append(queue_ns / 1e3)
+            w["compute_input"].append(input_ns / 1e3)
+            w["compute_infer"].append(infer_ns / 1e3)
+            w["compute_output"].append(output_ns / 1e3)
 
     def failed(self, reason: str, total_ns: int) -> None:
         r = self.record
@@ -69,4 +85,8 @@ class VersionStats:
         r = self.record
         r.pending = pending
         r.batch_stats = [self.batches[k] for k in sorted(self.batches)]
+        if self.windows is not None:
+            r.summaries = {k: (np.quantile(np.fromiter(w, float), SUMMARY_QUANTILES).tolist()
+                               if w else [0.0] * len(SUMMARY_QUANTILES))
+                           for k, w in self.windows.items()}
         return r

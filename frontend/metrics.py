@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from shmserve.engine.stats import DEFAULT_LATENCY_BUCKETS_MS, FAILURE_REASONS
+from shmserve.engine.stats import DEFAULT_LATENCY_BUCKETS_MS, FAILURE_REASONS, SUMMARY_QUANTILES
 from shmserve.ipc import channel
 from shmserve.ipc.messages import ModelStatistics
 
@@ -25,9 +25,24 @@ from .system_metrics import SystemSampler
 log = logging.getLogger("shmserve.metrics")
 
 
+TRITON_COUNTERS: set[str] = set()
+
+
 def _counter(name: str, doc: str) -> Metric:
     # Triton's counters carry no _total suffix; dashboards written for it query these names
+    TRITON_COUNTERS.add(name)
     return Metric(name, doc, "counter")
+
+
+def exposition(registry) -> bytes:
+    """prometheus_client's text format, with Triton's counter names in HELP/TYPE lines too
+    (prometheus_client always writes a counter family as <name>_total there, which would no
+    longer match the sample names that Triton's dashboards query)."""
+    text = generate_latest(registry).decode()
+    for name in TRITON_COUNTERS:
+        text = text.replace(f"# HELP {name}_total ", f"# HELP {name} ")
+        text = text.replace(f"# TYPE {name}_total counter", f"# TYPE {name} counter")
+    return text.encode()
 
 
 class InferenceCollector:
@@ -81,7 +96,33 @@ class InferenceCollector:
         yield load
         if self.histogram_latencies:
             yield hist
+        yield from self._summaries()
         yield from self._ipc()
+
+    def _summaries(self):
+        """Quantiles over each model's latest observations (--metrics-config summary_latencies)."""
+        names = {"request": "nv_inference_request_summary_us",
+                 "queue": "nv_inference_queue_summary_us",
+                 "compute_input": "nv_inference_compute_input_summary_us",
+                 "compute_infer": "nv_inference_compute_infer_summary_us",
+                 "compute_output": "nv_inference_compute_output_summary_us"}
+        totals = {"request": "success", "queue": "queue", "compute_input": "compute_input",
+                  "compute_infer": "compute_infer", "compute_output": "compute_output"}
+        if not any(m.summaries for m in self.models):
+            return
+        for kind, name in names.items():
+            fam = Metric(name, f"Summary of {kind.replace('_', ' ')} durations in microseconds",
+                         "summary")
+            for m in self.models:
+                if kind not in m.summaries:
+                    continue
+                labels = {"model": m.name, "version": str(m.version)}
+                for q, v in zip(SUMMARY_QUANTILES, m.summaries[kind]):
+                    fam.add_sample(name, {**labels, "quantile": str(q)}, v)
+                total = getattr(m, totals[kind])
+                fam.add_sample(name + "_count", labels, total.count)
+                fam.add_sample(name + "_sum", labels, total.ns / 1000)
+            yield fam
 
     def _ipc(self):
         """Bytes and messages over ZeroMQ. Every socket has one end in the frontend or the
@@ -141,4 +182,4 @@ class MetricsApp:
             self.inference.ipc = reply.ipc
         except asyncio.TimeoutError:
             log.warning("scheduler did not answer the statistics query in time")
-        conn.respond(req, 200, generate_latest(self.registry), "text/plain; charset=utf-8")
+        conn.respond(req, 200, exposition(self.registry), "text/plain; charset=utf-8")

@@ -124,6 +124,9 @@ class ModelStatistics(msgspec.Struct, array_like=True):
     load_seconds: float = 0.0
     latency_buckets: list[int] = []         # first-response histogram counts (ms buckets)
     latency_sum_ms: float = 0.0
+    # --metrics-config summary_latencies: per duration kind, quantile values (µs) over the
+    # latest observations, in the order of stats.SUMMARY_QUANTILES
+    summaries: dict[str, list[float]] = {}
 
 
 class StatsReply(msgspec.Struct, array_like=True, tag=11):
@@ -246,6 +249,7 @@ class ServerSettings(msgspec.Struct):
     metrics_interval_ms: int = 2000
     counter_latencies: bool = True
     histogram_latencies: bool = False
+    summary_latencies: bool = False
     http_max_input_size: int = 1 << 26
     allow_client_shm: bool = True
     exit_timeout_secs: float = 30.0

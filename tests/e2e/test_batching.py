@@ -125,7 +125,9 @@ def _metric_samples(server) -> dict:
     out = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+            # the parser reports counter samples as <name>_total; the wire has Triton's names
+            name = s.name[:-len("_total")] if fam.type == "counter" and s.name.endswith("_total") else s.name
+            out[(name, tuple(sorted(s.labels.items())))] = s.value
     return out
 
 
