@@ -10,6 +10,25 @@ from serverproc import REPO_ROOT, Server  # noqa: E402
 from repo_builder import build_test_repository  # noqa: E402
 
 
+def _nvml_gpu_count() -> int:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        return pynvml.nvmlDeviceGetCount()
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    if _nvml_gpu_count():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU visible through nvidia-ml-py "
+                                   "(pip install 'shmserve[gpu]')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def test_repo(tmp_path_factory):
     return build_test_repository(str(tmp_path_factory.mktemp("models")))

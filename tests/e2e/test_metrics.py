@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
@@ -69,3 +70,17 @@ def test_bad_metrics_config_is_refused():
     r = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
                         "--metrics-config", "fancy=true"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--metrics-config 'fancy=true'" in r.stderr
+
+
+@pytest.mark.gpu
+def test_gpu_gauges_per_device(server):
+    import pynvml
+    pynvml.nvmlInit()
+    uuids = set()
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+        uuids.add(u.decode() if isinstance(u, bytes) else u)
+    fams = _families(server)
+    for name in ("nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
+                 "nv_gpu_power_usage", "nv_gpu_power_limit"):
+        assert {s.labels["gpu_uuid"] for s in fams[name].samples} == uuids, name
