@@ -30,7 +30,21 @@ class QueueFull(Exception):
     pass
 
 
-class DefaultScheduler:
+class IdleInstances:
+    """The idle instances of a model version, most recently idle last."""
+
+    idle: list[Hashable]
+
+    def instance_idle(self, key: Hashable) -> None:
+        if key not in self.idle:
+            self.idle.append(key)
+
+    def instance_gone(self, key: Hashable) -> None:
+        if key in self.idle:
+            self.idle.remove(key)
+
+
+class DefaultScheduler(IdleInstances):
     """Triton's default scheduler: one request per execution, on the next idle instance.
 
     Idle instances are reused most-recently-idle first, which keeps the hottest process (warm
@@ -48,14 +62,6 @@ class DefaultScheduler:
             raise QueueFull("Exceeds maximum queue size")
         req.enqueued_ns = self.clock()
         self.queue.append(req)
-
-    def instance_idle(self, key: Hashable) -> None:
-        if key not in self.idle:
-            self.idle.append(key)
-
-    def instance_gone(self, key: Hashable) -> None:
-        if key in self.idle:
-            self.idle.remove(key)
 
     def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
         out = []

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
-from .batching import QueuedRequest, QueueFull
+from .batching import IdleInstances, QueuedRequest, QueueFull
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +46,7 @@ class _Level:
         return len(self.ready) + len(self.delayed)
 
 
-class DynamicBatcher:
+class DynamicBatcher(IdleInstances):
     def __init__(self, cfg: BatcherConfig, max_queue_size: int = 0,
                  clock: Callable[[], int] = time.monotonic_ns):
         self.cfg = cfg
@@ -116,15 +116,6 @@ class DynamicBatcher:
                         self.earliest_deadline = r.deadline_ns
             level.ready = keep
         return rejected
-
-    # ---- instances ---------------------------------------------------------------------------------
-    def instance_idle(self, key: Hashable) -> None:
-        if key not in self.idle:
-            self.idle.append(key)
-
-    def instance_gone(self, key: Hashable) -> None:
-        if key in self.idle:
-            self.idle.remove(key)
 
     # ---- forming batches -----------------------------------------------------------------------------
     def _pending(self):

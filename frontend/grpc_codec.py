@@ -8,7 +8,6 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.ipc import dtypes
-from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult, ShmRef, Tensor
 from shmserve.ipc.shm import ShmArena
 
@@ -114,13 +113,7 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
             data = raw[next_raw]
             next_raw += 1
             validation.check_byte_size(model, t, len(data), data)
-        if len(data) > INLINE_LIMIT:
-            slot = arena.alloc(len(data))
-            slot.view[:] = data
-            scratch.append(slot.ref)
-            t.shm = slot.ref
-        else:
-            t.data = data
+        request.place_data(t, data, arena, scratch)
         tensors.append(t)
     if next_raw != len(raw):
         raise invalid(f"expected {next_raw} raw_input_contents entries for model "

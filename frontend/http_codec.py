@@ -148,14 +148,8 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
                 t.data = bytes(chunk)
             cursor += bsize
         else:
-            data = _json_tensor(model, name, datatype, shape, item["data"])
-            if len(data) > INLINE_LIMIT:
-                slot = arena.alloc(len(data))
-                slot.view[:] = data
-                scratch.append(slot.ref)
-                t.shm = slot.ref
-            else:
-                t.data = data
+            request.place_data(t, _json_tensor(model, name, datatype, shape, item["data"]),
+                               arena, scratch)
         tensors.append(t)
     if cursor != len(mv):
         raise invalid(f"unexpected additional input data for model '{model.name}': "

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
@@ -38,6 +39,18 @@ class PreparedRequest:
     priority: int = 0
     timeout_us: int = 0
     shape_key: str = ""
+
+
+def place_data(t: Tensor, data: bytes, arena: ShmArena, scratch: list[ShmRef]) -> None:
+    """Small tensor bytes ride in the message; larger ones are copied into the frontend's arena
+    (the slot is freed with the request)."""
+    if len(data) > INLINE_LIMIT:
+        slot = arena.alloc(len(data))
+        slot.view[:] = data
+        scratch.append(slot.ref)
+        t.shm = slot.ref
+    else:
+        t.data = data
 
 
 def input_from_region(registry: ShmRegistry, model: ModelView, t: Tensor, params: dict,

@@ -131,3 +131,18 @@ class Server:
                 raise
         self.log.close()
         return self.proc.returncode
+
+
+def model_sleeping(server: "Server", model: str) -> bool:
+    """A worker process of ``model`` is parked in time.sleep (so its request is inside execute)."""
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if f'"model_name":"{model}"' not in f.read():
+                    continue
+            with open(f"/proc/{pid}/wchan") as f:
+                if "nanosleep" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False

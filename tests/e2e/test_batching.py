@@ -9,6 +9,8 @@ import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.utils import InferenceServerException
 
+from serverproc import model_sleeping, wait_for
+
 
 @pytest.fixture(scope="module")
 def aclient(server):
@@ -135,30 +137,13 @@ def _wait_executing(server, model):
     def executing():
         s = _metric_samples(server)
         key = ("nv_inference_pending_request_count", (("model", model), ("version", "1")))
-        return s.get(key) == 0 and _in_execute(server, model)
-    from serverproc import wait_for
+        return s.get(key) == 0 and model_sleeping(server, model)
     wait_for(executing, 20, f"a request of '{model}' to be executing")
 
 
 def _wait_pending(server, model, n):
-    from serverproc import wait_for
     key = ("nv_inference_pending_request_count", (("model", model), ("version", "1")))
     wait_for(lambda: _metric_samples(server).get(key) == n, 20, f"{n} queued request(s) of '{model}'")
-
-
-def _in_execute(server, model) -> bool:
-    from serverproc import descendants
-    for pid in descendants(server.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline") as f:
-                if f'"model_name":"{model}"' not in f.read():
-                    continue
-            with open(f"/proc/{pid}/wchan") as f:
-                if "nanosleep" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def test_metrics_agree_with_statistics(server, aclient):
@@ -168,7 +153,6 @@ def test_metrics_agree_with_statistics(server, aclient):
     done = [aclient.async_infer("batch4", [_input(i)]) for i in range(2)]
     for d in done:
         d.get_result()
-    from serverproc import wait_for
     wait_for(lambda: _stats(server, "batch4")["inference_count"] % 4 == 0, 20, "batches to finish")
     stats = _stats(server, "batch4")
     m = _metric_samples(server)

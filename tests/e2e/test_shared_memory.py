@@ -10,7 +10,7 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from tritonclient.utils import InferenceServerException
 
-from serverproc import Server, descendants, wait_for
+from serverproc import Server, model_sleeping, wait_for
 from test_data_path import ipc_metrics
 from shmserve.ipc.channel import INLINE_LIMIT
 
@@ -220,27 +220,12 @@ def test_unregister_in_use_is_refused_then_allowed(server, regions):
 
     t = threading.Thread(target=slow)
     t.start()
-    wait_for(lambda: _model_sleeping(server, "pid_slow"), 20, "the request to reach execute()")
+    wait_for(lambda: model_sleeping(server, "pid_slow"), 20, "the request to reach execute()")
     _expect_error(lambda: c.unregister_system_shared_memory(r.name), "in flight")
     t.join(30)
     assert done and done[0].as_numpy("OUTPUT0")[0, 0] == 1.0
     c.unregister_system_shared_memory(r.name)
     assert r.exists()
-
-
-def _model_sleeping(server, model: str) -> bool:
-    """Some worker of ``model`` is inside time.sleep (so its request holds its region)."""
-    for pid in descendants(server.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline") as f:
-                if f'"model_name":"{model}"' not in f.read():
-                    continue
-            with open(f"/proc/{pid}/wchan") as f:
-                if "nanosleep" in f.read():
-                    return True
-        except OSError:
-            continue
-    return False
 
 
 def test_worker_mapping_released_on_unregister(server, regions):
