@@ -26,6 +26,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Triton-compatible inference server: isolated processes, tensors in shared memory.")
     p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append",
                    required=True, metavar="PATH", help="model repository path (repeatable)")
+    p.add_argument("--model-control-mode", default="none", type=str.lower,
+                   choices=["none", "poll", "explicit"])
+    p.add_argument("--repository-poll-secs", type=float, default=15.0,
+                   help="poll mode: how often the repository is scanned for changes")
+    p.add_argument("--load-model", action="append", default=[], metavar="NAME",
+                   help="explicit mode: load this model at startup (repeatable; '*' = all)")
+    p.add_argument("--model-load-thread-count", type=int, default=4,
+                   help="accepted for compatibility: every instance loads in its own process, "
+                        "so loads always run in parallel")
     p.add_argument("--model-config-name", default="",
                    help="use <model>/configs/<name>.pbtxt instead of config.pbtxt where present")
     p.add_argument("--host", default="0.0.0.0",
@@ -84,6 +93,12 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
     parser = build_parser()
     a = parser.parse_args(argv)
     mc = metrics_config(parser, a.metrics_config)
+    if a.load_model and a.model_control_mode != "explicit":
+        parser.error("--load-model needs --model-control-mode=explicit")
+    if "*" in a.load_model and len(a.load_model) > 1:
+        parser.error("--load-model=* must be the only --load-model")
+    if a.repository_poll_secs < 0:
+        parser.error("--repository-poll-secs must be >= 0")
     if a.metrics_interval_ms <= 0:
         parser.error("--metrics-interval-ms must be positive")
     settings = ServerSettings(
@@ -100,7 +115,9 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
         exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
-        log_verbose=a.log_verbose, port_file=a.port_file)
+        log_verbose=a.log_verbose, port_file=a.port_file,
+        model_control_mode=a.model_control_mode, repository_poll_secs=a.repository_poll_secs,
+        load_models=a.load_model)
     return settings, a
 
 

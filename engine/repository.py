@@ -59,13 +59,19 @@ class ModelRepository:
     def scan(self) -> dict[str, ModelEntry]:
         return {name: self.read_model(name, dirs) for name, dirs in self.model_dirs().items()}
 
-    def read_model(self, name: str, dirs: list[str]) -> ModelEntry:
+    def read_model(self, name: str, dirs: list[str],
+                   override: model_config.ModelConfig | None = None) -> ModelEntry:
+        """``override``: a config given with a load request, used instead of config.pbtxt."""
         entry = ModelEntry(name=name, path=dirs[0])
         if len(dirs) > 1:
             entry.error = f"model '{name}' appears in more than one repository: {', '.join(dirs)}"
             return entry
         try:
-            cfg = model_config.read_config(entry.path, name, self.config_name)
+            if override is not None:
+                cfg = model_config.ModelConfig()
+                cfg.CopyFrom(override)
+            else:
+                cfg = model_config.read_config(entry.path, name, self.config_name)
             entry.config = model_config.normalize(cfg, name, self.gpu_count)
         except ConfigError as e:
             entry.error = str(e)

@@ -15,17 +15,15 @@ import msgspec
 import zmq
 
 from shmserve.ipc import channel, shm
-from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments,
-                                   FrontendHello, InferResult,
-                                   InstanceSpec, ModelInfo, StatsQuery, StatsReply,
-                                   ModelTable, RequestRoute, ServerSettings, Shutdown,
-                                   SubmitRequest, VersionInfo,
-                                   WorkerLoadFailed, WorkerReady)
+from shmserve.ipc.messages import (BatchDone, ControlRequest, ErrorCode, ExecuteBatch,
+                                   ForgetSegments, FrontendHello, InferResult, InstanceSpec,
+                                   RequestRoute, ServerSettings, Shutdown, StatsQuery, StatsReply,
+                                   SubmitRequest, WorkerLoadFailed, WorkerReady)
 from shmserve.ipc.proc import StopFlag, die_with_parent
 
-from . import model_config
 from .alarm import Alarm
 from .batching import QueuedRequest, QueueFull
+from .lifecycle import Lifecycle, Load
 from .models import BACKOFF_CAP_S, HEALTHY_AFTER_S, Instance, ModelVersion
 from .repository import ModelEntry, ModelRepository
 from .states import InstanceState, ModelState
@@ -34,7 +32,7 @@ from .supervision import describe_exit, spawn_worker
 log = logging.getLogger("shmserve.scheduler")
 
 
-class Scheduler:
+class Scheduler(Lifecycle):
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.inbox = channel.Inbox(channel.address(settings.run_dir, "scheduler"))
@@ -54,39 +52,15 @@ class Scheduler:
         self.startup_done = False
         self.exit_requested = False
         self.backoff: set[tuple[ModelVersion, Instance]] = set()   # instances waiting to restart
+        self.loads: dict[str, Load] = {}            # model name -> its load in progress
+        self.draining: list[ModelVersion] = []      # replaced or unloaded, finishing their work
+        self.retired: dict[tuple[str, int], str] = {}   # unloaded versions and why
+        self.repo_dirs: dict[str, list[str]] = {}
+        self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
+        self.next_poll = 0.0
         self.batching: list[ModelVersion] = []      # versions whose batcher has deadlines
 
     # ---- loading -------------------------------------------------------------------------------
-    def load_all(self) -> None:
-        self.entries = self.repository.scan()
-        for name, entry in self.entries.items():
-            if entry.error:
-                log.error("model '%s' is UNAVAILABLE: %s", name, entry.error)
-                continue
-            cfg_json = model_config.config_to_json(entry.config)
-            for plan in entry.versions:
-                ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json,
-                                   summaries=self.settings.summary_latencies)
-                self.versions[(name, plan.version)] = ver
-                if entry.config.HasField("dynamic_batching"):
-                    self.batching.append(ver)
-                if plan.error:
-                    self.set_state(ver, ModelState.UNAVAILABLE, plan.error)
-                    continue
-                for group in entry.config.instance_group:
-                    kind = "GPU" if group.kind == group.KIND_GPU else "CPU"
-                    # a GPU group on a machine without GPUs still gets its workers: the backend
-                    # then refuses to load with the reason, instead of the model silently
-                    # having no instances
-                    devices = (list(group.gpus) or [0]) if kind == "GPU" else [0]
-                    for device in devices:
-                        for i in range(group.count):
-                            ver.instances.append(Instance(f"{group.name}_{i}", kind, device))
-                for inst in ver.instances:
-                    self.spawn(ver, inst)
-        self.check_startup()
-        self.publish()
-
     def spawn(self, ver: ModelVersion, inst: Instance) -> None:
         self.spawn_counter += 1
         sid = self.spawn_counter
@@ -104,15 +78,8 @@ class Scheduler:
     def segment_prefix(self, spawn_id: int) -> str:
         return f"{self.settings.segment_prefix}w{spawn_id}_"
 
-    def set_state(self, ver: ModelVersion, state: ModelState, reason: str = "") -> None:
-        ver.state, ver.reason = state, reason
-        if state == ModelState.UNAVAILABLE:
-            log.error("model '%s' version %d is UNAVAILABLE: %s", ver.name, ver.version, reason)
-        else:
-            log.info("model '%s' version %d is %s", ver.name, ver.version, state.value)
-
     def check_startup(self) -> None:
-        if not self.startup_done and all(v.state != ModelState.LOADING for v in self.versions.values()):
+        if not self.startup_done and not self.loads:
             self.startup_done = True
             failed = [n for n, e in self.entries.items() if e.error] + \
                      [f"{v.name}:{v.version}" for v in self.versions.values()
@@ -126,17 +93,6 @@ class Scheduler:
                          sum(v.state == ModelState.READY for v in self.versions.values()))
 
     # ---- model table -----------------------------------------------------------------------------
-    def model_table(self) -> ModelTable:
-        models = []
-        for name, entry in self.entries.items():
-            cfg = entry.config.SerializeToString() if entry.config is not None else b""
-            vers = [VersionInfo(v.version, v.state.value, v.reason)
-                    for (n, _), v in sorted(self.versions.items()) if n == name]
-            if entry.error:
-                vers = [VersionInfo(-1, ModelState.UNAVAILABLE.value, entry.error)]  # model-wide
-            models.append(ModelInfo(name, cfg, vers))
-        return ModelTable(models, self.startup_done)
-
     def publish(self) -> None:
         table = self.model_table()
         for box in self.frontends.values():
@@ -161,6 +117,8 @@ class Scheduler:
             for _, inst in self.by_spawn.values():
                 if inst.outbox is not None:
                     inst.outbox.send(msg)
+        elif isinstance(msg, ControlRequest):
+            self.control(msg)
         elif isinstance(msg, StatsQuery):
             self.frontends[msg.frontend].send(self.statistics(msg))
 
@@ -229,6 +187,7 @@ class Scheduler:
         inst.state = InstanceState.IDLE
         ver.scheduler.instance_idle(inst)
         self.dispatch(ver)
+        self.drain_progress(ver)
 
     def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone) -> None:
         now = time.monotonic_ns()
@@ -254,10 +213,7 @@ class Scheduler:
         inst.state = InstanceState.IDLE
         ver.scheduler.instance_idle(inst)
         if ver.state == ModelState.LOADING and ver.all_started():
-            ver.stats.record.load_seconds = time.monotonic() - ver.load_started
-            self.set_state(ver, ModelState.READY)
-            self.check_startup()
-            self.publish()
+            self.version_started(ver)
         self.dispatch(ver)
 
     def worker_load_failed(self, msg: WorkerLoadFailed) -> None:
@@ -267,22 +223,13 @@ class Scheduler:
         ver, inst = found
         inst.state = InstanceState.STOPPED
         if ver.state == ModelState.LOADING:
-            self.fail_version(ver, msg.reason)
-        else:
+            self.version_failed(ver, msg.reason)
+        elif ver.state == ModelState.READY:
             # a restart that no longer loads: keep the others serving, retry with backoff
             log.error("instance %s of '%s' failed to reload: %s", inst.name, ver.name, msg.reason)
             inst.state = InstanceState.BACKOFF
             inst.restart_at = time.monotonic() + inst.backoff_s
             self.backoff.add((ver, inst))
-
-    def fail_version(self, ver: ModelVersion, reason: str) -> None:
-        self.set_state(ver, ModelState.UNAVAILABLE, reason)
-        for other in ver.instances:
-            if other.state != InstanceState.STOPPED and other.process is not None:
-                other.state = InstanceState.STOPPED
-                other.process.kill()
-        self.check_startup()
-        self.publish()
 
     # ---- worker deaths -----------------------------------------------------------------------------
     def worker_exited(self, pidfd: int) -> None:
@@ -312,8 +259,12 @@ class Scheduler:
             return
         if inst.state == InstanceState.STARTING and ver.state == ModelState.LOADING:
             inst.state = InstanceState.STOPPED
-            self.fail_version(ver, f"worker process of instance '{inst.name}' exited while loading "
-                                   f"the model ({how})")
+            self.version_failed(ver, f"worker process of instance '{inst.name}' exited while "
+                                     f"loading the model ({how})")
+            return
+        if ver.state != ModelState.READY:
+            inst.state = InstanceState.STOPPED      # draining or failed: no restart
+            self.drain_progress(ver)
             return
         now = time.monotonic()
         if now - inst.started_at > HEALTHY_AFTER_S:
@@ -342,6 +293,19 @@ class Scheduler:
                 earliest = deadline
         return earliest
 
+    def poll_due(self) -> float:
+        """Poll mode: rescan the repository when it is time; seconds until the next scan."""
+        every = self.settings.repository_poll_secs
+        if self.settings.model_control_mode != "poll" or every <= 0:
+            return 1.0
+        now = time.monotonic()
+        if not self.next_poll:
+            self.next_poll = now + every
+        if now >= self.next_poll:
+            self.poll_repository()
+            self.next_poll = now + every
+        return min(1.0, self.next_poll - now)
+
     def restart_due(self) -> float:
         """Restart instances whose backoff expired; returns seconds until the next one is due."""
         now = time.monotonic()
@@ -360,7 +324,7 @@ class Scheduler:
     stopping = False
 
     def run(self, stop: StopFlag) -> None:
-        self.load_all()
+        self.load_initial()
         timeout = 1.0
         while not stop.set and not self.exit_requested:
             events = dict(self.poller.poll(math.ceil(timeout * 1000)))
@@ -381,11 +345,11 @@ class Scheduler:
             # batch deadlines need sub-millisecond precision, which the alarm thread gives;
             # restarts are fine with the poll's milliseconds
             self.alarm.set(self.batching_due())
-            timeout = self.restart_due()
+            timeout = min(self.restart_due(), self.poll_due())
 
     def shutdown(self, timeout_s: float) -> None:
         self.stopping = True
-        for ver in self.versions.values():
+        for ver in [*self.versions.values(), *self.draining]:
             for r in ver.scheduler.drain():
                 self.reply_error(r.frontend, r.req_id, ver.name, ver.version,
                                  ErrorCode.UNAVAILABLE, "the server is shutting down")

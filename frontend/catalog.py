@@ -108,6 +108,8 @@ class ModelCatalog:
         """Entries of the repository index: one per model version (version -1: the whole model)."""
         out = []
         for name in sorted(self.models):
+            if not self.models[name].states and not ready_only:
+                out.append({"name": name})          # in the repository, never loaded
             for v, (state, reason) in sorted(self.models[name].states.items()):
                 if ready_only and state != "READY":
                     continue

@@ -16,7 +16,8 @@ from typing import Callable
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (ErrorCode, ForgetSegments, FrontendHello, InferResult,
+from shmserve.ipc.messages import (ControlReply, ControlRequest, ErrorCode, ForgetSegments,
+                                   FrontendHello, InferResult,
                                    InferResults,
                                    ModelTable, ReleaseOutputs, ShmRef, StatsQuery, StatsReply,
                                    SubmitRequest, encode as encode_message)
@@ -103,6 +104,19 @@ class EngineClient:
     def forget_segments(self, segments: list[str]) -> None:
         self.scheduler.send(ForgetSegments(segments))
 
+    async def control(self, action: str, name: str, config: str = "",
+                      unload_dependents: bool = False, timeout: float = 600.0) -> ControlReply:
+        """Load or unload a model; answers once the scheduler has finished it."""
+        qid = next(self.ids)
+        fut = self.loop.create_future()
+        self.queries[qid] = fut
+        self.scheduler.send(ControlRequest(self.frontend_id, qid, action, name, config,
+                                           unload_dependents))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.queries.pop(qid, None)
+
     async def statistics(self, model: str = "", version: int = -1,
                          timeout: float = 5.0) -> StatsReply:
         qid = next(self.ids)
@@ -129,7 +143,7 @@ class EngineClient:
             elif isinstance(msg, ModelTable):
                 self.catalog.update(msg)
                 self.table_event.set()
-            elif isinstance(msg, StatsReply):
+            elif isinstance(msg, (StatsReply, ControlReply)):
                 fut = self.queries.get(msg.query_id)
                 if fut is not None and not fut.done():
                     fut.set_result(msg)

@@ -132,7 +132,7 @@ def build_response(result: InferResult, prepared: PreparedRequest, views: list) 
     resp = pb.ModelInferResponse(model_name=result.model, model_version=str(result.version),
                                  id=prepared.request_id)
     for t, buf in zip(result.outputs, views):
-        out = resp.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        resp.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
         wanted = prepared.outputs.get(t.name)
         if wanted is not None and wanted.region:
             resp.raw_output_contents.append(b"")     # the bytes are in the client's region

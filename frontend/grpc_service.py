@@ -18,7 +18,7 @@ from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 from . import grpc_codec, request, statistics
 from .engine_client import EngineClient
 from .errors import InferError
-from .http_app import EXTENSIONS, LOAD_UNLOAD_REFUSED
+from .http_app import EXTENSIONS
 from .shm_registry import ShmRegistry
 
 log = logging.getLogger("shmserve.grpc")
@@ -159,15 +159,34 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def RepositoryIndex(self, request, context):
         resp = pb.RepositoryIndexResponse()
         for e in self.client.catalog.index(request.ready):
-            resp.models.add(name=e["name"], version=e.get("version", ""), state=e["state"],
-                            reason=e["reason"])
+            resp.models.add(name=e["name"], version=e.get("version", ""),
+                            state=e.get("state", ""), reason=e.get("reason", ""))
         return resp
 
+    async def _control(self, action: str, request, context):
+        if request.repository_name:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED,
+                                "repository names are not supported")
+        params = grpc_codec.parameters_to_dict(request.parameters)
+        if any(k.startswith("file:") for k in params):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "load parameters 'file:<version>/<name>' are not supported yet")
+        config = params.get("config", "")
+        if not isinstance(config, str):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "load parameter 'config' must be a string_param holding JSON")
+        reply = await self.client.control(action, request.model_name, config,
+                                          params.get("unload_dependents") is True)
+        if reply.error:
+            await self._abort(context, InferError(reply.code or ErrorCode.INTERNAL, reply.error))
+
     async def RepositoryModelLoad(self, request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
+        await self._control("load", request, context)
+        return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(self, request, context):
-        await context.abort(grpc.StatusCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
+        await self._control("unload", request, context)
+        return pb.RepositoryModelUnloadResponse()
 
     # ---- shared memory -------------------------------------------------------------------------------
     async def SystemSharedMemoryStatus(self, request, context):

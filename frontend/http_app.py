@@ -23,7 +23,6 @@ EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
               "statistics"]
 MAX_BODY = 1 << 32
-LOAD_UNLOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
 _NOT_FOUND = b'{"error":"Not Found"}'
 _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
 
@@ -104,12 +103,8 @@ class KServeHttpApp:
             if method != "POST":
                 return self.not_allowed(conn, req)
             return self.repository_index(conn, req)
-        if path.startswith("/v2/repository/models/") and (path.endswith("/load")
-                                                           or path.endswith("/unload")):
-            if method != "POST":
-                return self.not_allowed(conn, req)
-            # explicit model control arrives with issue 5; until then we run in "none" mode
-            return self.error(conn, req, 503, LOAD_UNLOAD_REFUSED)
+        if path.startswith("/v2/repository/"):
+            return self.repository_control(conn, req)
         if path == "/v2/models/stats":
             if method != "GET":
                 return self.not_allowed(conn, req)
@@ -148,6 +143,44 @@ class KServeHttpApp:
             return conn.respond(req, 200, view.config_json)
         return conn.respond(req, 200, http_codec.encode_json(
             view.metadata(v if version else None)))
+
+    def repository_control(self, conn: HttpConnection, req: HttpRequest) -> None:
+        parts = req.path.split("/")      # '', v2, repository, [repo,] models, m, load|unload
+        if len(parts) == 7 and parts[4] == "models" and parts[3]:
+            return self.error(conn, req, 501, "repository names are not supported: use "
+                                              "/v2/repository/models/<model>/...")
+        if len(parts) != 6 or parts[3] != "models" or parts[5] not in ("load", "unload") \
+                or not parts[4]:
+            return conn.respond(req, 404, _NOT_FOUND)
+        if req.method != "POST":
+            return self.not_allowed(conn, req)
+        name, action = unquote(parts[4]), parts[5]
+        params = {}
+        if req.body:
+            try:
+                doc = http_codec.decode_json(req.body)
+            except Exception:
+                raise invalid(f"failed to parse the {action} request JSON") from None
+            params = doc.get("parameters", {}) if isinstance(doc, dict) else None
+            if not isinstance(params, dict):
+                raise invalid(f"{action} request 'parameters' must be a JSON object")
+        config = params.get("config", "")
+        if not isinstance(config, str):
+            raise invalid("load parameter 'config' must be a string holding the model "
+                          "configuration as JSON")
+        if any(k.startswith("file:") for k in params):
+            raise invalid("load parameters 'file:<version>/<name>' are not supported yet")
+        dependents = params.get("unload_dependents", False)
+
+        async def answer():
+            try:
+                reply = await self.client.control(action, name, config, dependents is True)
+            except asyncio.TimeoutError:
+                return self.error(conn, req, 503, f"{action} of '{name}' did not finish in time")
+            if reply.error:
+                return self.error(conn, req, http_status(reply.code), reply.error)
+            conn.respond(req, 200, content_type="")
+        asyncio.get_running_loop().create_task(answer())
 
     def statistics(self, conn: HttpConnection, req: HttpRequest, model: str, version: str) -> None:
         if version and not version.isdigit():

@@ -72,6 +72,16 @@ class StatsQuery(msgspec.Struct, array_like=True, tag=3):
     version: int = -1           # -1 = every ready version
 
 
+class ControlRequest(msgspec.Struct, array_like=True, tag=4):
+    """Repository extension: load (or reload) / unload a model; answered when it is done."""
+    frontend: int
+    query_id: int
+    action: str                 # "load" | "unload"
+    name: str
+    config: str = ""            # load: JSON ModelConfig overriding config.pbtxt
+    unload_dependents: bool = False
+
+
 # ---- scheduler -> frontend -------------------------------------------------------------------
 class VersionInfo(msgspec.Struct, array_like=True):
     version: int
@@ -127,6 +137,12 @@ class ModelStatistics(msgspec.Struct, array_like=True):
     # --metrics-config summary_latencies: per duration kind, quantile values (µs) over the
     # latest observations, in the order of stats.SUMMARY_QUANTILES
     summaries: dict[str, list[float]] = {}
+
+
+class ControlReply(msgspec.Struct, array_like=True, tag=12):
+    query_id: int
+    error: str = ""
+    code: str = ""
 
 
 class StatsReply(msgspec.Struct, array_like=True, tag=11):
@@ -206,7 +222,8 @@ class InferResults(msgspec.Struct, array_like=True, tag=41):
 
 
 Message = Union[
-    FrontendHello, SubmitRequest, StatsQuery, ModelTable, StatsReply, ExecuteBatch,
+    FrontendHello, SubmitRequest, StatsQuery, ControlRequest, ModelTable, StatsReply,
+    ControlReply, ExecuteBatch,
     Shutdown, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
     InferResults,
 ]
@@ -255,6 +272,9 @@ class ServerSettings(msgspec.Struct):
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
     exit_on_error: bool = False
+    model_control_mode: str = "none"       # none | poll | explicit
+    repository_poll_secs: float = 15.0
+    load_models: list[str] = []
     log_verbose: int = 0
     port_file: str = ""
 

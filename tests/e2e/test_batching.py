@@ -33,6 +33,13 @@ def _stats(server, model):
     return s
 
 
+def _stats_when(server, model, ready):
+    """Statistics are counted when the scheduler hears BatchDone, which can come a moment after
+    the client has its answer: poll until they show what the test expects."""
+    return wait_for(lambda: (lambda s: s if ready(s) else None)(_stats(server, model)), 20,
+                    f"the statistics of '{model}' to catch up")
+
+
 def test_concurrent_requests_form_one_batch(server, aclient):
     before = _stats(server, "batch4")
     pending = [aclient.async_infer("batch4", [_input(i)]) for i in range(4)]
@@ -42,7 +49,8 @@ def test_concurrent_requests_form_one_batch(server, aclient):
     assert all(int(r.as_numpy("REQUESTS")[0, 0]) == 4 for r in results)
     for i, r in enumerate(results):
         assert r.as_numpy("OUTPUT0")[0, 0] == i          # and each got its own answer back
-    after = _stats(server, "batch4")
+    after = _stats_when(server, "batch4",
+                        lambda s: s["inference_count"] - before["inference_count"] >= 4)
     assert after["execution_count"] - before["execution_count"] == 1
     assert after["inference_count"] - before["inference_count"] == 4
     sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
@@ -178,8 +186,10 @@ def test_counters_survive_a_worker_restart(server):
         _faulty(c, 3)                                  # the worker exits mid-request
     _wait_restarted(c, pid)
     _faulty(c, 9)
-    after = _stats(server, "faulty")
-    ok_before, ok_after = before["inference_stats"]["success"]["count"], after["inference_stats"]["success"]["count"]
+    ok_before = before["inference_stats"]["success"]["count"]
+    after = _stats_when(server, "faulty",
+                        lambda s: s["inference_stats"]["success"]["count"] >= ok_before + 2)
+    ok_after = after["inference_stats"]["success"]["count"]
     assert ok_after >= ok_before + 2, (before, after)  # _worker_pid twice at least, plus 9
     assert after["inference_stats"]["fail"]["count"] == \
         before["inference_stats"]["fail"]["count"] + 1, (before, after)

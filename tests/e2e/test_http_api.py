@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,10 @@ MESSAGES = [
                     shape_key="INPUT0[7]"),
     m.StatsQuery(frontend=1, query_id=9),
     m.StatsQuery(1, 10, "simple", 1),
+    m.ControlRequest(1, 11, "load", "mlp", config='{"max_batch_size": 8}'),
+    m.ControlRequest(1, 12, "unload", "mlp", unload_dependents=True),
+    m.ControlReply(11),
+    m.ControlReply(12, "load failed", "INVALID_ARG"),
     m.ModelTable([
         m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),
                                                   m.VersionInfo(2, "UNAVAILABLE", "load failed: x")]),
