@@ -35,6 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-load-thread-count", type=int, default=4,
                    help="accepted for compatibility: every instance loads in its own process, "
                         "so loads always run in parallel")
+    p.add_argument("--disable-auto-complete-config", action="store_true",
+                   help="do not fill in model configs from the models (ONNX inputs/outputs, "
+                        "python auto_complete_config)")
+    p.add_argument("--strict-model-config", type=triton_bool, default=None,
+                   help="deprecated: true is --disable-auto-complete-config")
     p.add_argument("--model-config-name", default="",
                    help="use <model>/configs/<name>.pbtxt instead of config.pbtxt where present")
     p.add_argument("--host", default="0.0.0.0",
@@ -117,7 +122,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
         log_verbose=a.log_verbose, port_file=a.port_file,
         model_control_mode=a.model_control_mode, repository_poll_secs=a.repository_poll_secs,
-        load_models=a.load_model)
+        load_models=a.load_model,
+        auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True))
     return settings, a
 
 

@@ -84,7 +84,8 @@ class Lifecycle:
         versions = []
         for plan in entry.versions:
             ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json,
-                               summaries=self.settings.summary_latencies)
+                               summaries=self.settings.summary_latencies,
+                               auto_complete=entry.auto_complete)
             versions.append(ver)
             if plan.error:
                 ver.state, ver.reason = ModelState.UNAVAILABLE, plan.error
@@ -106,6 +107,22 @@ class Lifecycle:
             for inst in ver.instances:
                 self.spawn(ver, inst)
         self.publish()
+
+    def apply_completed_config(self, ver: ModelVersion, config_json: str) -> bool:
+        """The first worker of an auto-completing version reports the completed config."""
+        ver.auto_complete = False
+        try:
+            cfg = model_config.normalize(model_config.config_from_json(config_json), ver.name)
+        except ConfigError as e:
+            self.version_failed(ver, f"auto-completed configuration is invalid: {e}")
+            return False
+        ver.config = cfg
+        ver.config_json = model_config.config_to_json(cfg)
+        ver.build_scheduler()
+        load = self.loads.get(ver.name)
+        if load is not None:
+            load.entry.config = cfg
+        return True
 
     def version_started(self, ver: ModelVersion) -> None:
         """Every instance of ``ver`` is up; the load commits once all its versions are."""

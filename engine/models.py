@@ -51,13 +51,17 @@ class ModelVersion:
     stats: VersionStats = None
     load_started: float = field(default_factory=time.monotonic)
     summaries: bool = False             # keep latency windows for summary metrics
+    auto_complete: bool = False         # the config is completed by the first worker to load
 
     def __post_init__(self):
+        self.build_scheduler()
+        self.stats = VersionStats(self.name, self.version, summaries=self.summaries)
+
+    def build_scheduler(self) -> None:
         if self.config.HasField("dynamic_batching"):
             self.scheduler = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE)
         else:
             self.scheduler = DefaultScheduler(max_queue_size=DEFAULT_MAX_QUEUE)
-        self.stats = VersionStats(self.name, self.version, summaries=self.summaries)
 
     def all_started(self) -> bool:
         return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)

@@ -25,6 +25,7 @@ class ModelEntry:
     config: model_config.ModelConfig | None = None
     error: str = ""             # non-empty: the whole model cannot be loaded, and why
     versions: list[VersionPlan] = field(default_factory=list)
+    auto_complete: bool = False  # workers fill in the config from the model when they load it
 
 
 def version_dirs(model_dir: str) -> list[int]:
@@ -38,10 +39,12 @@ def version_dirs(model_dir: str) -> list[int]:
 
 
 class ModelRepository:
-    def __init__(self, paths: list[str], config_name: str | None = None, gpu_count: int = 0):
+    def __init__(self, paths: list[str], config_name: str | None = None, gpu_count: int = 0,
+                 auto_complete: bool = True):
         self.paths = [os.path.abspath(p) for p in paths]
         self.config_name = config_name
         self.gpu_count = gpu_count
+        self.auto_complete = auto_complete
 
     def check_paths(self) -> None:
         for p in self.paths:
@@ -71,11 +74,12 @@ class ModelRepository:
                 cfg = model_config.ModelConfig()
                 cfg.CopyFrom(override)
             else:
-                cfg = model_config.read_config(entry.path, name, self.config_name)
+                cfg = self._config_or_stub(entry.path, name)
             entry.config = model_config.normalize(cfg, name, self.gpu_count)
         except ConfigError as e:
             entry.error = str(e)
             return entry
+        entry.auto_complete = self._wants_completion(entry)
         available = version_dirs(entry.path)
         if not available:
             entry.error = f"model '{name}' has no version directory (e.g. {entry.path}/1)"
@@ -94,3 +98,37 @@ class ModelRepository:
         if not entry.versions:
             entry.error = f"model '{name}': version_policy selects no version"
         return entry
+
+
+    def _config_or_stub(self, path: str, name: str) -> model_config.ModelConfig:
+        """config.pbtxt; or, with auto-complete on and a model.onnx present, a bare config that
+        the workers complete from the model (Triton: TRITON.md §3.4)."""
+        try:
+            return model_config.read_config(path, name, self.config_name)
+        except ConfigError:
+            if not self.auto_complete or not self._has_onnx(path):
+                raise
+        cfg = model_config.ModelConfig()
+        cfg.backend = "onnxruntime"
+        return cfg
+
+    @staticmethod
+    def _has_onnx(path: str) -> bool:
+        return any(os.path.exists(os.path.join(path, str(v), "model.onnx")) for v in version_dirs(path))
+
+    def _wants_completion(self, entry: ModelEntry) -> bool:
+        if not self.auto_complete:
+            return False
+        cfg = entry.config
+        if cfg.backend == "onnxruntime":
+            return not cfg.input or not cfg.output
+        if cfg.backend == "python":
+            # Triton calls auto_complete_config() whenever the model defines it
+            for v in version_dirs(entry.path):
+                try:
+                    with open(os.path.join(entry.path, str(v), cfg.default_model_filename)) as f:
+                        if "def auto_complete_config" in f.read():
+                            return True
+                except OSError:
+                    continue
+        return False

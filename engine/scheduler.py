@@ -38,7 +38,8 @@ class Scheduler(Lifecycle):
         self.inbox = channel.Inbox(channel.address(settings.run_dir, "scheduler"))
         self.frontends: dict[int, channel.Outbox] = {}
         self.repository = ModelRepository(settings.model_repositories,
-                                          settings.model_config_name or None)
+                                          settings.model_config_name or None,
+                                          auto_complete=settings.auto_complete)
         self.entries: dict[str, ModelEntry] = {}
         self.versions: dict[tuple[str, int], ModelVersion] = {}
         self.by_spawn: dict[int, tuple[ModelVersion, Instance]] = {}
@@ -65,7 +66,7 @@ class Scheduler(Lifecycle):
         self.spawn_counter += 1
         sid = self.spawn_counter
         spec = InstanceSpec(ver.name, ver.version, ver.path, ver.config_json, inst.name, inst.kind,
-                            inst.device_id, ver.config.backend)
+                            inst.device_id, ver.config.backend, ver.auto_complete)
         inst.spawn_id = sid
         inst.state = InstanceState.STARTING
         inst.started_at = time.monotonic()
@@ -210,6 +211,9 @@ class Scheduler(Lifecycle):
             return
         ver, inst = found
         inst.outbox = channel.Outbox(msg.address)
+        if ver.auto_complete and msg.config_json and \
+                not self.apply_completed_config(ver, msg.config_json):
+            return
         inst.state = InstanceState.IDLE
         ver.scheduler.instance_idle(inst)
         if ver.state == ModelState.LOADING and ver.all_started():

@@ -188,6 +188,7 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=30):
     instance: int
     pid: int
     address: str
+    config_json: str = ""       # the auto-completed config, when the worker was asked for it
 
 
 class WorkerLoadFailed(msgspec.Struct, array_like=True, tag=31):
@@ -275,6 +276,7 @@ class ServerSettings(msgspec.Struct):
     model_control_mode: str = "none"       # none | poll | explicit
     repository_poll_secs: float = 15.0
     load_models: list[str] = []
+    auto_complete: bool = True
     log_verbose: int = 0
     port_file: str = ""
 
@@ -290,6 +292,7 @@ class InstanceSpec(msgspec.Struct):
     kind: str                   # "CPU" or "GPU"
     device_id: int
     backend: str
+    auto_complete: bool = False     # fill in the config from the model before loading it
 
 
 class WorkerArgs(msgspec.Struct):

@@ -25,7 +25,7 @@ from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSeg
 from shmserve.ipc.proc import StopFlag, die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import tensors
+from . import autocomplete, tensors
 from .backend import WorkRequest, load_backend
 
 log = logging.getLogger("shmserve.worker")
@@ -52,7 +52,12 @@ class Worker:
 
     def load(self) -> bool:
         try:
+            if self.spec.auto_complete and self.spec.backend == "onnxruntime":
+                self.spec.config_json = autocomplete.complete(
+                    self.spec.config_json, self.spec.backend, self.spec.model_dir,
+                    self.spec.version)
             self.backend = load_backend(self.spec)
+            self.reshapes = tensors.Reshapes(json.loads(self.spec.config_json))
         except Exception as e:
             reason = str(e) or type(e).__name__
             log.error("loading %s failed: %s", self.spec.instance_name, reason)
@@ -60,7 +65,9 @@ class Worker:
                 traceback.print_exc()
             self.scheduler.send(WorkerLoadFailed(self.args.instance, reason))
             return False
-        self.scheduler.send(WorkerReady(self.args.instance, os.getpid(), self.inbox.address))
+        completed = self.spec.config_json if self.spec.auto_complete else ""
+        self.scheduler.send(WorkerReady(self.args.instance, os.getpid(), self.inbox.address,
+                                        completed))
         return True
 
     def run(self, stop: StopFlag) -> None:

@@ -14,7 +14,7 @@ import sys
 
 import numpy as np
 
-from . import pb_utils
+from . import autocomplete, pb_utils
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
@@ -48,6 +48,9 @@ class PythonBackend:
         cls = getattr(module, "TritonPythonModel", None)
         if cls is None:
             raise BackendLoadError(f"{path} does not define class TritonPythonModel")
+        if spec.auto_complete:
+            spec.config_json = json.dumps(autocomplete.complete_python(cfg, cls))
+            cfg = json.loads(spec.config_json)
         self.model = cls()
         if not callable(getattr(self.model, "execute", None)):
             raise BackendLoadError(f"TritonPythonModel in {path} has no execute method")
