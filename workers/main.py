@@ -25,7 +25,7 @@ from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSeg
 from shmserve.ipc.proc import StopFlag, die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import autocomplete, tensors
+from . import autocomplete, tensors, warmup
 from .backend import WorkRequest, load_backend
 
 log = logging.getLogger("shmserve.worker")
@@ -58,6 +58,7 @@ class Worker:
                     self.spec.version)
             self.backend = load_backend(self.spec)
             self.reshapes = tensors.Reshapes(json.loads(self.spec.config_json))
+            warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
             reason = str(e) or type(e).__name__
             log.error("loading %s failed: %s", self.spec.instance_name, reason)

@@ -1,0 +1,69 @@
+"""``model_warmup``: requests each instance runs after loading and before it reports ready."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from shmserve.ipc import dtypes
+
+from .backend import BackendLoadError, WorkRequest
+
+
+def _tensor(spec: dict, shape: list[int], model_dir: str, name: str, rng) -> tuple[np.ndarray, str]:
+    wire = dtypes.CONFIG_TO_WIRE.get(spec.get("data_type", ""), "")
+    if not wire:
+        raise BackendLoadError(f"warmup input '{name}' has an invalid data_type")
+    dtype = dtypes.WIRE_TO_NUMPY[wire]
+    count = dtypes.element_count(shape)
+    if "input_data_file" in spec:
+        path = os.path.join(model_dir, "warmup", spec["input_data_file"])
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise BackendLoadError(f"warmup input '{name}': cannot read {path}: {e}") from None
+        if wire == "BYTES":
+            return dtypes.deserialize_bytes(raw, count).reshape(shape), wire
+        need = count * dtype.itemsize
+        if len(raw) < need:
+            raise BackendLoadError(f"warmup input '{name}': {path} holds {len(raw)} bytes, "
+                                   f"{need} needed")
+        return np.frombuffer(raw[:need], dtype=dtype).reshape(shape).copy(), wire
+    if wire == "BYTES":
+        fill = [bytes(rng.integers(0, 256, 8, dtype=np.uint8)) if spec.get("random_data")
+                else b"" for _ in range(count)]
+        arr = np.empty(count, dtype=object)
+        arr[:] = fill
+        return arr.reshape(shape), wire
+    if spec.get("random_data"):
+        if dtype.kind == "f" or wire == "BF16":
+            return rng.standard_normal(shape).astype(dtype), wire
+        if dtype.kind == "b":
+            return rng.integers(0, 2, shape).astype(bool), wire
+        return rng.integers(0, 100, shape).astype(dtype), wire
+    return np.zeros(shape, dtype=dtype), wire
+
+
+def run_warmup(backend, config_json: str, model_dir: str) -> None:
+    """Run every model_warmup entry; raises BackendLoadError naming the one that failed."""
+    cfg = json.loads(config_json)
+    batching = cfg.get("max_batch_size", 0) > 0
+    rng = np.random.default_rng(0)
+    for w in cfg.get("model_warmup", []):
+        name = w.get("name", "")
+        batch = max(1, int(w.get("batch_size", 1)))
+        inputs, types = {}, {}
+        for input_name, spec in (w.get("inputs") or {}).items():
+            shape = [int(d) for d in spec.get("dims", [])]
+            if batching:
+                shape = [batch] + shape
+            inputs[input_name], types[input_name] = _tensor(spec, shape, model_dir, input_name, rng)
+        for _ in range(max(1, int(w.get("count", 1)))):
+            try:
+                responses = backend.execute([WorkRequest(inputs, types, [])])
+            except Exception as e:
+                raise BackendLoadError(f"warmup '{name}' failed: {type(e).__name__}: {e}") from None
+            if responses and responses[0].error:
+                raise BackendLoadError(f"warmup '{name}' failed: {responses[0].error}")
