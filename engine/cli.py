@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-load-thread-count", type=int, default=4,
                    help="accepted for compatibility: every instance loads in its own process, "
                         "so loads always run in parallel")
+    p.add_argument("--execution-timeout-secs", type=float, default=300.0,
+                   help="a batch that runs longer gets its worker killed and its requests an "
+                        "error (0 = never); a model may set parameters execution_timeout_ms")
     p.add_argument("--disable-auto-complete-config", action="store_true",
                    help="do not fill in model configs from the models (ONNX inputs/outputs, "
                         "python auto_complete_config)")
@@ -123,7 +126,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         log_verbose=a.log_verbose, port_file=a.port_file,
         model_control_mode=a.model_control_mode, repository_poll_secs=a.repository_poll_secs,
         load_models=a.load_model,
-        auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True))
+        auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True),
+        execution_timeout_secs=a.execution_timeout_secs)
     return settings, a
 
 

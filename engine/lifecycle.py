@@ -86,6 +86,11 @@ class Lifecycle:
             ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json,
                                summaries=self.settings.summary_latencies,
                                auto_complete=entry.auto_complete)
+            try:
+                ver.configure_timeout(self.settings.execution_timeout_secs)
+            except ValueError:
+                plan.error = (f"parameter execution_timeout_ms of model '{name}' must be a "
+                              f"number of milliseconds")
             versions.append(ver)
             if plan.error:
                 ver.state, ver.reason = ModelState.UNAVAILABLE, plan.error
@@ -119,6 +124,7 @@ class Lifecycle:
         ver.config = cfg
         ver.config_json = model_config.config_to_json(cfg)
         ver.build_scheduler()
+        ver.configure_timeout(self.settings.execution_timeout_secs)
         load = self.loads.get(ver.name)
         if load is not None:
             load.entry.config = cfg

@@ -18,6 +18,10 @@ BACKOFF_FIRST_S = 0.2
 BACKOFF_CAP_S = 10.0
 # A worker that served this long since its last start has its backoff reset.
 HEALTHY_AFTER_S = 30.0
+# An instance that dies this many times within the window puts its model version in a crash
+# loop: UNAVAILABLE with the reason, until a reload.
+CRASH_LOOP_DEATHS = 5
+CRASH_LOOP_WINDOW_S = 60.0
 
 
 @dataclass(eq=False)
@@ -35,6 +39,9 @@ class Instance:
     restart_at: float = 0.0
     backoff_s: float = BACKOFF_FIRST_S
     deaths: int = 0
+    recent_deaths: list[float] = field(default_factory=list)   # monotonic times
+    busy_since: float = 0.0
+    kill_reason: str = ""       # why the scheduler killed it (hung), for the requests it held
 
 
 @dataclass(eq=False)
@@ -52,10 +59,17 @@ class ModelVersion:
     load_started: float = field(default_factory=time.monotonic)
     summaries: bool = False             # keep latency windows for summary metrics
     auto_complete: bool = False         # the config is completed by the first worker to load
+    execution_timeout_s: float = 0.0    # 0 = never; a batch running longer kills its worker
 
     def __post_init__(self):
         self.build_scheduler()
         self.stats = VersionStats(self.name, self.version, summaries=self.summaries)
+
+    def configure_timeout(self, default_s: float) -> None:
+        param = self.config.parameters.get("execution_timeout_ms")
+        self.execution_timeout_s = default_s
+        if param is not None and param.string_value.strip():
+            self.execution_timeout_s = float(param.string_value) / 1000.0
 
     def build_scheduler(self) -> None:
         if self.config.HasField("dynamic_batching"):

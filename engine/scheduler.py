@@ -23,16 +23,17 @@ from shmserve.ipc.proc import StopFlag, die_with_parent
 
 from .alarm import Alarm
 from .batching import QueuedRequest, QueueFull
+from .health import InstanceHealth
 from .lifecycle import Lifecycle, Load
-from .models import BACKOFF_CAP_S, HEALTHY_AFTER_S, Instance, ModelVersion
+from .models import Instance, ModelVersion
 from .repository import ModelEntry, ModelRepository
 from .states import InstanceState, ModelState
-from .supervision import describe_exit, spawn_worker
+from .supervision import spawn_worker
 
 log = logging.getLogger("shmserve.scheduler")
 
 
-class Scheduler(Lifecycle):
+class Scheduler(Lifecycle, InstanceHealth):
     def __init__(self, settings: ServerSettings):
         self.settings = settings
         self.inbox = channel.Inbox(channel.address(settings.run_dir, "scheduler"))
@@ -174,6 +175,7 @@ class Scheduler(Lifecycle):
             inst.batch = reqs
             inst.batch_id = self.batch_counter
             routes = [RequestRoute(r.req_id, r.frontend) for r in reqs]
+            inst.busy_since = time.monotonic()
             inst.outbox.send(ExecuteBatch(self.batch_counter, routes), [r.payload for r in reqs])
 
     def batch_done(self, msg: BatchDone) -> None:
@@ -235,52 +237,6 @@ class Scheduler(Lifecycle):
             inst.restart_at = time.monotonic() + inst.backoff_s
             self.backoff.add((ver, inst))
 
-    # ---- worker deaths -----------------------------------------------------------------------------
-    def worker_exited(self, pidfd: int) -> None:
-        sid = self.by_pidfd.pop(pidfd)
-        self.poller.unregister(pidfd)
-        ver, inst = self.by_spawn.pop(sid)
-        proc = inst.process
-        rc = proc.reap()
-        proc.close()
-        if inst.outbox is not None:
-            inst.outbox.close()
-            inst.outbox = None
-        shm.unlink_prefixed(self.segment_prefix(sid))
-        ver.scheduler.instance_gone(inst)
-        how = describe_exit(rc)
-        if inst.batch:
-            reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
-                      f"exited unexpectedly ({how}) while executing this request")
-            now = time.monotonic_ns()
-            for r in inst.batch:
-                ver.stats.failed("BACKEND", now - r.received_ns)
-                self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
-                                 reason)
-            inst.batch = None
-        if inst.state == InstanceState.STOPPED or self.stopping:
-            inst.state = InstanceState.STOPPED
-            return
-        if inst.state == InstanceState.STARTING and ver.state == ModelState.LOADING:
-            inst.state = InstanceState.STOPPED
-            self.version_failed(ver, f"worker process of instance '{inst.name}' exited while "
-                                     f"loading the model ({how})")
-            return
-        if ver.state != ModelState.READY:
-            inst.state = InstanceState.STOPPED      # draining or failed: no restart
-            self.drain_progress(ver)
-            return
-        now = time.monotonic()
-        if now - inst.started_at > HEALTHY_AFTER_S:
-            inst.backoff_s = 0.0
-        inst.deaths += 1
-        inst.state = InstanceState.BACKOFF
-        inst.restart_at = now + inst.backoff_s
-        self.backoff.add((ver, inst))
-        log.warning("instance %s of model '%s' exited (%s); restarting in %.1fs", inst.name,
-                    ver.name, how, inst.backoff_s)
-        inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, 0.2))
-
     def batching_due(self) -> int | None:
         """Form batches whose delay or timeout passed; the next such deadline (monotonic ns)."""
         earliest = None
@@ -310,20 +266,6 @@ class Scheduler(Lifecycle):
             self.next_poll = now + every
         return min(1.0, self.next_poll - now)
 
-    def restart_due(self) -> float:
-        """Restart instances whose backoff expired; returns seconds until the next one is due."""
-        now = time.monotonic()
-        wait = 1.0
-        for ver, inst in list(self.backoff):
-            if ver.state != ModelState.READY or inst.state != InstanceState.BACKOFF:
-                self.backoff.discard((ver, inst))
-            elif inst.restart_at <= now:
-                self.backoff.discard((ver, inst))
-                self.spawn(ver, inst)
-            else:
-                wait = min(wait, inst.restart_at - now)
-        return wait
-
     # ---- loop --------------------------------------------------------------------------------------
     stopping = False
 
@@ -349,7 +291,7 @@ class Scheduler(Lifecycle):
             # batch deadlines need sub-millisecond precision, which the alarm thread gives;
             # restarts are fine with the poll's milliseconds
             self.alarm.set(self.batching_due())
-            timeout = min(self.restart_due(), self.poll_due())
+            timeout = min(self.restart_due(), self.poll_due(), self.hang_due())
 
     def shutdown(self, timeout_s: float) -> None:
         self.stopping = True

@@ -277,6 +277,7 @@ class ServerSettings(msgspec.Struct):
     repository_poll_secs: float = 15.0
     load_models: list[str] = []
     auto_complete: bool = True
+    execution_timeout_secs: float = 300.0
     log_verbose: int = 0
     port_file: str = ""
 

@@ -2,13 +2,16 @@
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from serverproc import alive, wait_for
+import requests
+
+from serverproc import Server, alive, wait_for
 
 
 def _faulty(client, value: int):
@@ -111,3 +114,44 @@ def _in_sleep(pid: int) -> bool:
         return False
     # time.sleep parks the process in hrtimer_nanosleep; zmq's poll would show a poll wait
     return state == "S" and "nanosleep" in wchan
+
+
+def test_hung_execute_is_killed_after_the_execution_timeout(server, client):
+    pid = _worker_pid(client)
+    t = time.monotonic()
+    with pytest.raises(InferenceServerException) as e:
+        _faulty(client, 4)                  # sleeps 60 s; the model's timeout is 3 s
+    assert e.value.status() == "500"
+    assert "exceeded the execution timeout of 3 s" in e.value.message()
+    assert time.monotonic() - t < 30
+    _wait_restarted(client, pid)
+    _others_still_serve(client)
+
+
+def test_crash_loop_makes_the_model_unavailable_with_the_reason(tmp_path):
+    from repo_builder import write_model
+    write_model(str(tmp_path), "crashy", """
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    """, "import os\n\nclass TritonPythonModel:\n    def execute(self, requests):\n        os._exit(7)\n")
+    srv = Server(str(tmp_path))
+    try:
+        c = httpclient.InferenceServerClient(srv.url, network_timeout=60)
+
+        def crashed_out():
+            try:
+                inp = httpclient.InferInput("INPUT0", [1], "INT32")
+                inp.set_data_from_numpy(np.array([1], dtype=np.int32))
+                c.infer("crashy", [inp])
+            except InferenceServerException as e:
+                return "crash loop" in e.message() or None
+            return None
+        wait_for(crashed_out, 60, "the crash loop to be detected")
+        assert not srv.model_ready("crashy") and not srv.ready()
+        idx = {e["name"]: e for e in requests.post(f"{srv.base}/v2/repository/index", timeout=10).json()}
+        assert idx["crashy"]["state"] == "UNAVAILABLE"
+        assert "crash loop" in idx["crashy"]["reason"] and "exit code 7" in idx["crashy"]["reason"]
+    finally:
+        assert srv.stop() == 0

@@ -1,0 +1,118 @@
+"""Instance health (a mixin of the scheduler shell): worker deaths, restarts with backoff, hung
+executions, and crash loops."""
+from __future__ import annotations
+
+import logging
+import time
+
+from shmserve.ipc import shm
+from shmserve.ipc.messages import ErrorCode
+
+from .models import (BACKOFF_CAP_S, CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, HEALTHY_AFTER_S,
+                     Instance, ModelVersion)
+from .states import InstanceState, ModelState
+from .supervision import describe_exit
+
+log = logging.getLogger("shmserve.scheduler")
+
+
+class InstanceHealth:
+    def worker_exited(self, pidfd: int) -> None:
+        sid = self.by_pidfd.pop(pidfd)
+        self.poller.unregister(pidfd)
+        ver, inst = self.by_spawn.pop(sid)
+        proc = inst.process
+        rc = proc.reap()
+        proc.close()
+        if inst.outbox is not None:
+            inst.outbox.close()
+            inst.outbox = None
+        shm.unlink_prefixed(self.segment_prefix(sid))
+        ver.scheduler.instance_gone(inst)
+        how = inst.kill_reason or f"exited unexpectedly ({describe_exit(rc)})"
+        inst.kill_reason = ""
+        if inst.batch:
+            reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
+                      f"{how} while executing this request")
+            now = time.monotonic_ns()
+            for r in inst.batch:
+                ver.stats.failed("BACKEND", now - r.received_ns)
+                self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
+                                 reason)
+            inst.batch = None
+        if inst.state == InstanceState.STOPPED or self.stopping:
+            inst.state = InstanceState.STOPPED
+            return
+        if inst.state == InstanceState.STARTING and ver.state == ModelState.LOADING:
+            inst.state = InstanceState.STOPPED
+            self.version_failed(ver, f"worker process of instance '{inst.name}' {how} while "
+                                     f"loading the model")
+            return
+        if ver.state != ModelState.READY:
+            inst.state = InstanceState.STOPPED      # draining or failed: no restart
+            self.drain_progress(ver)
+            return
+        now = time.monotonic()
+        inst.recent_deaths = [t for t in inst.recent_deaths if now - t < CRASH_LOOP_WINDOW_S]
+        inst.recent_deaths.append(now)
+        if len(inst.recent_deaths) >= CRASH_LOOP_DEATHS:
+            return self.crash_loop(ver, inst, how)
+        if now - inst.started_at > HEALTHY_AFTER_S:
+            inst.backoff_s = 0.0
+        inst.deaths += 1
+        inst.state = InstanceState.BACKOFF
+        inst.restart_at = now + inst.backoff_s
+        self.backoff.add((ver, inst))
+        log.warning("instance %s of model '%s' %s; restarting in %.1fs", inst.name, ver.name,
+                    how, inst.backoff_s)
+        inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, 0.2))
+
+    def crash_loop(self, ver: ModelVersion, inst: Instance, how: str) -> None:
+        """Stop restarting: the version is UNAVAILABLE with the reason until it is reloaded."""
+        inst.state = InstanceState.STOPPED
+        reason = (f"crash loop: instance '{inst.name}' {how}; it died {len(inst.recent_deaths)} "
+                  f"times within {CRASH_LOOP_WINDOW_S:.0f} s")
+        log.error("model '%s' version %d is UNAVAILABLE: %s", ver.name, ver.version, reason)
+        ver.state, ver.reason = ModelState.UNAVAILABLE, reason
+        now = time.monotonic_ns()
+        for r in ver.scheduler.drain():
+            ver.stats.failed("OTHER", now - r.received_ns)
+            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.UNAVAILABLE,
+                             f"model '{ver.name}' version {ver.version} is unavailable: {reason}")
+        self.stop_instances(ver, kill=False)
+        self.publish()
+
+    def restart_due(self) -> float:
+        """Restart instances whose backoff expired; returns seconds until the next one is due."""
+        now = time.monotonic()
+        wait = 1.0
+        for ver, inst in list(self.backoff):
+            if ver.state != ModelState.READY or inst.state != InstanceState.BACKOFF:
+                self.backoff.discard((ver, inst))
+            elif inst.restart_at <= now:
+                self.backoff.discard((ver, inst))
+                self.spawn(ver, inst)
+            else:
+                wait = min(wait, inst.restart_at - now)
+        return wait
+
+    def hang_due(self) -> float:
+        """Kill workers whose batch has run past the execution timeout; seconds to next check."""
+        now = time.monotonic()
+        wait = 1.0
+        for ver in [*self.versions.values(), *self.draining]:
+            limit = ver.execution_timeout_s
+            if limit <= 0:
+                continue
+            for inst in ver.instances:
+                if inst.state != InstanceState.BUSY or inst.kill_reason:
+                    continue
+                overdue = inst.busy_since + limit - now
+                if overdue > 0:
+                    wait = min(wait, overdue)
+                    continue
+                inst.kill_reason = (f"exceeded the execution timeout of {limit:g} s and was "
+                                    f"killed")
+                log.error("instance %s of model '%s' %s", inst.name, ver.name, inst.kill_reason)
+                inst.process.kill()
+        return wait
