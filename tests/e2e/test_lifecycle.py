@@ -136,3 +136,26 @@ def test_cli_errors_are_clear():
     assert r.returncode == 1 and "is not a directory" in r.stderr
     r = _cli("--model-repository", "/tmp", "--strict-readiness", "maybe")
     assert r.returncode == 2 and "expected a boolean" in r.stderr
+
+
+def test_sigterm_answers_every_request_in_flight(test_repo):
+    srv = Server(test_repo, "--exit-timeout-secs", "20")
+    c = httpclient.InferenceServerClient(srv.url, concurrency=8, network_timeout=60)
+    x = np.ones((1, 4), dtype=np.float32)
+    pending = []
+    for i in range(8):
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x * i)
+        pending.append(c.async_infer("pid_slow", [inp], parameters={"delay_ms": 400}))
+    from serverproc import model_sleeping
+    wait_for(lambda: model_sleeping(srv, "pid_slow"), 20, "requests to be executing")
+    import time
+    t = time.monotonic()
+    srv.proc.send_signal(signal.SIGTERM)
+    # not ready any more as soon as the drain starts
+    wait_for(lambda: not srv.ready(), 10, "readiness to turn off")
+    for i, p in enumerate(pending):
+        assert p.get_result().as_numpy("OUTPUT0")[0, 0] == i      # none lost
+    assert srv.stop() == 0
+    print(f"shutdown with 8 requests in flight took {time.monotonic() - t:.2f} s")
+    assert segments_of(srv.proc.pid) == []
