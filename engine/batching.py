@@ -77,6 +77,13 @@ class DefaultScheduler(IdleInstances):
     def take_expired(self) -> list[QueuedRequest]:
         return []
 
+    def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
+        for r in self.queue:
+            if r.req_id == req_id and r.frontend == frontend:
+                self.queue.remove(r)
+                return r
+        return None
+
     def drain(self) -> list[QueuedRequest]:
         """Take every queued request out (the model is going away)."""
         out = list(self.queue)

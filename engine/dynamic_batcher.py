@@ -185,6 +185,16 @@ class DynamicBatcher(IdleInstances):
                                  min(r.enqueued_ns for r in batch) + self.delay_ns)
         return min(deadlines) if deadlines else None
 
+    def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
+        for level in self.levels:
+            for q in (level.ready, level.delayed):
+                for r in q:
+                    if r.req_id == req_id and r.frontend == frontend:
+                        q.remove(r)
+                        self.count -= 1
+                        return r
+        return None
+
     def drain(self) -> list[QueuedRequest]:
         out = list(self._pending())
         for level in self.levels:

@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from shmserve.ipc import channel, shm
-from shmserve.ipc.messages import (BatchDone, ControlRequest, ErrorCode, ExecuteBatch,
+from shmserve.ipc.messages import (BatchDone, CancelRequest, ControlRequest, ErrorCode, ExecuteBatch,
                                    ForgetSegments, FrontendHello, InferResult, InstanceSpec,
                                    RequestRoute, ServerSettings, Shutdown, StatsQuery, StatsReply,
                                    SubmitRequest, WorkerLoadFailed, WorkerReady)
@@ -58,6 +58,7 @@ class Scheduler(Lifecycle, InstanceHealth):
         self.draining: list[ModelVersion] = []      # replaced or unloaded, finishing their work
         self.retired: dict[tuple[str, int], str] = {}   # unloaded versions and why
         self.repo_dirs: dict[str, list[str]] = {}
+        self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> queue
         self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
         self.next_poll = 0.0
         self.batching: list[ModelVersion] = []      # versions whose batcher has deadlines
@@ -119,6 +120,8 @@ class Scheduler(Lifecycle, InstanceHealth):
             for _, inst in self.by_spawn.values():
                 if inst.outbox is not None:
                     inst.outbox.send(msg)
+        elif isinstance(msg, CancelRequest):
+            self.cancel(msg)
         elif isinstance(msg, ControlRequest):
             self.control(msg)
         elif isinstance(msg, StatsQuery):
@@ -159,9 +162,22 @@ class Scheduler(Lifecycle, InstanceHealth):
         except QueueFull as e:
             self.reject(ver, req, str(e))
             return
+        self.queued_in[(msg.frontend, msg.req_id)] = ver
         self.dispatch(ver)
 
+    def cancel(self, msg: CancelRequest) -> None:
+        """A request whose client left: dropped if still queued (running ones finish)."""
+        ver = self.queued_in.pop((msg.frontend, msg.req_id), None)
+        if ver is None:
+            return
+        req = ver.scheduler.cancel(msg.frontend, msg.req_id)
+        if req is not None:
+            ver.stats.failed("CANCELED", time.monotonic_ns() - req.received_ns)
+            self.reply_error(req.frontend, req.req_id, ver.name, ver.version,
+                             ErrorCode.CANCELLED, "the request was cancelled by the client")
+
     def reject(self, ver: ModelVersion, req: QueuedRequest, message: str) -> None:
+        self.queued_in.pop((req.frontend, req.req_id), None)
         ver.stats.failed("REJECTED", time.monotonic_ns() - req.received_ns)
         self.reply_error(req.frontend, req.req_id, ver.name, ver.version, ErrorCode.UNAVAILABLE,
                          message)
@@ -170,6 +186,8 @@ class Scheduler(Lifecycle, InstanceHealth):
         for req in ver.scheduler.take_expired():
             self.reject(ver, req, "Request timeout expired")
         for inst, reqs in ver.scheduler.next_batches():
+            for r in reqs:
+                self.queued_in.pop((r.frontend, r.req_id), None)
             self.batch_counter += 1
             inst.state = InstanceState.BUSY
             inst.batch = reqs

@@ -16,7 +16,7 @@ from typing import Callable
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (ControlReply, ControlRequest, ErrorCode, ForgetSegments,
+from shmserve.ipc.messages import (CancelRequest, ControlReply, ControlRequest, ErrorCode, ForgetSegments,
                                    FrontendHello, InferResult,
                                    InferResults,
                                    ModelTable, ReleaseOutputs, ShmRef, StatsQuery, StatsReply,
@@ -100,6 +100,14 @@ class EngineClient:
             box.send(ReleaseOutputs(refs), flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("could not return %d output slot(s) to %s", len(refs), worker)
+
+    def cancel(self, req_id: int) -> None:
+        """The client went away: the scheduler drops the request if it has not started."""
+        if req_id in self.pending:
+            try:
+                self.scheduler.send(CancelRequest(self.frontend_id, req_id), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
 
     def forget_segments(self, segments: list[str]) -> None:
         self.scheduler.send(ForgetSegments(segments))

@@ -108,8 +108,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         view, v = self.client.catalog.resolve(req.model_name, req.model_version)
         prepared = grpc_codec.parse_infer(view, req, self.arena, self.registry)
         fut = asyncio.get_running_loop().create_future()
-        self.client.submit(view.name, v, prepared, fut.set_result, view.preserve_ordering)
-        result: InferResult = await fut
+        req_id = self.client.submit(view.name, v, prepared, fut.set_result,
+                                    view.preserve_ordering)
+        try:
+            result: InferResult = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # the client cancelled the RPC: drop the request if it is still queued; its slots
+            # are released when the (cancelled or finished) answer arrives
+            self.client.cancel(req_id)
+            fut.add_done_callback(lambda f: self._release_late(prepared, f.result()))
+            raise
         request.release(prepared, self.arena)
         refs = request.worker_slots(result, prepared)
         try:
@@ -123,6 +131,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         finally:
             if refs:                    # build_response copied the bytes out already
                 self.client.release(result.worker, refs)
+
+    def _release_late(self, prepared, result: InferResult) -> None:
+        request.release(prepared, self.arena)
+        refs = request.worker_slots(result, prepared)
+        if refs:
+            self.client.release(result.worker, refs)
 
     async def ModelInfer(self, request, context):
         try:

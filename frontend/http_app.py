@@ -64,6 +64,8 @@ class KServeHttpApp:
             req.body_slot = None
 
     def connection_lost(self, conn: HttpConnection) -> None:
+        if conn.busy and conn.inflight:
+            self.client.cancel(conn.inflight)
         for req in conn.queue:
             self.release_body(req)
         conn.queue.clear()
@@ -294,9 +296,9 @@ class KServeHttpApp:
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena, self.registry)
-        self.client.submit(view.name, v, parsed,
-                           lambda result: self.infer_done(conn, req, parsed, result),
-                           view.preserve_ordering)
+        conn.inflight = self.client.submit(
+            view.name, v, parsed, lambda result: self.infer_done(conn, req, parsed, result),
+            view.preserve_ordering)
 
     def _decompress(self, body, encoding: str) -> bytes:
         try:

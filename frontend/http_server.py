@@ -46,6 +46,7 @@ class HttpConnection(asyncio.Protocol):
         self.busy = False
         self.closed = False
         self.on_drained: list[Callable[[], None]] = []
+        self.inflight = 0                   # request id the app is waiting on, if any
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
     def connection_made(self, transport):

@@ -65,6 +65,12 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
     shape_key: str = ""         # equal keys may share a batch (variable-dim input shapes)
 
 
+class CancelRequest(msgspec.Struct, array_like=True, tag=5):
+    """The client went away: drop the request if it is still queued."""
+    frontend: int
+    req_id: int
+
+
 class StatsQuery(msgspec.Struct, array_like=True, tag=3):
     frontend: int
     query_id: int
@@ -223,7 +229,8 @@ class InferResults(msgspec.Struct, array_like=True, tag=41):
 
 
 Message = Union[
-    FrontendHello, SubmitRequest, StatsQuery, ControlRequest, ModelTable, StatsReply,
+    FrontendHello, SubmitRequest, StatsQuery, ControlRequest, CancelRequest, ModelTable,
+    StatsReply,
     ControlReply, ExecuteBatch,
     Shutdown, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
     InferResults,

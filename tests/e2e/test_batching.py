@@ -220,3 +220,23 @@ def test_bad_priority_and_timeout_parameters(server):
         r = requests.post(f"{server.base}/v2/models/prio/infer",
                           json={"inputs": inputs, "parameters": params}, timeout=30)
         assert r.status_code == 400 and text in r.json()["error"]
+
+
+def test_client_disconnect_cancels_its_queued_request(server, aclient):
+    import json
+    import socket
+    running = aclient.async_infer("prio", [_input(0)], parameters={"delay_ms": 800})
+    _wait_executing(server, "prio")
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1, 4], "datatype": "FP32",
+                                   "data": [1, 2, 3, 4]}]}).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=10) as s:
+        s.sendall(b"POST /v2/models/prio/infer HTTP/1.1\r\nHost: x\r\nContent-Length: "
+                  + str(len(body)).encode() + b"\r\n\r\n" + body)
+        _wait_pending(server, "prio", 1)
+    # the client is gone while its request waits in the queue: it is dropped, never executed
+    key = ("nv_inference_request_failure", (("model", "prio"), ("reason", "CANCELED"), ("version", "1")))
+    wait_for(lambda: _metric_samples(server).get(key, 0) >= 1, 20, "the request to be cancelled")
+    first_call = int(running.get_result().as_numpy("CALL")[0, 0])
+    c = httpclient.InferenceServerClient(server.url)
+    next_call = int(c.infer("prio", [_input(5)]).as_numpy("CALL")[0, 0])
+    assert next_call == first_call + 1          # nothing ran in between

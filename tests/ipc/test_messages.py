@@ -22,6 +22,7 @@ MESSAGES = [
     m.ControlRequest(1, 11, "load", "mlp", config='{"max_batch_size": 8}'),
     m.ControlRequest(1, 12, "unload", "mlp", unload_dependents=True),
     m.ControlReply(11),
+    m.CancelRequest(1, 99),
     m.ControlReply(12, "load failed", "INVALID_ARG"),
     m.ModelTable([
         m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),
