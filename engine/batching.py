@@ -24,6 +24,7 @@ class QueuedRequest:
     received_ns: int = 0        # when the frontend received it (CLOCK_MONOTONIC, system-wide)
     deadline_ns: int = 0        # queue timeout; 0 = none
     dispatched_ns: int = 0
+    retried: bool = False       # already re-run once after its worker died
 
 
 class QueueFull(Exception):
@@ -76,6 +77,10 @@ class DefaultScheduler(IdleInstances):
 
     def take_expired(self) -> list[QueuedRequest]:
         return []
+
+    def requeue(self, req: QueuedRequest) -> None:
+        """Back to the head of the queue (its worker died before answering)."""
+        self.queue.appendleft(req)
 
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
         for r in self.queue:

@@ -185,6 +185,11 @@ class DynamicBatcher(IdleInstances):
                                  min(r.enqueued_ns for r in batch) + self.delay_ns)
         return min(deadlines) if deadlines else None
 
+    def requeue(self, req: QueuedRequest) -> None:
+        """Back to the head of its level (its worker died before answering)."""
+        self.levels[self.level_of(req.priority)].ready.appendleft(req)
+        self.count += 1
+
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
         for level in self.levels:
             for q in (level.ready, level.delayed):

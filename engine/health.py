@@ -8,8 +8,7 @@ import time
 from shmserve.ipc import shm
 from shmserve.ipc.messages import ErrorCode
 
-from .models import (BACKOFF_CAP_S, CRASH_LOOP_DEATHS, CRASH_LOOP_WINDOW_S, HEALTHY_AFTER_S,
-                     Instance, ModelVersion)
+from .models import BACKOFF_CAP_S, CRASH_LOOP_DEATHS, HEALTHY_AFTER_S, Instance, ModelVersion
 from .states import InstanceState, ModelState
 from .supervision import describe_exit
 
@@ -32,14 +31,7 @@ class InstanceHealth:
         how = inst.kill_reason or f"exited unexpectedly ({describe_exit(rc)})"
         inst.kill_reason = ""
         if inst.batch:
-            reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
-                      f"{how} while executing this request")
-            now = time.monotonic_ns()
-            for r in inst.batch:
-                ver.stats.failed("BACKEND", now - r.received_ns)
-                self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
-                                 reason)
-            inst.batch = None
+            self.requests_of_dead_worker(ver, inst, how)
         if inst.state == InstanceState.STOPPED or self.stopping:
             inst.state = InstanceState.STOPPED
             return
@@ -53,9 +45,8 @@ class InstanceHealth:
             self.drain_progress(ver)
             return
         now = time.monotonic()
-        inst.recent_deaths = [t for t in inst.recent_deaths if now - t < CRASH_LOOP_WINDOW_S]
-        inst.recent_deaths.append(now)
-        if len(inst.recent_deaths) >= CRASH_LOOP_DEATHS:
+        inst.deaths_in_a_row += 1
+        if inst.deaths_in_a_row >= CRASH_LOOP_DEATHS:
             return self.crash_loop(ver, inst, how)
         if now - inst.started_at > HEALTHY_AFTER_S:
             inst.backoff_s = 0.0
@@ -67,11 +58,31 @@ class InstanceHealth:
                     how, inst.backoff_s)
         inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, 0.2))
 
+    def requests_of_dead_worker(self, ver: ModelVersion, inst: Instance, how: str) -> None:
+        """Stateless models get one retry on another (or the restarted) instance; a request
+        that already had its retry, or a model that turned retries off, gets the error."""
+        reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
+                  f"{how} while executing this request")
+        now = time.monotonic_ns()
+        retry = ver.retry_on_death and ver.state == ModelState.READY and not inst.kill_reason \
+            and not self.stopping and not how.startswith("exceeded")
+        for r in reversed(inst.batch):          # requeued at the head, in their order
+            if retry and not r.retried:
+                r.retried = True
+                ver.scheduler.requeue(r)
+                self.queued_in[(r.frontend, r.req_id)] = ver
+                continue
+            ver.stats.failed("BACKEND", now - r.received_ns)
+            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
+                             reason)
+        inst.batch = None
+        self.dispatch(ver)
+
     def crash_loop(self, ver: ModelVersion, inst: Instance, how: str) -> None:
         """Stop restarting: the version is UNAVAILABLE with the reason until it is reloaded."""
         inst.state = InstanceState.STOPPED
-        reason = (f"crash loop: instance '{inst.name}' {how}; it died {len(inst.recent_deaths)} "
-                  f"times within {CRASH_LOOP_WINDOW_S:.0f} s")
+        reason = (f"crash loop: instance '{inst.name}' {how}; it died {inst.deaths_in_a_row} "
+                  f"times in a row without finishing an execution")
         log.error("model '%s' version %d is UNAVAILABLE: %s", ver.name, ver.version, reason)
         ver.state, ver.reason = ModelState.UNAVAILABLE, reason
         now = time.monotonic_ns()

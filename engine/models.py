@@ -18,10 +18,10 @@ BACKOFF_FIRST_S = 0.2
 BACKOFF_CAP_S = 10.0
 # A worker that served this long since its last start has its backoff reset.
 HEALTHY_AFTER_S = 30.0
-# An instance that dies this many times within the window puts its model version in a crash
-# loop: UNAVAILABLE with the reason, until a reload.
+# An instance that dies this many times in a row without finishing a single execution in
+# between is in a crash loop: its version goes UNAVAILABLE with the reason, until a reload.
+# (Deaths of an instance that keeps serving between them, e.g. the odd OOM kill, restart it.)
 CRASH_LOOP_DEATHS = 5
-CRASH_LOOP_WINDOW_S = 60.0
 
 
 @dataclass(eq=False)
@@ -39,7 +39,7 @@ class Instance:
     restart_at: float = 0.0
     backoff_s: float = BACKOFF_FIRST_S
     deaths: int = 0
-    recent_deaths: list[float] = field(default_factory=list)   # monotonic times
+    deaths_in_a_row: int = 0    # deaths since the last execution that finished
     busy_since: float = 0.0
     kill_reason: str = ""       # why the scheduler killed it (hung), for the requests it held
 
@@ -60,12 +60,16 @@ class ModelVersion:
     summaries: bool = False             # keep latency windows for summary metrics
     auto_complete: bool = False         # the config is completed by the first worker to load
     execution_timeout_s: float = 0.0    # 0 = never; a batch running longer kills its worker
+    retry_on_death: bool = True         # re-run once what a dead worker held (stateless models)
 
     def __post_init__(self):
         self.build_scheduler()
         self.stats = VersionStats(self.name, self.version, summaries=self.summaries)
 
     def configure_timeout(self, default_s: float) -> None:
+        retry = self.config.parameters.get("retry_on_worker_death")
+        self.retry_on_death = retry is None or retry.string_value.strip().lower() not in (
+            "false", "no", "off", "0")
         param = self.config.parameters.get("execution_timeout_ms")
         self.execution_timeout_s = default_s
         if param is not None and param.string_value.strip():

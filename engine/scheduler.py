@@ -204,6 +204,7 @@ class Scheduler(Lifecycle, InstanceHealth):
         if inst.batch_id != msg.batch_id or inst.state != InstanceState.BUSY:
             return
         self.account(ver, inst.batch, msg)
+        inst.deaths_in_a_row = 0
         inst.batch = None
         inst.state = InstanceState.IDLE
         ver.scheduler.instance_idle(inst)

@@ -143,6 +143,7 @@ def build_test_repository(root: str) -> str:
         input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
         output [ { name: "OUTPUT0", data_type: TYPE_INT64, dims: [ 1 ] } ]
         parameters { key: "execution_timeout_ms" value: { string_value: "3000" } }
+        parameters { key: "retry_on_worker_death" value: { string_value: "false" } }
     ''', FAULTY)
     write_model(repo, "reshaped", '''
         backend: "python"

@@ -155,3 +155,39 @@ def test_crash_loop_makes_the_model_unavailable_with_the_reason(tmp_path):
         assert "crash loop" in idx["crashy"]["reason"] and "exit code 7" in idx["crashy"]["reason"]
     finally:
         assert srv.stop() == 0
+
+
+def test_request_of_a_killed_worker_is_retried_on_another_instance(server):
+    """pid_slow is stateless and keeps the default retry: the client never sees the death."""
+    results = []
+
+    def slow():
+        c = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        x = np.full((1, 4), 7, dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x)
+        results.append(c.infer("pid_slow", [inp], parameters={"delay_ms": 1500}))
+        c.close()
+
+    t = threading.Thread(target=slow)
+    t.start()
+    victim = wait_for(lambda: _sleeping_pid(server, "pid_slow"), 20, "the request to run")
+    os.kill(victim, signal.SIGKILL)
+    t.join(60)
+    assert len(results) == 1
+    assert results[0].as_numpy("OUTPUT0")[0, 0] == 7
+    assert int(results[0].as_numpy("PID")[0, 0]) != victim     # answered by another process
+
+
+def _sleeping_pid(server, model):
+    from serverproc import descendants
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if f'"model_name":"{model}"' not in f.read():
+                    continue
+            if _in_sleep(pid):
+                return pid
+        except OSError:
+            continue
+    return None
