@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--execution-timeout-secs", type=float, default=300.0,
                    help="a batch that runs longer gets its worker killed and its requests an "
                         "error (0 = never); a model may set parameters execution_timeout_ms")
+    p.add_argument("--max-inflight-requests", type=int, default=10000,
+                   help="requests a frontend holds at once before refusing more with 503 "
+                        "(0 = no limit)")
     p.add_argument("--disable-auto-complete-config", action="store_true",
                    help="do not fill in model configs from the models (ONNX inputs/outputs, "
                         "python auto_complete_config)")
@@ -127,7 +130,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         model_control_mode=a.model_control_mode, repository_poll_secs=a.repository_poll_secs,
         load_models=a.load_model,
         auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True),
-        execution_timeout_secs=a.execution_timeout_secs)
+        execution_timeout_secs=a.execution_timeout_secs,
+        max_inflight_requests=a.max_inflight_requests)
     return settings, a
 
 

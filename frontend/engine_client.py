@@ -31,7 +31,9 @@ ResultCallback = Callable[[InferResult], None]
 
 
 class EngineClient:
-    def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop):
+    def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop,
+                 max_inflight: int = 0):
+        self.max_inflight = max_inflight
         self.frontend_id = frontend_id
         self.loop = loop
         self.inbox = channel.Inbox(channel.address(run_dir, f"frontend-{frontend_id}"))
@@ -54,6 +56,11 @@ class EngineClient:
         """Send a request; ``on_result`` gets its InferResult. With ``ordered`` (the model's
         preserve_ordering), results are handed over in submission order."""
         req_id = next(self.ids)
+        if self.max_inflight and len(self.pending) >= self.max_inflight:
+            on_result(InferResult(req_id, model, version, code=ErrorCode.UNAVAILABLE,
+                                  error=f"the server is overloaded: {len(self.pending)} requests "
+                                        f"in flight (--max-inflight-requests); try again later"))
+            return req_id
         head = SubmitRequest(req_id, self.frontend_id, model, version, prepared.batch_size,
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
                              prepared.shape_key)

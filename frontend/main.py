@@ -32,7 +32,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    client = EngineClient(settings.run_dir, frontend_id, loop)
+    client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
     registry = ShmRegistry(settings.allow_client_shm)

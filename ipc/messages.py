@@ -285,6 +285,7 @@ class ServerSettings(msgspec.Struct):
     load_models: list[str] = []
     auto_complete: bool = True
     execution_timeout_secs: float = 300.0
+    max_inflight_requests: int = 10000
     log_verbose: int = 0
     port_file: str = ""
 

@@ -159,3 +159,38 @@ def test_sigterm_answers_every_request_in_flight(test_repo):
     assert srv.stop() == 0
     print(f"shutdown with 8 requests in flight took {time.monotonic() - t:.2f} s")
     assert segments_of(srv.proc.pid) == []
+
+
+def test_overload_is_refused_at_once(test_repo):
+    srv = Server(test_repo, "--max-inflight-requests", "2")
+    try:
+        c = httpclient.InferenceServerClient(srv.url, concurrency=4, network_timeout=60)
+        x = np.ones((1, 4), dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x)
+        held = [c.async_infer("pid_slow", [inp], parameters={"delay_ms": 1500}) for _ in range(2)]
+        from serverproc import model_sleeping
+        wait_for(lambda: model_sleeping(srv, "pid_slow"), 20, "the first requests to run")
+        import time
+        t = time.monotonic()
+        with pytest.raises(Exception) as e:
+            httpclient.InferenceServerClient(srv.url).infer("pid_slow", [inp])
+        assert "503" in str(e.value) and "overloaded" in str(e.value)
+        assert time.monotonic() - t < 1.0          # refused, not queued behind the others
+        for h in held:
+            h.get_result()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_frontend_death_stops_the_server(example_repo):
+    srv = Server(example_repo)
+    procs = descendants(srv.proc.pid)
+    frontend = next(p for p in procs if "shmserve.frontend.main" in open(f"/proc/{p}/cmdline").read())
+    os.kill(frontend, signal.SIGKILL)
+    srv.proc.wait(timeout=60)
+    assert srv.proc.returncode == 1
+    for pid in procs:
+        wait_for(lambda: not alive(pid), 10, f"process {pid} to exit")
+    assert segments_of(srv.proc.pid) == []
+    srv.stop()
