@@ -6,9 +6,10 @@ import logging
 import time
 
 from shmserve.ipc import shm
-from shmserve.ipc.messages import ErrorCode
+from shmserve.ipc.messages import ErrorCode, Ping, Pong
 
-from .models import BACKOFF_CAP_S, CRASH_LOOP_DEATHS, HEALTHY_AFTER_S, Instance, ModelVersion
+from .models import (BACKOFF_CAP_S, CRASH_LOOP_DEATHS, HEALTHY_AFTER_S, PING_INTERVAL_S,
+                     PING_TIMEOUT_S, Instance, ModelVersion)
 from .states import InstanceState, ModelState
 from .supervision import describe_exit
 
@@ -106,6 +107,35 @@ class InstanceHealth:
             else:
                 wait = min(wait, inst.restart_at - now)
         return wait
+
+    def ping_due(self) -> float:
+        """Ping idle workers; kill one whose answer is overdue (stopped, deadlocked, swapped
+        out). Busy ones are covered by the execution timeout instead."""
+        now = time.monotonic()
+        if now < self.next_ping:
+            return self.next_ping - now
+        self.next_ping = now + PING_INTERVAL_S
+        for ver in self.versions.values():
+            for inst in ver.instances:
+                if inst.state != InstanceState.IDLE or inst.outbox is None or inst.kill_reason:
+                    continue
+                if inst.ping_seq:
+                    if now - inst.ping_sent > PING_TIMEOUT_S:
+                        inst.kill_reason = (f"stopped answering pings for "
+                                            f"{now - inst.ping_sent:.0f} s and was killed")
+                        log.error("instance %s of model '%s' %s", inst.name, ver.name,
+                                  inst.kill_reason)
+                        inst.process.kill()
+                    continue
+                self.ping_counter += 1
+                inst.ping_seq, inst.ping_sent = self.ping_counter, now
+                inst.outbox.send(Ping(inst.ping_seq))
+        return PING_INTERVAL_S
+
+    def pong(self, msg: Pong) -> None:
+        found = self.by_spawn.get(msg.instance)
+        if found is not None and found[1].ping_seq == msg.seq:
+            found[1].ping_seq = 0
 
     def hang_due(self) -> float:
         """Kill workers whose batch has run past the execution timeout; seconds to next check."""

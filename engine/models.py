@@ -22,6 +22,9 @@ HEALTHY_AFTER_S = 30.0
 # between is in a crash loop: its version goes UNAVAILABLE with the reason, until a reload.
 # (Deaths of an instance that keeps serving between them, e.g. the odd OOM kill, restart it.)
 CRASH_LOOP_DEATHS = 5
+# Idle workers are pinged this often; one that has not answered within PING_TIMEOUT_S is killed.
+PING_INTERVAL_S = 2.0
+PING_TIMEOUT_S = 5.0
 
 
 @dataclass(eq=False)
@@ -42,6 +45,8 @@ class Instance:
     deaths_in_a_row: int = 0    # deaths since the last execution that finished
     busy_since: float = 0.0
     kill_reason: str = ""       # why the scheduler killed it (hung), for the requests it held
+    ping_seq: int = 0           # last ping sent; 0 = none outstanding
+    ping_sent: float = 0.0
 
 
 @dataclass(eq=False)

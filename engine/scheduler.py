@@ -16,7 +16,7 @@ import zmq
 
 from shmserve.ipc import channel, shm
 from shmserve.ipc.messages import (BatchDone, CancelRequest, ControlRequest, ErrorCode, ExecuteBatch,
-                                   ForgetSegments, FrontendHello, InferResult, InstanceSpec,
+                                   ForgetSegments, FrontendHello, InferResult, InstanceSpec, Pong,
                                    RequestRoute, ServerSettings, Shutdown, StatsQuery, StatsReply,
                                    SubmitRequest, WorkerLoadFailed, WorkerReady)
 from shmserve.ipc.proc import StopFlag, die_with_parent
@@ -59,6 +59,8 @@ class Scheduler(Lifecycle, InstanceHealth):
         self.retired: dict[tuple[str, int], str] = {}   # unloaded versions and why
         self.repo_dirs: dict[str, list[str]] = {}
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> queue
+        self.ping_counter = 0
+        self.next_ping = 0.0
         self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
         self.next_poll = 0.0
         self.batching: list[ModelVersion] = []      # versions whose batcher has deadlines
@@ -120,6 +122,8 @@ class Scheduler(Lifecycle, InstanceHealth):
             for _, inst in self.by_spawn.values():
                 if inst.outbox is not None:
                     inst.outbox.send(msg)
+        elif isinstance(msg, Pong):
+            self.pong(msg)
         elif isinstance(msg, CancelRequest):
             self.cancel(msg)
         elif isinstance(msg, ControlRequest):
@@ -310,7 +314,7 @@ class Scheduler(Lifecycle, InstanceHealth):
             # batch deadlines need sub-millisecond precision, which the alarm thread gives;
             # restarts are fine with the poll's milliseconds
             self.alarm.set(self.batching_due())
-            timeout = min(self.restart_due(), self.poll_due(), self.hang_due())
+            timeout = min(self.restart_due(), self.poll_due(), self.hang_due(), self.ping_due())
 
     def shutdown(self, timeout_s: float) -> None:
         self.stopping = True

@@ -174,6 +174,11 @@ class Shutdown(msgspec.Struct, array_like=True, tag=21):
     pass
 
 
+class Ping(msgspec.Struct, array_like=True, tag=24):
+    """Sent to idle workers; one that does not answer in time is killed and restarted."""
+    seq: int
+
+
 # ---- frontend -> worker ----------------------------------------------------------------------
 class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
     refs: list[ShmRef]
@@ -195,6 +200,11 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=30):
     pid: int
     address: str
     config_json: str = ""       # the auto-completed config, when the worker was asked for it
+
+
+class Pong(msgspec.Struct, array_like=True, tag=33):
+    instance: int
+    seq: int
 
 
 class WorkerLoadFailed(msgspec.Struct, array_like=True, tag=31):
@@ -232,7 +242,7 @@ Message = Union[
     FrontendHello, SubmitRequest, StatsQuery, ControlRequest, CancelRequest, ModelTable,
     StatsReply,
     ControlReply, ExecuteBatch,
-    Shutdown, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
+    Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
     InferResults,
 ]
 

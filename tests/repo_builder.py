@@ -57,6 +57,9 @@ FAULTY = textwrap.dedent('''
                     continue
                 if v == 3:
                     os._exit(3)
+                if v == 6:
+                    import ctypes
+                    ctypes.string_at(0)         # a segfault in native code
                 if v == 4:
                     time.sleep(60)
                 res = np.array([os.getpid() if v == 5 else v], dtype=np.int64)

@@ -19,7 +19,7 @@ import zmq
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments, InferResult,
                                    InferResults,
-                                   ReleaseOutputs,
+                                   Ping, Pong, ReleaseOutputs,
                                    Shutdown, WorkerArgs, WorkerLoadFailed, WorkerReady,
                                    decode_payload)
 from shmserve.ipc.proc import StopFlag, die_with_parent
@@ -90,6 +90,8 @@ class Worker:
                 elif isinstance(msg, ForgetSegments):
                     for name in msg.segments:
                         self.maps.forget(name)
+                elif isinstance(msg, Ping):
+                    self.scheduler.send(Pong(self.args.instance, msg.seq))
                 elif isinstance(msg, Shutdown):
                     return
 

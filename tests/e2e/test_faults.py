@@ -191,3 +191,28 @@ def _sleeping_pid(server, model):
         except OSError:
             continue
     return None
+
+
+def test_segfault_in_native_code_is_contained(server, client):
+    pid = _worker_pid(client)
+    with pytest.raises(InferenceServerException) as e:
+        _faulty(client, 6)
+    assert e.value.status() == "500" and "SIGSEGV" in e.value.message()
+    t = time.monotonic()
+    _wait_restarted(client, pid)
+    print(f"worker restart after a crash took {time.monotonic() - t:.2f} s")
+    _others_still_serve(client)
+
+
+def test_worker_that_stops_answering_pings_is_replaced(server, client):
+    pid = _worker_pid(client)
+    os.kill(pid, signal.SIGSTOP)            # alive, but it will never answer again
+    try:
+        wait_for(lambda: not alive(pid), 30, "the silent worker to be killed")
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    _wait_restarted(client, pid)
+    _others_still_serve(client)

@@ -23,6 +23,8 @@ MESSAGES = [
     m.ControlRequest(1, 12, "unload", "mlp", unload_dependents=True),
     m.ControlReply(11),
     m.CancelRequest(1, 99),
+    m.Ping(3),
+    m.Pong(4, 3),
     m.ControlReply(12, "load failed", "INVALID_ARG"),
     m.ModelTable([
         m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),
