@@ -194,3 +194,22 @@ def test_frontend_death_stops_the_server(example_repo):
         wait_for(lambda: not alive(pid), 10, f"process {pid} to exit")
     assert segments_of(srv.proc.pid) == []
     srv.stop()
+
+
+def test_exit_timeout_cancels_what_is_left(test_repo):
+    import time
+    srv = Server(test_repo, "--exit-timeout-secs", "1")
+    c = httpclient.InferenceServerClient(srv.url, concurrency=2, network_timeout=60)
+    x = np.ones((1, 4), dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+    inp.set_data_from_numpy(x)
+    slow = c.async_infer("pid_slow", [inp], parameters={"delay_ms": 8000})
+    from serverproc import model_sleeping
+    wait_for(lambda: model_sleeping(srv, "pid_slow"), 20, "the request to run")
+    t = time.monotonic()
+    assert srv.stop() == 0
+    assert time.monotonic() - t < 6            # not the 8 s the request wanted
+    with pytest.raises(Exception) as e:
+        slow.get_result()
+    assert "shutting down" in str(e.value) or "503" in str(e.value) or "closed" in str(e.value).lower()
+    assert segments_of(srv.proc.pid) == []
