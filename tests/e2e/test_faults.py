@@ -216,3 +216,39 @@ def test_worker_that_stops_answering_pings_is_replaced(server, client):
             pass
     _wait_restarted(client, pid)
     _others_still_serve(client)
+
+
+def test_reload_brings_a_crash_looping_model_back(tmp_path):
+    from repo_builder import write_model
+    marker = tmp_path / "crash-now"
+    marker.write_text("1")
+    write_model(str(tmp_path / "repo"), "flaky", f"""
+        backend: "python"
+        max_batch_size: 0
+        input [ {{ name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+        output [ {{ name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+    """, "import os\nimport triton_python_backend_utils as pb_utils\n\n"
+         "class TritonPythonModel:\n    def execute(self, requests):\n"
+         f"        if os.path.exists({str(marker)!r}):\n            os._exit(9)\n"
+         "        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUTPUT0', "
+         "pb_utils.get_input_tensor_by_name(r, 'INPUT0').as_numpy())]) for r in requests]\n")
+    srv = Server(str(tmp_path / "repo"), "--model-control-mode", "explicit", "--load-model", "flaky")
+    try:
+        c = httpclient.InferenceServerClient(srv.url, network_timeout=60)
+        inp = httpclient.InferInput("INPUT0", [1], "INT32")
+        inp.set_data_from_numpy(np.array([5], dtype=np.int32))
+
+        def crashed_out():
+            try:
+                c.infer("flaky", [inp])
+            except InferenceServerException as e:
+                return "crash loop" in e.message() or None
+            return None
+        wait_for(crashed_out, 60, "the crash loop to be detected")
+        assert not srv.model_ready("flaky")
+        marker.unlink()                             # the fault is fixed
+        c.load_model("flaky")
+        assert srv.model_ready("flaky")
+        assert c.infer("flaky", [inp]).as_numpy("OUTPUT0")[0] == 5
+    finally:
+        assert srv.stop() == 0
