@@ -61,6 +61,12 @@ class Scheduler(Lifecycle, InstanceHealth):
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> queue
         self.ping_counter = 0
         self.next_ping = 0.0
+        self.handlers = {
+            BatchDone: self.batch_done, WorkerReady: self.worker_ready,
+            WorkerLoadFailed: self.worker_load_failed, FrontendHello: self.frontend_hello,
+            ForgetSegments: self.forget_segments, Pong: self.pong, CancelRequest: self.cancel,
+            ControlRequest: self.control, StatsQuery: self.stats_query,
+        }
         self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
         self.next_poll = 0.0
         self.batching: list[ModelVersion] = []      # versions whose batcher has deadlines
@@ -105,31 +111,26 @@ class Scheduler(Lifecycle, InstanceHealth):
 
     # ---- messages --------------------------------------------------------------------------------
     def handle(self, msg, frames) -> None:
-        if isinstance(msg, SubmitRequest):
+        if isinstance(msg, SubmitRequest):          # the hot path first
             self.submit(msg, frames[0])
-        elif isinstance(msg, BatchDone):
-            self.batch_done(msg)
-        elif isinstance(msg, WorkerReady):
-            self.worker_ready(msg)
-        elif isinstance(msg, WorkerLoadFailed):
-            self.worker_load_failed(msg)
-        elif isinstance(msg, FrontendHello):
-            box = self.frontends.get(msg.frontend)
-            if box is None:
-                box = self.frontends[msg.frontend] = channel.Outbox(msg.address)
-            box.send(self.model_table())
-        elif isinstance(msg, ForgetSegments):
-            for _, inst in self.by_spawn.values():
-                if inst.outbox is not None:
-                    inst.outbox.send(msg)
-        elif isinstance(msg, Pong):
-            self.pong(msg)
-        elif isinstance(msg, CancelRequest):
-            self.cancel(msg)
-        elif isinstance(msg, ControlRequest):
-            self.control(msg)
-        elif isinstance(msg, StatsQuery):
-            self.frontends[msg.frontend].send(self.statistics(msg))
+            return
+        handler = self.handlers.get(type(msg))
+        if handler is not None:
+            handler(msg)
+
+    def frontend_hello(self, msg: FrontendHello) -> None:
+        box = self.frontends.get(msg.frontend)
+        if box is None:
+            box = self.frontends[msg.frontend] = channel.Outbox(msg.address)
+        box.send(self.model_table())
+
+    def forget_segments(self, msg: ForgetSegments) -> None:
+        for _, inst in self.by_spawn.values():
+            if inst.outbox is not None:
+                inst.outbox.send(msg)
+
+    def stats_query(self, msg: StatsQuery) -> None:
+        self.frontends[msg.frontend].send(self.statistics(msg))
 
     def reply_error(self, frontend: int, req_id: int, model: str, version: int, code: str,
                     message: str) -> None:

@@ -97,11 +97,12 @@ def test_shutdown_stops_every_process_and_unlinks_every_segment(example_repo, si
     _leaves_nothing(srv, sig)
 
 
-def test_core_process_death_stops_the_server(example_repo):
+@pytest.mark.parametrize("module", ["shmserve.engine.scheduler", "shmserve.frontend.main"])
+def test_core_process_death_stops_the_server(example_repo, module):
     srv = Server(example_repo)
     procs = descendants(srv.proc.pid)
-    scheduler = next(p for p in procs if "shmserve.engine.scheduler" in open(f"/proc/{p}/cmdline").read())
-    os.kill(scheduler, signal.SIGKILL)
+    victim = next(p for p in procs if module in open(f"/proc/{p}/cmdline").read())
+    os.kill(victim, signal.SIGKILL)
     srv.proc.wait(timeout=60)
     assert srv.proc.returncode == 1
     for pid in procs:
@@ -181,19 +182,6 @@ def test_overload_is_refused_at_once(test_repo):
             h.get_result()
     finally:
         assert srv.stop() == 0
-
-
-def test_frontend_death_stops_the_server(example_repo):
-    srv = Server(example_repo)
-    procs = descendants(srv.proc.pid)
-    frontend = next(p for p in procs if "shmserve.frontend.main" in open(f"/proc/{p}/cmdline").read())
-    os.kill(frontend, signal.SIGKILL)
-    srv.proc.wait(timeout=60)
-    assert srv.proc.returncode == 1
-    for pid in procs:
-        wait_for(lambda: not alive(pid), 10, f"process {pid} to exit")
-    assert segments_of(srv.proc.pid) == []
-    srv.stop()
 
 
 def test_exit_timeout_cancels_what_is_left(test_repo):
