@@ -6,7 +6,7 @@ import logging
 import time
 
 from shmserve.ipc import shm
-from shmserve.ipc.messages import ErrorCode, Ping, Pong
+from shmserve.ipc.messages import ErrorCode, Ping, Pong, ProcessExited
 
 from .models import (BACKOFF_CAP_S, CRASH_LOOP_DEATHS, HEALTHY_AFTER_S, PING_INTERVAL_S,
                      PING_TIMEOUT_S, Instance, ModelVersion)
@@ -17,11 +17,20 @@ log = logging.getLogger("shmserve.scheduler")
 
 
 class InstanceHealth:
-    def worker_exited(self, pidfd: int) -> None:
-        sid = self.by_pidfd.pop(pidfd)
-        self.poller.unregister(pidfd)
+    def process_exited(self, msg: ProcessExited) -> None:
+        found = self.by_spawn.get(msg.instance)
+        if found is None:
+            return                              # already handled (a stale report)
+        proc = found[1].process
+        if proc.popen.poll() is None:           # a reused pidfd number; see ExitWatcher.rearm
+            self.exits.rearm(proc.pidfd)
+            return
+        self.worker_exited(msg.instance)
+
+    def worker_exited(self, sid: int) -> None:
         ver, inst = self.by_spawn.pop(sid)
         proc = inst.process
+        self.exits.unwatch(proc.pidfd)
         rc = proc.reap()
         proc.close()
         if inst.outbox is not None:

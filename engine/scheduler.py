@@ -17,11 +17,13 @@ import zmq
 from shmserve.ipc import channel, shm
 from shmserve.ipc.messages import (BatchDone, CancelRequest, ControlRequest, ErrorCode, ExecuteBatch,
                                    ForgetSegments, FrontendHello, InferResult, InstanceSpec, Pong,
+                                   ProcessExited, Wake,
                                    RequestRoute, ServerSettings, Shutdown, StatsQuery, StatsReply,
                                    SubmitRequest, WorkerLoadFailed, WorkerReady)
 from shmserve.ipc.proc import StopFlag, die_with_parent
 
 from .alarm import Alarm
+from .exits import ExitWatcher
 from .batching import QueuedRequest, QueueFull
 from .health import InstanceHealth
 from .lifecycle import Lifecycle, Load
@@ -44,11 +46,12 @@ class Scheduler(Lifecycle, InstanceHealth):
         self.entries: dict[str, ModelEntry] = {}
         self.versions: dict[tuple[str, int], ModelVersion] = {}
         self.by_spawn: dict[int, tuple[ModelVersion, Instance]] = {}
-        self.by_pidfd: dict[int, int] = {}
-        self.poller = zmq.Poller()
-        self.poller.register(self.inbox.socket, zmq.POLLIN)
-        self.alarm = Alarm(channel.context())
-        self.poller.register(self.alarm.socket, zmq.POLLIN)
+        # the alarm and exit-watcher threads post into the inbox, the loop's only wait
+        wake_addr = f"inproc://shmserve-scheduler-{os.getpid()}"
+        self.inbox.bind_also(wake_addr)
+        self.alarm = Alarm(channel.context(), wake_addr)
+        self.exits = ExitWatcher(channel.context(), wake_addr)
+        self.next_housekeeping = 0.0    # monotonic time of the next restart/ping/hang/poll check
         self.spawn_counter = 0
         self.batch_counter = 0
         self.startup_done = False
@@ -66,6 +69,7 @@ class Scheduler(Lifecycle, InstanceHealth):
             WorkerLoadFailed: self.worker_load_failed, FrontendHello: self.frontend_hello,
             ForgetSegments: self.forget_segments, Pong: self.pong, CancelRequest: self.cancel,
             ControlRequest: self.control, StatsQuery: self.stats_query,
+            ProcessExited: self.process_exited, Wake: lambda msg: None,
         }
         self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
         self.next_poll = 0.0
@@ -83,8 +87,7 @@ class Scheduler(Lifecycle, InstanceHealth):
         inst.process = spawn_worker(sid, self.settings.run_dir, self.inbox.address,
                                     self.segment_prefix(sid), spec, self.settings.log_verbose)
         self.by_spawn[sid] = (ver, inst)
-        self.by_pidfd[inst.process.pidfd] = sid
-        self.poller.register(inst.process.pidfd, zmq.POLLIN)
+        self.exits.watch(inst.process.pidfd, sid)
 
     def segment_prefix(self, spawn_id: int) -> str:
         return f"{self.settings.segment_prefix}w{spawn_id}_"
@@ -114,9 +117,13 @@ class Scheduler(Lifecycle, InstanceHealth):
         if isinstance(msg, SubmitRequest):          # the hot path first
             self.submit(msg, frames[0])
             return
+        if isinstance(msg, BatchDone):
+            self.batch_done(msg)
+            return
         handler = self.handlers.get(type(msg))
         if handler is not None:
             handler(msg)
+        self.next_housekeeping = 0.0    # rare messages may start restarts or loads: check now
 
     def frontend_hello(self, msg: FrontendHello) -> None:
         box = self.frontends.get(msg.frontend)
@@ -199,6 +206,9 @@ class Scheduler(Lifecycle, InstanceHealth):
             inst.batch_id = self.batch_counter
             routes = [RequestRoute(r.req_id, r.frontend) for r in reqs]
             inst.busy_since = time.monotonic()
+            if ver.execution_timeout_s > 0:
+                self.next_housekeeping = min(self.next_housekeeping,
+                                             inst.busy_since + ver.execution_timeout_s)
             inst.outbox.send(ExecuteBatch(self.batch_counter, routes), [r.payload for r in reqs])
 
     def batch_done(self, msg: BatchDone) -> None:
@@ -295,27 +305,27 @@ class Scheduler(Lifecycle, InstanceHealth):
 
     def run(self, stop: StopFlag) -> None:
         self.load_initial()
-        timeout = 1.0
+        armed_ms = None
         while not stop.set and not self.exit_requested:
-            events = dict(self.poller.poll(math.ceil(timeout * 1000)))
-            if self.inbox.socket in events:
-                while True:
-                    try:
-                        msg, frames = self.inbox.recv(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self.handle(msg, frames)
-            for fd in list(events):
-                if isinstance(fd, int) and fd in self.by_pidfd:
-                    self.worker_exited(fd)
-            if self.alarm.socket in events:
-                self.alarm.clear()
+            try:
+                msg, frames = self.inbox.recv()
+            except zmq.Again:               # the receive timeout: housekeeping is due
+                pass
+            else:
+                self.handle(msg, frames)
             if stop.set:
                 break
             # batch deadlines need sub-millisecond precision, which the alarm thread gives;
-            # restarts are fine with the poll's milliseconds
+            # restarts, pings, hang checks and repository polls are fine with milliseconds
             self.alarm.set(self.batching_due())
-            timeout = min(self.restart_due(), self.poll_due(), self.hang_due(), self.ping_due())
+            now = time.monotonic()
+            if now >= self.next_housekeeping:
+                self.next_housekeeping = now + min(self.restart_due(), self.poll_due(),
+                                                   self.hang_due(), self.ping_due())
+            ms = max(1, math.ceil((self.next_housekeeping - now) * 1000))
+            if ms != armed_ms:
+                self.inbox.set_timeout(ms)
+                armed_ms = ms
 
     def shutdown(self, timeout_s: float) -> None:
         self.stopping = True

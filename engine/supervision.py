@@ -1,6 +1,6 @@
 """Worker processes: spawning one per model instance and noticing at once when one exits.
 
-Each worker is watched through a pidfd in the scheduler's poll set, so a death is seen within one
+Each worker is watched through a pidfd (engine/exits.py), so a death is seen within one
 poll wake-up, without a SIGCHLD handler that would reap children it does not own.
 """
 from __future__ import annotations

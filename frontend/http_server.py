@@ -14,6 +14,9 @@ from typing import Any, Callable
 import httptools
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+# Responses up to this size are joined into one buffer and one write; a copy this small costs
+# less than the extra send() syscall.
+SMALL_RESPONSE = 64 * 1024
 
 
 class HttpRequest:
@@ -154,9 +157,14 @@ class HttpConnection(asyncio.Protocol):
                 head.append("Connection: close\r\n")
             head.append("\r\n")
             t = self.transport
-            t.write("".join(head).encode("latin-1") + body)
-            for p in parts:
-                t.write(p)
+            first = "".join(head).encode("latin-1") + body
+            if length <= SMALL_RESPONSE:
+                # one write, one syscall; big parts (shared memory) are written as they are
+                t.write(first + b"".join(parts) if parts else first)
+            else:
+                t.write(first)
+                for p in parts:
+                    t.write(p)
             if not req.keep_alive:
                 t.close()
                 self.closed = True

@@ -221,6 +221,16 @@ class BatchDone(msgspec.Struct, array_like=True, tag=32):
     compute_output_ns: int = 0
 
 
+# ---- a scheduler thread -> the scheduler's own inbox (inproc) ---------------------------------
+class Wake(msgspec.Struct, array_like=True, tag=50):
+    """The alarm thread's ring: a batch delay or timeout is due."""
+
+
+class ProcessExited(msgspec.Struct, array_like=True, tag=51):
+    """The exit watcher saw the worker process of this spawn end."""
+    instance: int
+
+
 # ---- worker (or scheduler on a worker's behalf) -> frontend ----------------------------------
 class InferResult(msgspec.Struct, array_like=True, tag=40):
     req_id: int
@@ -242,8 +252,8 @@ Message = Union[
     FrontendHello, SubmitRequest, StatsQuery, ControlRequest, CancelRequest, ModelTable,
     StatsReply,
     ControlReply, ExecuteBatch,
-    Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed, BatchDone, InferResult,
-    InferResults,
+    Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
+    BatchDone, InferResult, InferResults, Wake, ProcessExited,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

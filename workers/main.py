@@ -72,28 +72,26 @@ class Worker:
         return True
 
     def run(self, stop: StopFlag) -> None:
-        poller = zmq.Poller()
-        poller.register(self.inbox.socket, zmq.POLLIN)
+        # One socket: a blocking receive wakes straight into the message, which is cheaper than
+        # a poll followed by a non-blocking receive (bench/zmq_options.py).
+        self.inbox.set_timeout(1000)
         while not stop.set:
-            if not poller.poll(1000):
+            try:
+                msg, frames = self.inbox.recv()
+            except zmq.Again:
                 continue
-            while True:
-                try:
-                    msg, frames = self.inbox.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                if isinstance(msg, ExecuteBatch):
-                    self.execute(msg, frames)
-                elif isinstance(msg, ReleaseOutputs):
-                    for ref in msg.refs:
-                        self.arena.free(ref)
-                elif isinstance(msg, ForgetSegments):
-                    for name in msg.segments:
-                        self.maps.forget(name)
-                elif isinstance(msg, Ping):
-                    self.scheduler.send(Pong(self.args.instance, msg.seq))
-                elif isinstance(msg, Shutdown):
-                    return
+            if isinstance(msg, ExecuteBatch):
+                self.execute(msg, frames)
+            elif isinstance(msg, ReleaseOutputs):
+                for ref in msg.refs:
+                    self.arena.free(ref)
+            elif isinstance(msg, ForgetSegments):
+                for name in msg.segments:
+                    self.maps.forget(name)
+            elif isinstance(msg, Ping):
+                self.scheduler.send(Pong(self.args.instance, msg.seq))
+            elif isinstance(msg, Shutdown):
+                return
 
     def execute(self, batch: ExecuteBatch, frames) -> None:
         clock = time.monotonic_ns
@@ -102,7 +100,7 @@ class Worker:
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
             try:
-                p = decode_payload(frame.buffer)
+                p = decode_payload(frame)
                 inputs, types = {}, {}
                 for t in p.inputs:
                     inputs[t.name] = self.reshapes.model_input(t.name, tensors.to_numpy(t, self.maps))

@@ -25,6 +25,8 @@ MESSAGES = [
     m.CancelRequest(1, 99),
     m.Ping(3),
     m.Pong(4, 3),
+    m.Wake(),
+    m.ProcessExited(7),
     m.ControlReply(12, "load failed", "INVALID_ARG"),
     m.ModelTable([
         m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),

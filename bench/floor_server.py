@@ -1,0 +1,243 @@
+#!/usr/bin/env python3
+"""The floors under shmserve's shape, servable to perf_analyzer: a bare HTTP server and the same
+server with shmserve's three ZeroMQ hops behind it, both with no inference code at all.
+
+``--hops 0`` is a bare uvloop + httptools server. It answers perf_analyzer's metadata and config
+requests for one model with canned JSON. For an infer request in binary form it echoes the input
+tensor back as OUTPUT0.
+
+``--hops 3`` sends each request's bytes the way shmserve's request travels:
+frontend -> relay A (the scheduler's place) -> relay B (the worker's place) -> frontend. Each
+relay is a bare PULL/PUSH loop. The difference between the two floors is what ZeroMQ costs.
+Anything shmserve adds above ``--hops 3`` is our own Python.
+
+  python bench/floor_server.py --port 0 --hops 3 --port-file /tmp/floor.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import tempfile
+
+import httptools
+import uvloop
+import zmq
+
+MODEL = "identity_fp32"
+METADATA = json.dumps({"name": MODEL, "versions": ["1"], "platform": "python",
+                       "inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [-1, -1]}],
+                       "outputs": [{"name": "OUTPUT0", "datatype": "FP32", "shape": [-1, -1]}]}).encode()
+SERVER = json.dumps({"name": "floor", "version": "2.51.0", "extensions": []}).encode()
+CONFIG = json.dumps({"name": MODEL, "backend": "python", "max_batch_size": 64,
+                     "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+                     "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]}).encode()
+
+
+def _relay(pull_addr: str, push_addr: str) -> None:
+    """One bare hop: receive a message, send it on; what a process costs with no work in it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctx = zmq.Context(io_threads=1)
+    pull = ctx.socket(zmq.PULL)
+    pull.bind(pull_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.connect(push_addr)
+    while True:
+        frames = pull.recv_multipart()
+        push.send_multipart(frames)
+
+
+def _infer_response(header_len: int, body: bytes) -> bytes:
+    tensor = body[header_len:]
+    req = json.loads(body[:header_len]) if header_len else json.loads(body)
+    shape = req["inputs"][0]["shape"]
+    head = json.dumps({"model_name": MODEL, "model_version": "1", "outputs": [
+        {"name": "OUTPUT0", "datatype": "FP32", "shape": shape,
+         "parameters": {"binary_data_size": len(tensor)}}]}).encode()
+    return head, tensor
+
+
+class Conn(asyncio.Protocol):
+    def __init__(self, server):
+        self.server = server
+        self.parser = httptools.HttpRequestParser(self)
+        self.headers = {}
+        self.body = []
+
+    def connection_made(self, transport):
+        self.transport = transport
+
+    def data_received(self, data):
+        self.parser.feed_data(data)
+
+    def on_message_begin(self):
+        self.headers = {}
+        self.body = []
+        self.url = b""
+
+    def on_url(self, url):
+        self.url += url
+
+    def on_header(self, name, value):
+        self.headers[name.lower()] = value
+
+    def on_body(self, body):
+        self.body.append(body)
+
+    def on_message_complete(self):
+        url = self.url.decode()
+        if self.parser.get_method() == b"POST" and url.endswith("/infer"):
+            body = b"".join(self.body)
+            hlen = int(self.headers.get(b"inference-header-content-length", b"0"))
+            self.server.infer(self, hlen, body)
+        elif url.endswith("/config"):
+            self.send(CONFIG)
+        elif url.startswith(f"/v2/models/{MODEL}"):
+            self.send(METADATA)
+        elif url.rstrip("/") == "/v2":
+            self.send(SERVER)
+        else:
+            self.send(b"")
+
+    def send(self, body: bytes, extra: bytes = b"", header_len: int | None = None) -> None:
+        head = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n" % (len(body) + len(extra))
+        if header_len is not None:
+            head += b"Inference-Header-Content-Length: %d\r\n" % header_len
+            head += b"Content-Type: application/octet-stream\r\n"
+        self.transport.write(head + b"\r\n" + body + extra)
+
+
+class FloorServer:
+    def __init__(self, hops: int, run_dir: str):
+        self.hops = hops
+        self.waiting: dict[int, Conn] = {}
+        self.next_id = 0
+        if hops:
+            ctx = zmq.Context(io_threads=1)
+            back = f"ipc://{run_dir}/front"
+            self.pull = ctx.socket(zmq.PULL)
+            self.pull.bind(back)
+            self.push = ctx.socket(zmq.PUSH)
+            addrs = [f"ipc://{run_dir}/relay{i}" for i in range(hops - 1)] + [back]
+            self.relays = [mp.Process(target=_relay, args=(addrs[i], addrs[i + 1]), daemon=True)
+                           for i in range(hops - 1)]
+            for p in self.relays:
+                p.start()
+            self.push.connect(addrs[0])
+
+    def attach(self, loop) -> None:
+        if self.hops:
+            loop.add_reader(self.pull.getsockopt(zmq.FD), self._drain)
+
+    def infer(self, conn: Conn, hlen: int, body: bytes) -> None:
+        if not self.hops:
+            head, tensor = _infer_response(hlen, body)
+            conn.send(head, tensor, len(head))
+            return
+        self.next_id += 1
+        self.waiting[self.next_id] = conn
+        self.push.send_multipart([self.next_id.to_bytes(8, "little"),
+                                  hlen.to_bytes(8, "little"), body])
+        self._drain()
+
+    def _drain(self) -> None:
+        while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            rid, hlen, body = self.pull.recv_multipart()
+            conn = self.waiting.pop(int.from_bytes(rid, "little"))
+            head, tensor = _infer_response(int.from_bytes(hlen, "little"), body)
+            conn.send(head, tensor, len(head))
+
+
+def _grpc_servicer():
+    """The same floor on grpc.aio: canned metadata and config, ModelInfer echoes INPUT0."""
+    from tritonclient.grpc import model_config_pb2 as mc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    class Floor(pb_grpc.GRPCInferenceServiceServicer):
+        async def ServerMetadata(self, request, context):
+            return pb.ServerMetadataResponse(name="floor", version="2.51.0")
+
+        async def ModelMetadata(self, request, context):
+            resp = pb.ModelMetadataResponse(name=MODEL, versions=["1"], platform="python")
+            resp.inputs.add(name="INPUT0", datatype="FP32", shape=[-1, -1])
+            resp.outputs.add(name="OUTPUT0", datatype="FP32", shape=[-1, -1])
+            return resp
+
+        async def ModelConfig(self, request, context):
+            cfg = mc.ModelConfig(name=MODEL, backend="python", max_batch_size=64)
+            cfg.input.add(name="INPUT0", data_type=mc.TYPE_FP32, dims=[-1])
+            cfg.output.add(name="OUTPUT0", data_type=mc.TYPE_FP32, dims=[-1])
+            return pb.ModelConfigResponse(config=cfg)
+
+        async def ModelInfer(self, request, context):
+            resp = pb.ModelInferResponse(model_name=MODEL, model_version="1", id=request.id)
+            resp.outputs.add(name="OUTPUT0", datatype="FP32", shape=request.inputs[0].shape)
+            resp.raw_output_contents.append(request.raw_input_contents[0])
+            return resp
+
+    return Floor(), pb_grpc.add_GRPCInferenceServiceServicer_to_server
+
+
+async def serve_grpc(args) -> None:
+    import grpc
+    servicer, add = _grpc_servicer()
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 2 ** 31 - 1),
+                                      ("grpc.max_send_message_length", 2 ** 31 - 1)])
+    add(servicer, server)
+    port = server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+    if args.port_file:
+        with open(args.port_file + ".tmp", "w") as f:
+            json.dump({"grpc": port}, f)
+        os.replace(args.port_file + ".tmp", args.port_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(0)
+
+
+async def serve(args) -> None:
+    loop = asyncio.get_running_loop()
+    with tempfile.TemporaryDirectory(prefix="shmserve-floor-") as run_dir:
+        floor = FloorServer(args.hops, run_dir)
+        floor.attach(loop)
+        server = await loop.create_server(lambda: Conn(floor), args.host, args.port)
+        port = server.sockets[0].getsockname()[1]
+        if args.port_file:
+            with open(args.port_file + ".tmp", "w") as f:
+                json.dump({"http": port}, f)
+            os.replace(args.port_file + ".tmp", args.port_file)
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        server.close()
+        for p in getattr(floor, "relays", []):
+            p.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--hops", type=int, choices=(0, 3), default=0)
+    ap.add_argument("--protocol", choices=("http", "grpc"), default="http",
+                    help="grpc: a bare grpc.aio server (no hops)")
+    ap.add_argument("--port-file", default="")
+    args = ap.parse_args(argv)
+    if args.protocol == "grpc" and os.environ.get("FLOOR_ASYNCIO"):
+        asyncio.run(serve_grpc(args))
+    else:
+        uvloop.run(serve_grpc(args) if args.protocol == "grpc" else serve(args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
