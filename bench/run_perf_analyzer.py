@@ -42,19 +42,31 @@ def install() -> str:
 
 
 def run_one(pa: str, url: str, protocol: str, concurrency: int, extra: list[str],
-            interval_ms: int, workdir: str, model: str = "identity_fp32") -> dict:
+            interval_ms: int, workdir: str, model: str = "identity_fp32",
+            stabilities=(10, 30), max_trials: int = 10) -> dict:
     """perf_analyzer's default stability rule (10%) first; on a noisy 2-core machine p99 may not
-    settle, so a second try accepts 30% and the row says so."""
+    settle, so a second try accepts 30% and the row says so. A run that hangs (perf_analyzer
+    has no request timeout of its own) is stopped and counts as a failed try."""
     report = os.path.join(workdir, "pa.csv")
-    for stability in (10, 30):
+    limit_s = 60 + 3 * max_trials * interval_ms / 1000
+    out = None
+    for stability in stabilities:
         cmd = [pa, "-m", model, "-i", protocol, "-u", url,
                "--concurrency-range", str(concurrency), "--measurement-interval", str(interval_ms),
-               "--percentile", "99", "--stability-percentage", str(stability), "-f", report, *extra]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+               "--percentile", "99", "--stability-percentage", str(stability),
+               "--max-trials", str(max_trials), "-f", report, *extra]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s)
+        except subprocess.TimeoutExpired as e:
+            print(f"perf_analyzer gave no answer in {limit_s:.0f} s: {' '.join(cmd)}",
+                  file=sys.stderr)
+            out = subprocess.CompletedProcess(cmd, -1, e.stdout or "", "")
+            continue
         if out.returncode == 0:
             break
     else:
-        raise RuntimeError(f"perf_analyzer failed: {' '.join(cmd)}\n{out.stdout[-2000:]}")
+        tail = (out.stdout or "")[-1500:] + (out.stderr or "")[-1500:]
+        raise RuntimeError(f"perf_analyzer failed: {' '.join(cmd)}\n{tail}")
     with open(report) as f:
         row = list(csv.DictReader(f))[-1]
     return {"infer_per_s": float(row["Inferences/Second"]), "stability": stability,
