@@ -187,14 +187,22 @@ def test_counters_survive_a_worker_restart(server):
     _wait_restarted(c, pid)
     _faulty(c, 9)
     ok_before = before["inference_stats"]["success"]["count"]
-    after = _stats_when(server, "faulty",
-                        lambda s: s["inference_stats"]["success"]["count"] >= ok_before + 2)
+    labels = (("model", "faulty"), ("version", "1"))
+
+    def settled():
+        """The last answers may reach the client before the scheduler counts them: take
+        statistics and metrics once the count holds still across both reads."""
+        first, m, last = _stats(server, "faulty"), _metric_samples(server), _stats(server, "faulty")
+        n = last["inference_stats"]["success"]["count"]
+        same = first["inference_stats"]["success"]["count"] == n == \
+            m.get(("nv_inference_request_success", labels))
+        return (last, m) if same and n >= ok_before + 2 else None
+
+    after, m = wait_for(settled, 20, "the statistics of 'faulty' to settle")
     ok_after = after["inference_stats"]["success"]["count"]
     assert ok_after >= ok_before + 2, (before, after)  # _worker_pid twice at least, plus 9
     assert after["inference_stats"]["fail"]["count"] == \
         before["inference_stats"]["fail"]["count"] + 1, (before, after)
-    m = _metric_samples(server)
-    labels = (("model", "faulty"), ("version", "1"))
     assert m[("nv_inference_request_failure", tuple(sorted(labels + (("reason", "BACKEND"),))))] >= 1
     assert m[("nv_inference_request_success", labels)] == ok_after
 
