@@ -34,13 +34,13 @@ def markdown(workloads, floors, results: dict, limits: dict, meta: dict, chart_n
     for w in workloads:
         r = results[w.key]
         t_rate, t50, t99 = w.triton
-        loose = " ¹" if r["stability"] > 10 else ""
+        loose = f" ({r['stability']}%)" if r["stability"] > 10 else ""
         lines.append(f"| {w.label}{loose} | {t_rate:,} | {_ms(t50)} / {_ms(t99)} | "
                      f"{_target_text(w.target)} | {r['infer_per_s']:,.0f} | "
                      f"{r['p50_ms']:.3f} / {r['p99_ms']:.3f} | "
                      f"{'yes' if target_met(w.target, r) else 'no'} |")
-    lines += ["", "¹ measured with a 30% stability rule instead of perf_analyzer's default 10% "
-              "(the quick profile always; the full one when p99 did not settle within 10%).", "",
+    lines += ["", "(30%), (60%): perf_analyzer settled only with that stability rule instead of "
+              "its default 10% (the quick profile starts at 30%).", "",
               "## Limits of this machine, same run", "",
               "| limit | infer/s | p50 ms | p99 ms |", "|---|---:|---:|---:|"]
     for key, label, *_ in floors:
