@@ -62,6 +62,9 @@ class DynamicBatcher(IdleInstances):
         # earliest queue timeout of any request (may be stale-early after dispatch: that only
         # costs one extra scan, which recomputes it)
         self.earliest_deadline = 0
+        self._version = 0           # bumped by every change to the queues
+        self._scanned = -1          # the version _scan_result was computed at
+        self._scan_result: tuple = ([], 0, False, 0)
 
     # ---- queueing ------------------------------------------------------------------------------
     def level_of(self, priority: int) -> int:
@@ -90,6 +93,7 @@ class DynamicBatcher(IdleInstances):
             self.earliest_deadline = req.deadline_ns
         level.ready.append(req)
         self.count += 1
+        self._version += 1
 
     def take_expired(self) -> list[QueuedRequest]:
         """Requests whose queue timeout passed: REJECT ones are returned (to be failed), DELAY
@@ -115,6 +119,7 @@ class DynamicBatcher(IdleInstances):
                                           or r.deadline_ns < self.earliest_deadline):
                         self.earliest_deadline = r.deadline_ns
             level.ready = keep
+        self._version += 1
         return rejected
 
     # ---- forming batches -----------------------------------------------------------------------------
@@ -123,29 +128,43 @@ class DynamicBatcher(IdleInstances):
             yield from level.ready
             yield from level.delayed
 
-    def _candidate(self) -> tuple[list[QueuedRequest], bool]:
-        """The batch the queue head can form, and whether it must wait no longer."""
+    def _scan(self) -> tuple[list[QueuedRequest], int, bool, int]:
+        """The batch the queue head can form: (requests, length of the longest prefix whose size
+        is a preferred size, whether it cannot grow, its oldest enqueue time). Remembered until
+        the queue changes: the shell asks twice per message (next_batches, next_deadline_ns)."""
+        if self._scanned == self._version:
+            return self._scan_result
         mbs = self.cfg.max_batch_size
         # past the largest preferred size a batch is not worth growing further
         limit = self.preferred[-1] if self.preferred else mbs
         batch: list[QueuedRequest] = []
         total = 0
-        best = 0            # length of the longest prefix whose size is a preferred size
+        best = 0
         closed = False      # the batch cannot grow: full, or the next request does not fit
+        oldest = 0
         for r in self._pending():
             if batch and (r.shape_key != batch[0].shape_key or total + r.batch_size > limit):
                 closed = True
                 break
             batch.append(r)
             total += r.batch_size
+            if not oldest or r.enqueued_ns < oldest:
+                oldest = r.enqueued_ns
             if total in self.preferred:
                 best = len(batch)
             if total >= mbs:
                 closed = True
                 break
+        self._scan_result = (batch, best, closed, oldest)
+        self._scanned = self._version
+        return self._scan_result
+
+    def _candidate(self) -> tuple[list[QueuedRequest], bool]:
+        """The batch the queue head can form, and whether it must wait no longer."""
+        batch, best, closed, oldest = self._scan()
         if not batch:
             return batch, False
-        if self.delay_ns and self.clock() - min(r.enqueued_ns for r in batch) >= self.delay_ns:
+        if self.delay_ns and self.clock() - oldest >= self.delay_ns:
             return batch, True          # the oldest has waited long enough: send all we have
         if best:
             return batch[:best], True
@@ -173,6 +192,7 @@ class DynamicBatcher(IdleInstances):
         else:   # batches take a prefix of the pending order, so this is not reached; be safe
             (level.ready if r in level.ready else level.delayed).remove(r)
         self.count -= 1
+        self._version += 1
 
     def next_deadline_ns(self) -> int | None:
         """When the shell must look again: the oldest request's delay, or a queue timeout."""
@@ -181,14 +201,14 @@ class DynamicBatcher(IdleInstances):
             # without an idle instance nothing can go anyway; one becoming idle wakes the shell
             batch, due = self._candidate()
             if batch:
-                deadlines.append(self.clock() if due else
-                                 min(r.enqueued_ns for r in batch) + self.delay_ns)
+                deadlines.append(self.clock() if due else self._scan()[3] + self.delay_ns)
         return min(deadlines) if deadlines else None
 
     def requeue(self, req: QueuedRequest) -> None:
         """Back to the head of its level (its worker died before answering)."""
         self.levels[self.level_of(req.priority)].ready.appendleft(req)
         self.count += 1
+        self._version += 1
 
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
         for level in self.levels:
@@ -197,6 +217,7 @@ class DynamicBatcher(IdleInstances):
                     if r.req_id == req_id and r.frontend == frontend:
                         q.remove(r)
                         self.count -= 1
+                        self._version += 1
                         return r
         return None
 
@@ -206,6 +227,7 @@ class DynamicBatcher(IdleInstances):
             level.ready.clear()
             level.delayed.clear()
         self.count = 0
+        self._version += 1
         return out
 
     def __len__(self) -> int:

@@ -552,3 +552,27 @@ def test_batcher_config_max_batch_size_at_least_one():
     cfg = config("dynamic_batching { }")
     cfg.max_batch_size = 0
     assert batcher_config(cfg).max_batch_size == 1
+
+
+# ---- the remembered scan ------------------------------------------------------------------------
+
+def test_every_queue_change_is_seen_by_the_next_scan(clock):
+    """The head-of-queue scan is remembered between next_batches and next_deadline_ns; enqueue,
+    cancel, requeue and expiry must each make the next question see the new queue."""
+    b = make(clock, preferred=(4,), max_queue_delay_us=500,
+             default_policy=QueuePolicy(timeout_us=300))
+    b.instance_idle("w")
+    fill(b, req(1), req(2), req(3))
+    assert b.next_batches() == [] and b.next_deadline_ns() == T0 + 300 * US
+    clock.advance_us(10)
+    b.enqueue(req(4))                               # reaches the preferred size
+    assert b.next_deadline_ns() == clock.now
+    cancelled = b.cancel(0, 4)
+    assert cancelled is not None and b.next_batches() == []     # back under the preferred size
+    b.requeue(cancelled)
+    assert ids(b.next_batches()) == [[4, 1, 2, 3]]
+    fill(b, req(5))
+    clock.advance_us(400)                           # past the queue timeout of 300 us
+    assert [r.req_id for r in b.take_expired()] == [5]
+    b.instance_idle("w")
+    assert b.next_batches() == [] and b.next_deadline_ns() is None
