@@ -230,12 +230,15 @@ def main(argv=None) -> int:
     ap.add_argument("--hops", type=int, choices=(0, 3), default=0)
     ap.add_argument("--protocol", choices=("http", "grpc"), default="http",
                     help="grpc: a bare grpc.aio server (no hops)")
+    ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",
+                    help="the event loop (grpc.aio behaves very differently on the two)")
     ap.add_argument("--port-file", default="")
     args = ap.parse_args(argv)
-    if args.protocol == "grpc" and os.environ.get("FLOOR_ASYNCIO"):
-        asyncio.run(serve_grpc(args))
+    main_coro = serve_grpc(args) if args.protocol == "grpc" else serve(args)
+    if args.loop == "asyncio":
+        asyncio.run(main_coro)
     else:
-        uvloop.run(serve_grpc(args) if args.protocol == "grpc" else serve(args))
+        uvloop.run(main_coro)
     return 0
 
 
