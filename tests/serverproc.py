@@ -146,3 +146,18 @@ def model_sleeping(server: "Server", model: str) -> bool:
         except OSError:
             continue
     return False
+
+
+def send_sleeping(server: "Server", client, model: str, n: int, delay_ms: int) -> list:
+    """Send ``n`` async requests to a model that sleeps ``delay_ms`` in execute() (request i
+    carries the value i), and return them once one of them is inside execute()."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    x = np.ones((1, 4), dtype=np.float32)
+    pending = []
+    for i in range(n):
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x * i)
+        pending.append(client.async_infer(model, [inp], parameters={"delay_ms": delay_ms}))
+    wait_for(lambda: model_sleeping(server, model), 20, f"a request of '{model}' to be executing")
+    return pending

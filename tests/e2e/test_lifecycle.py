@@ -3,6 +3,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ import requests
 import tritonclient.http as httpclient
 
 from repo_builder import build_bad_repository
-from serverproc import Server, alive, descendants, segments_of, wait_for
+from serverproc import Server, alive, descendants, segments_of, send_sleeping, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -142,15 +143,7 @@ def test_cli_errors_are_clear():
 def test_sigterm_answers_every_request_in_flight(test_repo):
     srv = Server(test_repo, "--exit-timeout-secs", "20")
     c = httpclient.InferenceServerClient(srv.url, concurrency=8, network_timeout=60)
-    x = np.ones((1, 4), dtype=np.float32)
-    pending = []
-    for i in range(8):
-        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
-        inp.set_data_from_numpy(x * i)
-        pending.append(c.async_infer("pid_slow", [inp], parameters={"delay_ms": 400}))
-    from serverproc import model_sleeping
-    wait_for(lambda: model_sleeping(srv, "pid_slow"), 20, "requests to be executing")
-    import time
+    pending = send_sleeping(srv, c, "pid_slow", 8, delay_ms=400)
     t = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     # not ready any more as soon as the drain starts
@@ -166,13 +159,10 @@ def test_overload_is_refused_at_once(test_repo):
     srv = Server(test_repo, "--max-inflight-requests", "2")
     try:
         c = httpclient.InferenceServerClient(srv.url, concurrency=4, network_timeout=60)
+        held = send_sleeping(srv, c, "pid_slow", 2, delay_ms=1500)
         x = np.ones((1, 4), dtype=np.float32)
         inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
         inp.set_data_from_numpy(x)
-        held = [c.async_infer("pid_slow", [inp], parameters={"delay_ms": 1500}) for _ in range(2)]
-        from serverproc import model_sleeping
-        wait_for(lambda: model_sleeping(srv, "pid_slow"), 20, "the first requests to run")
-        import time
         t = time.monotonic()
         with pytest.raises(Exception) as e:
             httpclient.InferenceServerClient(srv.url).infer("pid_slow", [inp])
@@ -185,15 +175,9 @@ def test_overload_is_refused_at_once(test_repo):
 
 
 def test_exit_timeout_cancels_what_is_left(test_repo):
-    import time
     srv = Server(test_repo, "--exit-timeout-secs", "1")
     c = httpclient.InferenceServerClient(srv.url, concurrency=2, network_timeout=60)
-    x = np.ones((1, 4), dtype=np.float32)
-    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
-    inp.set_data_from_numpy(x)
-    slow = c.async_infer("pid_slow", [inp], parameters={"delay_ms": 8000})
-    from serverproc import model_sleeping
-    wait_for(lambda: model_sleeping(srv, "pid_slow"), 20, "the request to run")
+    (slow,) = send_sleeping(srv, c, "pid_slow", 1, delay_ms=8000)
     t = time.monotonic()
     assert srv.stop() == 0
     assert time.monotonic() - t < 6            # not the 8 s the request wanted

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from serverproc import Server, alive, descendants, segments_of, wait_for
+from serverproc import Server, alive, descendants, segments_of, send_sleeping, wait_for
 
 GENERATION_MODEL = textwrap.dedent('''
     import json
@@ -228,14 +228,7 @@ def test_poll_mode_adds_changes_and_removes_models(control_repo):
             f.write(generation_config(2))
         wait_for(lambda: _generation(c) == 2, 30, "the changed model to reload")
         # a removed model unloads after the requests it already holds are answered
-        x = np.ones((1, 4), dtype=np.float32)
-        pending = []
-        for i in range(3):
-            inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
-            inp.set_data_from_numpy(x * i)
-            pending.append(c.async_infer("slowq", [inp], parameters={"delay_ms": 400}))
-        from serverproc import model_sleeping
-        wait_for(lambda: model_sleeping(srv, "slowq"), 20, "slowq to be executing")
+        pending = send_sleeping(srv, c, "slowq", 3, delay_ms=400)
         shutil.rmtree(os.path.join(control_repo, "slowq"))
         for i, p in enumerate(pending):
             assert p.get_result().as_numpy("OUTPUT0")[0, 0] == i     # queued ones still finish
