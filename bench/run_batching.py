@@ -102,8 +102,7 @@ def main(argv=None) -> int:
     print("| model | conc. | infer/s | p50 ms | p99 ms | batch sizes executed |")
     print("|---|---:|---:|---:|---:|---|")
     for name, c, r, sizes in rows:
-        note = "" if r["stability"] == 10 else f" (stable within {r['stability']}%)"
-        print(f"| {name}{note} | {c} | {r['infer_per_s']:.0f} | {r['p50_ms']:.3f} | "
+        print(f"| {run_perf_analyzer.labelled(name, r)} | {c} | {r['infer_per_s']:.0f} | {r['p50_ms']:.3f} | "
               f"{r['p99_ms']:.3f} | {sizes} |")
     return 0
 

@@ -65,11 +65,11 @@ class Scheduler(Lifecycle, InstanceHealth):
         self.ping_counter = 0
         self.next_ping = 0.0
         self.handlers = {
-            BatchDone: self.batch_done, WorkerReady: self.worker_ready,
+            WorkerReady: self.worker_ready,
             WorkerLoadFailed: self.worker_load_failed, FrontendHello: self.frontend_hello,
             ForgetSegments: self.forget_segments, Pong: self.pong, CancelRequest: self.cancel,
             ControlRequest: self.control, StatsQuery: self.stats_query,
-            ProcessExited: self.process_exited, Wake: lambda msg: None,
+            ProcessExited: self.process_exited,
         }
         self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
         self.next_poll = 0.0
@@ -119,6 +119,8 @@ class Scheduler(Lifecycle, InstanceHealth):
             return
         if isinstance(msg, BatchDone):
             self.batch_done(msg)
+            return
+        if isinstance(msg, Wake):       # the loop looks at batch deadlines after every message
             return
         handler = self.handlers.get(type(msg))
         if handler is not None:
@@ -346,8 +348,11 @@ class Scheduler(Lifecycle, InstanceHealth):
             except Exception:
                 proc.kill()
                 proc.popen.wait()
+            self.exits.unwatch(proc.pidfd)
             proc.close()
             shm.unlink_prefixed(self.segment_prefix(sid))
+        self.exits.close()
+        self.alarm.close()
 
 
 def main() -> None:

@@ -97,7 +97,7 @@ class Outbox:
         self.socket.connect(addr)
 
     def send(self, msg, payloads=(), flags: int = 0) -> None:
-        """Send a message and optional payload frames (bytes or zmq.Frame, forwarded as they are)."""
+        """Send a message and optional payload frames (bytes, forwarded as they are)."""
         head = messages.encode(msg)
         c = COUNTERS
         size = len(head)
