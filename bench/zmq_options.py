@@ -8,7 +8,11 @@ messages in flight (pipelined, which gives messages per second):
 
   poll+noblock  zmq.Poller.poll, then recv_multipart(NOBLOCK, copy=False) until zmq.Again
                 (the loops before this change)
-  blocking      one blocking recv_multipart() with copied frames (the loops now)
+  blocking      one blocking recv_multipart() with copied frames (the loops before the next one)
+
+The same message through one inproc PUSH/PULL pair inside this process, which leaves only the
+cost of the calls: pyzmq's send_multipart/recv_multipart (which combine flags as enum.IntFlag
+values) against shmserve's Outbox.send/Inbox.recv (pyzmq's Cython core with int flags).
 
   python bench/zmq_options.py [--rounds 3]
 """
@@ -89,6 +93,34 @@ def measure(mode: str, run_dir: str) -> tuple[float, float]:
     return rtt_us, rate
 
 
+def call_layer(n: int = 100_000) -> dict[str, float]:
+    """us per two-frame message (send + receive), inproc, one process."""
+    sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
+    from shmserve.ipc import channel, messages
+    ctx = channel.context()
+    inbox = channel.Inbox("inproc://zmq-options-calls")
+    outbox = channel.Outbox("inproc://zmq-options-calls")
+    head = messages.Wake()                      # the smallest message; decode is in both columns
+    payload = (MESSAGE[1],)
+    enc, dec = messages.encode, messages.decode
+    out = {}
+    for name in ("pyzmq send_multipart/recv_multipart", "Outbox.send/Inbox.recv"):
+        t = time.perf_counter()
+        for i in range(n):
+            if name.startswith("pyzmq"):
+                outbox.socket.send_multipart([enc(head), *payload])
+                frames = inbox.socket.recv_multipart()
+                dec(frames[0])
+            else:
+                outbox.send(head, payload)
+                inbox.recv()
+        out[name] = (time.perf_counter() - t) / n * 1e6
+    inbox.close()
+    outbox.close()
+    del ctx
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -106,6 +138,13 @@ def main(argv=None) -> int:
         rtt = statistics.median(r[0] for r in results[m])
         rate = statistics.median(r[1] for r in results[m])
         print(f"| {m} | {rtt:.1f} | {rate:,.0f} |")
+    calls = [call_layer() for _ in range(args.rounds)]
+    print(f"\nCalls only (inproc, one process, send + receive of one two-frame message), "
+          f"medians of {args.rounds} rounds\n")
+    print("| calls | µs per message |")
+    print("|---|---:|")
+    for name in calls[0]:
+        print(f"| {name} | {statistics.median(c[name] for c in calls):.2f} |")
     return 0
 
 

@@ -65,7 +65,7 @@ class EngineClient:
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
                              prepared.shape_key)
         try:
-            self.scheduler.send(head, (encode_message(prepared.payload),), zmq.NOBLOCK)
+            self.scheduler.send(head, (encode_message(prepared.payload),), channel.NOBLOCK)
         except zmq.Again:
             on_result(InferResult(req_id, model, version, error="the scheduler queue is full",
                                   code=ErrorCode.UNAVAILABLE))
@@ -104,7 +104,7 @@ class EngineClient:
         if box is None:
             box = self.workers[worker] = channel.Outbox(worker)
         try:
-            box.send(ReleaseOutputs(refs), flags=zmq.NOBLOCK)
+            box.send(ReleaseOutputs(refs), flags=channel.NOBLOCK)
         except zmq.Again:
             log.warning("could not return %d output slot(s) to %s", len(refs), worker)
 
@@ -112,7 +112,7 @@ class EngineClient:
         """The client went away: the scheduler drops the request if it has not started."""
         if req_id in self.pending:
             try:
-                self.scheduler.send(CancelRequest(self.frontend_id, req_id), flags=zmq.NOBLOCK)
+                self.scheduler.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
             except zmq.Again:
                 pass
 
@@ -147,7 +147,7 @@ class EngineClient:
         inbox = self.inbox
         while True:
             try:
-                msg, _ = inbox.recv(zmq.NOBLOCK)
+                msg, _ = inbox.recv(channel.NOBLOCK)
             except zmq.Again:
                 return
             if isinstance(msg, InferResult):
