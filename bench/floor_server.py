@@ -11,7 +11,15 @@ frontend -> relay A (the scheduler's place) -> relay B (the worker's place) -> f
 relay is a bare PULL/PUSH loop. The difference between the two floors is what ZeroMQ costs.
 Anything shmserve adds above ``--hops 3`` is our own Python.
 
+``--hops 2`` is a path with one relay (frontend -> worker -> frontend), what a request would
+cost if the frontend could hand it to a worker itself. ``--transport unix`` makes each hop an
+AF_UNIX SOCK_SEQPACKET socket read and written by the process's own thread, with no I/O thread
+in between (ZeroMQ moves every message through an I/O thread on each side, so one hop wakes
+three threads instead of one). These two are not shmserve's shape: they measure what the
+alternatives to it would give, for small messages only (a record is at most 64 KiB).
+
   python bench/floor_server.py --port 0 --hops 3 --port-file /tmp/floor.json
+  python bench/floor_server.py --port 0 --hops 3 --transport unix
 """
 from __future__ import annotations
 
@@ -21,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import tempfile
 
@@ -49,6 +58,16 @@ def _relay(pull_addr: str, push_addr: str) -> None:
     while True:
         frames = pull.recv_multipart()
         push.send_multipart(frames)
+
+
+def _unix_relay(inbound: socket.socket, outbound: socket.socket) -> None:
+    """The same bare hop over AF_UNIX SOCK_SEQPACKET: one blocking read, one write."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        record = inbound.recv(1 << 17)
+        if not record:
+            return
+        outbound.send(record)
 
 
 def _infer_response(header_len: int, body: bytes) -> bytes:
@@ -112,11 +131,23 @@ class Conn(asyncio.Protocol):
 
 
 class FloorServer:
-    def __init__(self, hops: int, run_dir: str):
+    def __init__(self, hops: int, run_dir: str, transport: str = "zmq"):
         self.hops = hops
+        self.transport = transport
         self.waiting: dict[int, Conn] = {}
         self.next_id = 0
-        if hops:
+        if hops and transport == "unix":
+            # hop i goes from pairs[i][0] to pairs[i][1]; the frontend writes hop 0 and reads
+            # the last one, relay i reads hop i and writes hop i + 1
+            pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+                     for _ in range(hops)]
+            self.relays = [mp.Process(target=_unix_relay, args=(pairs[i][1], pairs[i + 1][0]),
+                                      daemon=True) for i in range(hops - 1)]
+            for p in self.relays:
+                p.start()
+            self.out, self.back = pairs[0][0], pairs[-1][1]
+            self.back.setblocking(False)
+        elif hops:
             ctx = zmq.Context(io_threads=1)
             back = f"ipc://{run_dir}/front"
             self.pull = ctx.socket(zmq.PULL)
@@ -130,7 +161,9 @@ class FloorServer:
             self.push.connect(addrs[0])
 
     def attach(self, loop) -> None:
-        if self.hops:
+        if self.hops and self.transport == "unix":
+            loop.add_reader(self.back.fileno(), self._drain_unix)
+        elif self.hops:
             loop.add_reader(self.pull.getsockopt(zmq.FD), self._drain)
 
     def infer(self, conn: Conn, hlen: int, body: bytes) -> None:
@@ -140,6 +173,9 @@ class FloorServer:
             return
         self.next_id += 1
         self.waiting[self.next_id] = conn
+        if self.transport == "unix":
+            self.out.send(self.next_id.to_bytes(8, "little") + hlen.to_bytes(8, "little") + body)
+            return
         self.push.send_multipart([self.next_id.to_bytes(8, "little"),
                                   hlen.to_bytes(8, "little"), body])
         self._drain()
@@ -149,6 +185,20 @@ class FloorServer:
             rid, hlen, body = self.pull.recv_multipart()
             conn = self.waiting.pop(int.from_bytes(rid, "little"))
             head, tensor = _infer_response(int.from_bytes(hlen, "little"), body)
+            conn.send(head, tensor, len(head))
+
+
+    def _drain_unix(self) -> None:
+        while True:
+            try:
+                record = self.back.recv(1 << 17)
+            except BlockingIOError:
+                return
+            if not record:                  # the relays are gone: the server is stopping
+                asyncio.get_running_loop().remove_reader(self.back.fileno())
+                return
+            conn = self.waiting.pop(int.from_bytes(record[:8], "little"))
+            head, tensor = _infer_response(int.from_bytes(record[8:16], "little"), record[16:])
             conn.send(head, tensor, len(head))
 
 
@@ -206,7 +256,7 @@ async def serve_grpc(args) -> None:
 async def serve(args) -> None:
     loop = asyncio.get_running_loop()
     with tempfile.TemporaryDirectory(prefix="shmserve-floor-") as run_dir:
-        floor = FloorServer(args.hops, run_dir)
+        floor = FloorServer(args.hops, run_dir, args.transport)
         floor.attach(loop)
         server = await loop.create_server(lambda: Conn(floor), args.host, args.port)
         port = server.sockets[0].getsockname()[1]
@@ -227,7 +277,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--hops", type=int, choices=(0, 3), default=0)
+    ap.add_argument("--hops", type=int, choices=(0, 2, 3), default=0)
+    ap.add_argument("--transport", choices=("zmq", "unix"), default="zmq",
+                    help="what carries each hop (unix: SOCK_SEQPACKET, no I/O threads)")
     ap.add_argument("--protocol", choices=("http", "grpc"), default="http",
                     help="grpc: a bare grpc.aio server (no hops)")
     ap.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop",

@@ -17,7 +17,10 @@ Limits, measured in the same run:
   memcpy of 4 MiB (numpy); one ZeroMQ ipc round trip of 64 B between two processes;
   bench/floor_server.py served to the same perf_analyzer: a bare uvloop + httptools server
   ("bare HTTP"), the same with shmserve's three ZeroMQ hops behind it and no inference code
-  ("3 zmq hops"), and a bare grpc.aio server ("bare gRPC").
+  ("3 zmq hops"), and a bare grpc.aio server ("bare gRPC"); the bare HTTP server also echoes
+  the 4 MiB tensor, which shows perf_analyzer's own tail for that workload. Beside them, the
+  alternatives to the shape: two hops instead of three, and hops over AF_UNIX SOCK_SEQPACKET
+  sockets instead of ZeroMQ (no I/O threads).
 """
 from __future__ import annotations
 
@@ -77,13 +80,24 @@ WORKLOADS = [
              protocol="http", concurrency=4, flags=LARGE + SHM, triton=(679, None, None),
              target=("infer_per_s", ">=", 1500)),
 ]
-# (key, label, floor_server flags, protocol, concurrency)
+# (key, label, floor_server flags, protocol, concurrency, tensor shape)
 FLOORS = [
-    ("bare_http_c1", "bare HTTP, c=1", ["--hops", "0"], "http", 1),
-    ("bare_http_c32", "bare HTTP, c=32", ["--hops", "0"], "http", 32),
-    ("hops3_c1", "bare HTTP + 3 zmq hops, c=1", ["--hops", "3"], "http", 1),
-    ("hops3_c32", "bare HTTP + 3 zmq hops, c=32", ["--hops", "3"], "http", 32),
-    ("bare_grpc_c1", "bare gRPC, c=1", ["--protocol", "grpc"], "grpc", 1),
+    ("bare_http_c1", "bare HTTP, c=1", ["--hops", "0"], "http", 1, SMALL),
+    ("bare_http_c32", "bare HTTP, c=32", ["--hops", "0"], "http", 32, SMALL),
+    ("hops3_c1", "bare HTTP + 3 zmq hops, c=1", ["--hops", "3"], "http", 1, SMALL),
+    ("hops3_c32", "bare HTTP + 3 zmq hops, c=32", ["--hops", "3"], "http", 32, SMALL),
+    ("bare_grpc_c1", "bare gRPC, c=1", ["--protocol", "grpc"], "grpc", 1, SMALL),
+    # not shmserve's shape: what its alternatives would give (docs/performance.md)
+    ("hops2_c1", "bare HTTP + 2 zmq hops, c=1", ["--hops", "2"], "http", 1, SMALL),
+    ("hops3_unix_c1", "bare HTTP + 3 unix hops, c=1", ["--hops", "3", "--transport", "unix"],
+     "http", 1, SMALL),
+    ("hops3_unix_c32", "bare HTTP + 3 unix hops, c=32", ["--hops", "3", "--transport", "unix"],
+     "http", 32, SMALL),
+    ("hops2_unix_c1", "bare HTTP + 2 unix hops, c=1", ["--hops", "2", "--transport", "unix"],
+     "http", 1, SMALL),
+    # the bare server echoing a 4 MiB binary tensor: perf_analyzer's own tail for that workload
+    # (its p99 sits near 30 ms with no shared memory, no hops and no model behind it)
+    ("bare_http_4mb_c1", "bare HTTP echo, 4 MiB, c=1", ["--hops", "0"], "http", 1, LARGE),
 ]
 # quick: perf_analyzer takes the first three 1 s windows within 30% (a looser rule than its
 # default 10%), so each row costs seconds, not minutes
@@ -151,10 +165,10 @@ def measure_shmserve(pa: str, args, workdir: str, runs: list[dict]) -> None:
 
 
 def measure_floors(pa: str, args, workdir: str, runs: list[dict]) -> None:
-    for key, label, flags, protocol, conc in FLOORS:
+    for key, label, flags, protocol, conc, shape in FLOORS:
         proc, port = start_floor(flags, workdir)
         try:
-            r = run_perf_analyzer.run_one(pa, f"127.0.0.1:{port}", protocol, conc, SMALL,
+            r = run_perf_analyzer.run_one(pa, f"127.0.0.1:{port}", protocol, conc, shape,
                                           args.interval_ms, workdir, **args.pa_rules)
         finally:
             stop_floor(proc)

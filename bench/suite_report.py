@@ -92,17 +92,21 @@ def chart(workloads, floors, results: dict, path: str) -> None:
         ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=8)
 
     # concurrency 1: where a small request's time goes, floor by floor
-    rows = [(label, results[key]["p50_ms"] * 1000) for key, label, _, _, conc in floors
-            if conc == 1]
+    rows = [(label, results[key]["p50_ms"] * 1000) for key, label, _, _, conc, shape in floors
+            if conc == 1 and shape == floors[0][5]]
     by_key = {w.key: w for w in workloads}
     rows += [("shmserve HTTP, c=1", results["http_c1"]["p50_ms"] * 1000),
              ("shmserve gRPC, c=1", results["grpc_c1"]["p50_ms"] * 1000)]
     if "http_c1" in by_key:
         rows.append(("Triton HTTP, c=1", by_key["http_c1"].triton[1] * 1000))
-    ax_floor.barh([r[0] for r in rows], [r[1] for r in rows],
-                  color=["#c7c7c7"] * (len(rows) - 3) + ["#1f77b4", "#1f77b4", "#9e9e9e"])
+    bars = ax_floor.barh([r[0] for r in rows], [r[1] for r in rows],
+                         color=["#c7c7c7"] * (len(rows) - 3) + ["#1f77b4", "#1f77b4", "#9e9e9e"])
+    for bar, (label, _) in zip(bars, rows):
+        if "unix" in label or "2 zmq" in label:     # alternatives to the shape, not the shape
+            bar.set_hatch("//")
+            bar.set_facecolor("#ececec")
     ax_floor.set_xlabel("p50 µs, 16 FP32, concurrency 1")
-    ax_floor.set_title("Floors under one small request")
+    ax_floor.set_title("Floors under one small request\n(hatched: not shmserve's shape)")
     ax_floor.invert_yaxis()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
