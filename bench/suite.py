@@ -4,7 +4,7 @@ next to the limits of this machine measured in the same run.
 
 It writes a Markdown table and a PNG chart to --out (default bench/results/):
 
-  python bench/suite.py                  # full: 3000 ms windows, median of 3 runs (~15 min)
+  python bench/suite.py                  # full: 3000 ms windows, median of 3 runs (~25 min)
   python bench/suite.py --profile quick  # 1000 ms windows, one run (under 5 min)
 
 Workloads (issue 7; Triton 2.51's numbers were measured on a 2-core machine of the same kind,
