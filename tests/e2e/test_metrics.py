@@ -8,7 +8,7 @@ import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from serverproc import Server
+from serverproc import Server, wait_for
 
 
 def _families(srv) -> dict:
@@ -31,12 +31,23 @@ def test_histogram_and_summaries(example_repo):
                  "--metrics-config", "counter_latencies=false")
     try:
         _infer(srv, 25)
-        fams = _families(srv)
         labels = {"model": "identity_fp32", "version": "1"}
-        hist = fams["nv_inference_first_response_histogram_ms"]
-        samples = [s for s in hist.samples if all(s.labels.get(k) == v for k, v in labels.items())]
-        count = next(s.value for s in samples if s.name.endswith("_count"))
-        inf_bucket = next(s.value for s in samples if s.labels.get("le") == "+Inf")
+
+        def histogram(fams):
+            hist = fams["nv_inference_first_response_histogram_ms"]
+            samples = [s for s in hist.samples
+                       if all(s.labels.get(k) == v for k, v in labels.items())]
+            count = next(s.value for s in samples if s.name.endswith("_count"))
+            return count, next(s.value for s in samples if s.labels.get("le") == "+Inf")
+
+        def counted():
+            """The worker answers the client before the scheduler counts the batch: read the
+            metrics once the last answer is counted."""
+            fams = _families(srv)
+            return fams if histogram(fams)[0] >= 25 else None
+
+        fams = wait_for(counted, 20, "25 requests in the latency histogram")
+        count, inf_bucket = histogram(fams)
         assert count == inf_bucket == 25
         summary = fams["nv_inference_request_summary_us"]
         quantiles = [s.value for s in summary.samples
