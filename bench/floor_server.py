@@ -180,13 +180,14 @@ class FloorServer:
                                   hlen.to_bytes(8, "little"), body])
         self._drain()
 
+    def _answer(self, rid: bytes, hlen: bytes, body: bytes) -> None:
+        conn = self.waiting.pop(int.from_bytes(rid, "little"))
+        head, tensor = _infer_response(int.from_bytes(hlen, "little"), body)
+        conn.send(head, tensor, len(head))
+
     def _drain(self) -> None:
         while self.pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            rid, hlen, body = self.pull.recv_multipart()
-            conn = self.waiting.pop(int.from_bytes(rid, "little"))
-            head, tensor = _infer_response(int.from_bytes(hlen, "little"), body)
-            conn.send(head, tensor, len(head))
-
+            self._answer(*self.pull.recv_multipart())
 
     def _drain_unix(self) -> None:
         while True:
@@ -197,9 +198,7 @@ class FloorServer:
             if not record:                  # the relays are gone: the server is stopping
                 asyncio.get_running_loop().remove_reader(self.back.fileno())
                 return
-            conn = self.waiting.pop(int.from_bytes(record[:8], "little"))
-            head, tensor = _infer_response(int.from_bytes(record[8:16], "little"), record[16:])
-            conn.send(head, tensor, len(head))
+            self._answer(record[:8], record[8:16], record[16:])
 
 
 def _grpc_servicer():

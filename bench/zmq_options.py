@@ -95,29 +95,31 @@ def measure(mode: str, run_dir: str) -> tuple[float, float]:
 
 def call_layer(n: int = 100_000) -> dict[str, float]:
     """us per two-frame message (send + receive), inproc, one process."""
-    sys.path.insert(0, __file__.rsplit("/bench/", 1)[0])
     from shmserve.ipc import channel, messages
-    ctx = channel.context()
     inbox = channel.Inbox("inproc://zmq-options-calls")
     outbox = channel.Outbox("inproc://zmq-options-calls")
     head = messages.Wake()                      # the smallest message; decode is in both columns
     payload = (MESSAGE[1],)
-    enc, dec = messages.encode, messages.decode
+
+    def pyzmq_multipart():
+        enc, dec = messages.encode, messages.decode
+        for _ in range(n):
+            outbox.socket.send_multipart([enc(head), *payload])
+            dec(inbox.socket.recv_multipart()[0])
+
+    def channel_calls():
+        for _ in range(n):
+            outbox.send(head, payload)
+            inbox.recv()
+
     out = {}
-    for name in ("pyzmq send_multipart/recv_multipart", "Outbox.send/Inbox.recv"):
+    for name, loop in (("pyzmq send_multipart/recv_multipart", pyzmq_multipart),
+                       ("Outbox.send/Inbox.recv", channel_calls)):
         t = time.perf_counter()
-        for i in range(n):
-            if name.startswith("pyzmq"):
-                outbox.socket.send_multipart([enc(head), *payload])
-                frames = inbox.socket.recv_multipart()
-                dec(frames[0])
-            else:
-                outbox.send(head, payload)
-                inbox.recv()
+        loop()
         out[name] = (time.perf_counter() - t) / n * 1e6
     inbox.close()
     outbox.close()
-    del ctx
     return out
 
 
