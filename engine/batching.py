@@ -1,6 +1,8 @@
-"""Schedulers: pure queues that decide which requests run together on which idle instance.
+"""Per-version request queues: pure objects that decide which requests run together on which
+idle instance, behind one small interface (``RequestQueue``) that the default queue and the
+dynamic batcher both implement.
 
-No sockets, no processes: the scheduler shell feeds them requests and idle instances and sends
+No sockets, no processes: the scheduler core feeds them requests and idle instances and sends
 whatever batches they return. The clock is injectable so deadlines can be tested without sleeping.
 """
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Protocol
 
 
 @dataclass(slots=True)
@@ -31,6 +33,21 @@ class QueueFull(Exception):
     pass
 
 
+class RequestQueue(Protocol):
+    """What the scheduler core asks of a version's queue (DefaultQueue, DynamicBatcher)."""
+
+    def enqueue(self, req: QueuedRequest) -> None: ...          # raises QueueFull
+    def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]: ...     # (instance, batch)
+    def next_deadline_ns(self) -> int | None: ...
+    def take_expired(self) -> list[QueuedRequest]: ...
+    def requeue(self, req: QueuedRequest) -> None: ...
+    def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None: ...
+    def drain(self) -> list[QueuedRequest]: ...
+    def instance_idle(self, key: Hashable) -> None: ...
+    def instance_gone(self, key: Hashable) -> None: ...
+    def __len__(self) -> int: ...
+
+
 class IdleInstances:
     """The idle instances of a model version, most recently idle last."""
 
@@ -45,7 +62,7 @@ class IdleInstances:
             self.idle.remove(key)
 
 
-class DefaultScheduler(IdleInstances):
+class DefaultQueue(IdleInstances):
     """Triton's default scheduler: one request per execution, on the next idle instance.
 
     Idle instances are reused most-recently-idle first, which keeps the hottest process (warm
@@ -64,7 +81,7 @@ class DefaultScheduler(IdleInstances):
         req.enqueued_ns = self.clock()
         self.queue.append(req)
 
-    def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
+    def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]:
         out = []
         while self.queue and self.idle:
             req = self.queue.popleft()

@@ -1,14 +1,19 @@
-"""``shmserve`` command line: tritonserver's flag names and defaults (TRITON.md §7)."""
+"""``shmserve`` command line: tritonserver's flag names and defaults (docs/triton-compat.md §7)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+import msgspec
+
 from shmserve.ipc.messages import ServerSettings
 
 from . import launcher
 
-VERSION = "0.1.0"
+# The one place defaults are written is ServerSettings; the flags take theirs from it.
+D = {f.name: f.default for f in msgspec.structs.fields(ServerSettings)
+     if f.default is not msgspec.NODEFAULT}
+VERSION = D["server_version"]
 
 
 def triton_bool(text: str) -> bool:
@@ -26,19 +31,19 @@ def build_parser() -> argparse.ArgumentParser:
         description="Triton-compatible inference server: isolated processes, tensors in shared memory.")
     p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append",
                    required=True, metavar="PATH", help="model repository path (repeatable)")
-    p.add_argument("--model-control-mode", default="none", type=str.lower,
+    p.add_argument("--model-control-mode", default=D["model_control_mode"], type=str.lower,
                    choices=["none", "poll", "explicit"])
-    p.add_argument("--repository-poll-secs", type=float, default=15.0,
+    p.add_argument("--repository-poll-secs", type=float, default=D["repository_poll_secs"],
                    help="poll mode: how often the repository is scanned for changes")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="explicit mode: load this model at startup (repeatable; '*' = all)")
     p.add_argument("--model-load-thread-count", type=int, default=4,
                    help="accepted for compatibility: every instance loads in its own process, "
                         "so loads always run in parallel")
-    p.add_argument("--execution-timeout-secs", type=float, default=300.0,
+    p.add_argument("--execution-timeout-secs", type=float, default=D["execution_timeout_secs"],
                    help="a batch that runs longer gets its worker killed and its requests an "
                         "error (0 = never); a model may set parameters execution_timeout_ms")
-    p.add_argument("--max-inflight-requests", type=int, default=10000,
+    p.add_argument("--max-inflight-requests", type=int, default=D["max_inflight_requests"],
                    help="requests a frontend holds at once before refusing more with 503 "
                         "(0 = no limit)")
     p.add_argument("--disable-auto-complete-config", action="store_true",
@@ -46,48 +51,48 @@ def build_parser() -> argparse.ArgumentParser:
                         "python auto_complete_config)")
     p.add_argument("--strict-model-config", type=triton_bool, default=None,
                    help="deprecated: true is --disable-auto-complete-config")
-    p.add_argument("--model-config-name", default="",
+    p.add_argument("--model-config-name", default=D["model_config_name"],
                    help="use <model>/configs/<name>.pbtxt instead of config.pbtxt where present")
-    p.add_argument("--host", default="0.0.0.0",
+    p.add_argument("--host", default=D["http_address"],
                    help="address for every service unless --http/grpc/metrics-address says otherwise")
     p.add_argument("--http-address", default=None)
-    p.add_argument("--http-port", type=int, default=8000, help="0 lets the OS pick (see --port-file)")
-    p.add_argument("--allow-http", type=triton_bool, default=True)
+    p.add_argument("--http-port", type=int, default=D["http_port"], help="0 lets the OS pick (see --port-file)")
+    p.add_argument("--allow-http", type=triton_bool, default=D["allow_http"])
     p.add_argument("--grpc-address", default=None)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--allow-grpc", type=triton_bool, default=True)
+    p.add_argument("--grpc-port", type=int, default=D["grpc_port"])
+    p.add_argument("--allow-grpc", type=triton_bool, default=D["allow_grpc"])
     p.add_argument("--metrics-address", default=None)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--allow-metrics", type=triton_bool, default=True)
-    p.add_argument("--allow-cpu-metrics", type=triton_bool, default=True)
-    p.add_argument("--allow-gpu-metrics", type=triton_bool, default=True)
-    p.add_argument("--metrics-interval-ms", type=int, default=2000,
+    p.add_argument("--metrics-port", type=int, default=D["metrics_port"])
+    p.add_argument("--allow-metrics", type=triton_bool, default=D["allow_metrics"])
+    p.add_argument("--allow-cpu-metrics", type=triton_bool, default=D["allow_cpu_metrics"])
+    p.add_argument("--allow-gpu-metrics", type=triton_bool, default=D["allow_gpu_metrics"])
+    p.add_argument("--metrics-interval-ms", type=int, default=D["metrics_interval_ms"],
                    help="how often CPU, memory and GPU gauges are sampled")
     p.add_argument("--metrics-config", action="append", default=[], metavar="KEY=VALUE",
                    help="counter_latencies=true|false (default true), "
                         "histogram_latencies=true|false, summary_latencies=true|false "
                         "(default false)")
-    p.add_argument("--http-max-input-size", type=int, default=1 << 26,
+    p.add_argument("--http-max-input-size", type=int, default=D["http_max_input_size"],
                    help="largest JSON part of an HTTP request in bytes")
-    p.add_argument("--allow-client-shm", type=triton_bool, default=True,
+    p.add_argument("--allow-client-shm", type=triton_bool, default=D["allow_client_shm"],
                    help="serve clients' system/CUDA shared-memory regions (Triton's default is "
                         "false; shmserve serves same-host clients, so it is on)")
-    p.add_argument("--id", default="triton", help="server name reported by GET /v2")
-    p.add_argument("--log-verbose", type=int, default=0)
-    p.add_argument("--exit-timeout-secs", type=float, default=30.0,
+    p.add_argument("--id", default=D["server_id"], help="server name reported by GET /v2")
+    p.add_argument("--log-verbose", type=int, default=D["log_verbose"])
+    p.add_argument("--exit-timeout-secs", type=float, default=D["exit_timeout_secs"],
                    help="how long shutdown waits for in-flight requests")
-    p.add_argument("--strict-readiness", type=triton_bool, default=True,
+    p.add_argument("--strict-readiness", type=triton_bool, default=D["strict_readiness"],
                    help="ready only when every model is ready")
-    p.add_argument("--exit-on-error", type=triton_bool, default=False,
+    p.add_argument("--exit-on-error", type=triton_bool, default=D["exit_on_error"],
                    help="exit when a model fails to load at startup (Triton's default is true)")
-    p.add_argument("--port-file", default="",
+    p.add_argument("--port-file", default=D["port_file"],
                    help="write the ports actually bound, as JSON, to this file once listening")
     p.add_argument("--version", action="version", version=f"shmserve {VERSION}")
     return p
 
 
 def metrics_config(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, bool]:
-    known = {"counter_latencies": True, "histogram_latencies": False, "summary_latencies": False}
+    known = {k: D[k] for k in ("counter_latencies", "histogram_latencies", "summary_latencies")}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or key not in known:

@@ -1,4 +1,4 @@
-"""Triton's dynamic batcher (TRITON.md §5.2) as a pure core: queues per priority level, queue
+"""Triton's dynamic batcher (docs/triton-compat.md §5.2) as a pure core: queues per priority level, queue
 policies, preferred batch sizes, the delay measured from the oldest request, shape grouping.
 
 The shell asks ``next_batches()`` whenever a request arrives or an instance frees up, and sleeps
@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Any, Callable, Hashable
 
 from .batching import IdleInstances, QueuedRequest, QueueFull
 
@@ -99,12 +99,12 @@ class DynamicBatcher(IdleInstances):
         """Requests whose queue timeout passed: REJECT ones are returned (to be failed), DELAY
         ones move behind the requests that have not expired."""
         now = self.clock()
-        rejected = []
+        rejected: list[QueuedRequest] = []
         if not self.earliest_deadline or self.earliest_deadline > now:
             return rejected
         self.earliest_deadline = 0
         for level in self.levels:
-            keep = deque()
+            keep: deque[QueuedRequest] = deque()
             for r in level.ready:
                 if r.deadline_ns and r.deadline_ns <= now:
                     if level.policy.delay_on_timeout:
@@ -170,7 +170,7 @@ class DynamicBatcher(IdleInstances):
             return batch[:best], True
         return batch, closed or self.delay_ns == 0
 
-    def next_batches(self) -> list[tuple[Hashable, list[QueuedRequest]]]:
+    def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]:
         out = []
         while self.idle and self.count:
             batch, due = self._candidate()

@@ -31,17 +31,37 @@ def _spawn(module: str, settings: ServerSettings, *extra: str) -> subprocess.Pop
                             stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
 
 
+# How long a frontend may hold its requests once the scheduler is gone: nothing can answer them.
+ORPHANED_FRONTEND_S = 5.0
+
+
 def _stop(children: dict[str, subprocess.Popen], timeout: float) -> None:
-    """Stop children one after another, in the given order, each within ``timeout``."""
+    """Stop children one after another, in the given order, each within ``timeout``. A second
+    signal meanwhile kills them all (``_kill_now``), which ends these waits at once."""
     for name, p in children.items():
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+        wait = timeout
+        scheduler = children.get("scheduler")
+        if name == "frontend" and scheduler is not None and scheduler.poll() is not None:
+            wait = min(timeout, ORPHANED_FRONTEND_S)
         try:
-            p.wait(timeout=timeout)
+            p.wait(timeout=wait)
         except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs; killing it", name, timeout)
+            log.warning("%s did not stop within %.0fs; killing it", name, wait)
             p.kill()
             p.wait()
+
+
+def _kill_now(children: dict[str, subprocess.Popen]) -> None:
+    """SIGKILL every child's session: the scheduler and the frontend lead their own process
+    groups, and the workers are in the scheduler's (and die with it anyway)."""
+    for p in children.values():
+        if p.returncode is None:            # not reaped, so the pid is still this child's
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def run(settings: ServerSettings) -> int:
@@ -60,26 +80,48 @@ def run(settings: ServerSettings) -> int:
     settings.launcher_pid = os.getpid()
     if settings.port_file and os.path.exists(settings.port_file):
         os.unlink(settings.port_file)
-    stop = StopFlag()
     children: dict[str, subprocess.Popen] = {}
+    forced: list[int] = []
+    # The loop sleeps in poll() on the children's pidfds and the read end of this pipe; the
+    # signal handler writes a byte, so a stop signal ends the wait at once.
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def wake(signum: int) -> None:
+        try:
+            os.write(wake_w, b"\0")
+        except OSError:                     # full: the loop has a wake-up waiting already
+            pass
+
+    def force(signum: int) -> None:
+        if not forced:
+            log.warning("second %s: killing the frontend, the scheduler and the workers now",
+                        signal.Signals(signum).name)
+        forced.append(signum)
+        _kill_now(children)
+
+    stop = StopFlag(on_signal=wake, on_repeat=force)
     code = 0
     try:
         children["scheduler"] = _spawn("shmserve.engine.scheduler", settings)
         children["frontend"] = _spawn("shmserve.frontend.main", settings, "0")
         poller = select.poll()
+        poller.register(wake_r, select.POLLIN)
         fds = {}
         for name, p in children.items():
             fd = os.pidfd_open(p.pid)
             fds[fd] = name
             poller.register(fd, select.POLLIN)
         while not stop.set:
-            events = poller.poll(500)
-            if events:
-                name = fds[events[0][0]]
-                rc = children[name].wait()
-                log.error("%s process exited (%s); stopping the server", name, describe_exit(rc))
+            exited = [fds[fd] for fd, _ in poller.poll() if fd in fds]
+            if exited:
+                rc = children[exited[0]].wait()
+                log.error("%s process exited (%s); stopping the server", exited[0],
+                          describe_exit(rc))
                 code = 1
                 break
+        if stop.set:
+            log.info("%s received: stopping the server (a second signal kills it at once)",
+                     signal.Signals(stop.signum).name)
         for fd in fds:
             os.close(fd)
     finally:
@@ -93,5 +135,10 @@ def run(settings: ServerSettings) -> int:
         shutil.rmtree(settings.run_dir, ignore_errors=True)
         if settings.port_file and os.path.exists(settings.port_file):
             os.unlink(settings.port_file)
+        os.close(wake_r)
+        os.close(wake_w)
+    if forced:
+        log.warning("shmserve killed by a second %s", signal.Signals(forced[0]).name)
+        return 128 + forced[0]
     log.info("shmserve stopped")
     return code

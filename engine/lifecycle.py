@@ -1,29 +1,45 @@
-"""Loading, reloading and unloading models while traffic flows (a mixin of the scheduler shell).
+"""Model lifecycle: loading, reloading and unloading models while traffic flows.
 
 A load builds new ModelVersions next to the ones serving. Only when every new version is READY
 does traffic switch to them; the replaced versions then drain (their queued and running requests
 finish) and their workers stop. A load that fails releases what it started and leaves the old
 versions serving.
+
+``ModelLifecycle`` owns the serving map, the loads in progress, the draining and retired
+versions and the poll-mode fingerprints. It starts and stops instances through the supervisor
+and tells the core what happened through three callbacks (publish the table, answer a control
+request, dispatch a version that turned READY). No sockets, no processes, no wall clock.
 """
 from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass, field
+from typing import Callable
 
-from shmserve.ipc.messages import (ControlReply, ControlRequest, ErrorCode, ModelInfo, ModelTable,
-                                   Shutdown, VersionInfo)
+from shmserve.ipc.messages import (
+    ControlAction,
+    ControlRequest,
+    ErrorCode,
+    ModelInfo,
+    ModelTable,
+    ServerSettings,
+    StateCause,
+    VersionInfo,
+)
 
 from . import model_config
+from .instances import InstanceSupervisor
 from .model_config import ConfigError
 from .models import Instance, ModelVersion
-from .repository import ModelEntry
-from .states import InstanceState, ModelState
+from .repository import ModelEntry, ModelRepository
+from .states import ModelState
 
 log = logging.getLogger("shmserve.scheduler")
 
 LOAD_UNLOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
+
+Waiter = tuple[int, int]        # (frontend, query id) of a control request to answer
 
 
 @dataclass
@@ -31,23 +47,44 @@ class Load:
     name: str
     entry: ModelEntry
     versions: list[ModelVersion]
-    waiters: list[tuple[int, int]] = field(default_factory=list)   # (frontend, query id)
+    waiters: list[Waiter] = field(default_factory=list)
 
 
-class Lifecycle:
-    # ---- start-up ---------------------------------------------------------------------------------
+class ModelLifecycle:
+    def __init__(self, settings: ServerSettings, repository: ModelRepository,
+                 supervisor: InstanceSupervisor, clock: Callable[[], int],
+                 publish: Callable[[], None],
+                 reply: Callable[[Waiter | None, ErrorCode | None, str], None],
+                 dispatch: Callable[[ModelVersion], None]):
+        self.settings = settings
+        self.repository = repository
+        self.supervisor = supervisor
+        self.clock = clock
+        self.publish = publish
+        self.reply = reply
+        self.dispatch = dispatch
+        self.entries: dict[str, ModelEntry] = {}
+        self.versions: dict[tuple[str, int], ModelVersion] = {}    # the serving map
+        self.loads: dict[str, Load] = {}            # model name -> its load in progress
+        self.draining: list[ModelVersion] = []      # replaced or unloaded, finishing their work
+        self.retired: dict[tuple[str, int], str] = {}   # unloaded versions and why
+        self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
+        self.batching: list[ModelVersion] = []      # serving versions whose queue has deadlines
+        self.startup_done = False
+        self.exit_requested = False                 # --exit-on-error and a model failed
+
+    # ---- start-up -------------------------------------------------------------------------------
     def load_initial(self) -> None:
-        self.repo_dirs = self.repository.model_dirs()
-        mode = self.settings.model_control_mode
-        if mode == "explicit":
+        found = self.repository.model_dirs()
+        if self.settings.model_control_mode == "explicit":
             wanted = self.settings.load_models
-            names = list(self.repo_dirs) if wanted == ["*"] else wanted
+            names = list(found) if wanted == ["*"] else wanted
         else:
-            names = list(self.repo_dirs)
-        for name in self.repo_dirs:
-            self.entries.setdefault(name, ModelEntry(name=name, path=self.repo_dirs[name][0]))
+            names = list(found)
+        for name in found:
+            self.entries.setdefault(name, ModelEntry(name=name, path=found[name][0]))
         for name in names:
-            if name not in self.repo_dirs:
+            if name not in found:
                 self.entries[name] = ModelEntry(name=name, path="", error=(
                     f"failed to load '{name}', no such model in the model repository"))
                 continue
@@ -55,37 +92,63 @@ class Lifecycle:
         self.check_startup()
         self.publish()
 
-    # ---- load ---------------------------------------------------------------------------------------
-    def start_load(self, name: str, config_json: str = "", waiter=None) -> None:
+    def check_startup(self) -> None:
+        if self.startup_done or self.loads:
+            return
+        self.startup_done = True
+        failed = [n for n, e in self.entries.items() if e.error] + \
+                 [f"{v.name}:{v.version}" for v in self.versions.values()
+                  if v.state == ModelState.UNAVAILABLE]
+        if failed and self.settings.exit_on_error:
+            log.error("failed to load %s; exiting because --exit-on-error is true",
+                      ", ".join(failed))
+            self.exit_requested = True
+        else:
+            log.info("startup finished: %d model version(s) ready",
+                     sum(v.state == ModelState.READY for v in self.versions.values()))
+
+    # ---- control requests ---------------------------------------------------------------------
+    def control(self, req: ControlRequest) -> None:
+        waiter = (req.frontend, req.query_id)
+        if self.settings.model_control_mode != "explicit":
+            return self.reply(waiter, ErrorCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
+        if req.action == ControlAction.LOAD:
+            self.start_load(req.name, req.config, waiter)
+        else:
+            self.unload(req.name, waiter)
+
+    # ---- load -----------------------------------------------------------------------------------
+    def start_load(self, name: str, config_json: str = "", waiter: Waiter | None = None) -> None:
         if name in self.loads:
             if waiter:
                 self.loads[name].waiters.append(waiter)   # the same load answers both
             return
         dirs = self.repository.model_dirs().get(name)
         if not dirs:
-            return self.reply_control(waiter, ErrorCode.INTERNAL,
-                                      f"failed to load '{name}', failed to poll from model "
-                                      f"repository: no model directory named '{name}'")
-        self.repo_dirs[name] = dirs
+            return self.reply(waiter, ErrorCode.INTERNAL,
+                              f"failed to load '{name}', failed to poll from model "
+                              f"repository: no model directory named '{name}'")
         self.fingerprints[name] = fingerprint(dirs)
         override = None
         if config_json:
             try:
                 override = model_config.config_from_json(config_json)
             except ConfigError as e:
-                return self.reply_control(waiter, ErrorCode.INVALID_ARG, str(e))
+                return self.reply(waiter, ErrorCode.INVALID_ARG, str(e))
         entry = self.repository.read_model(name, dirs, override)
         if entry.error:
             if not self.serving_versions(name):
                 self.entries[name] = entry
                 self.publish()
-            return self.reply_control(waiter, ErrorCode.INVALID_ARG, entry.error)
+            return self.reply(waiter, ErrorCode.INVALID_ARG, entry.error)
         cfg_json = model_config.config_to_json(entry.config)
         versions = []
+        now = self.clock() / 1e9
         for plan in entry.versions:
             ver = ModelVersion(name, plan.version, entry.path, entry.config, cfg_json,
                                summaries=self.settings.summary_latencies,
-                               auto_complete=entry.auto_complete)
+                               auto_complete=entry.auto_complete, clock=self.clock,
+                               load_started=now)
             try:
                 ver.configure_timeout(self.settings.execution_timeout_secs)
             except ValueError:
@@ -93,7 +156,7 @@ class Lifecycle:
                               f"number of milliseconds")
             versions.append(ver)
             if plan.error:
-                ver.state, ver.reason = ModelState.UNAVAILABLE, plan.error
+                ver.set_state(ModelState.UNAVAILABLE, plan.error, StateCause.LOAD_FAILED)
         load = Load(name, entry, versions, [waiter] if waiter else [])
         self.loads[name] = load
         failed = [v for v in versions if v.state == ModelState.UNAVAILABLE]
@@ -101,16 +164,9 @@ class Lifecycle:
             return self.finish_load(load, failed[0].reason)
         log.info("loading model '%s' version(s) %s", name, [v.version for v in versions])
         for ver in versions:
-            for group in entry.config.instance_group:
-                kind = "GPU" if group.kind == group.KIND_GPU else "CPU"
-                # a GPU group on a machine without GPUs still gets its workers: the backend
-                # then refuses to load with the reason, instead of having no instances
-                devices = (list(group.gpus) or [0]) if kind == "GPU" else [0]
-                for device in devices:
-                    for i in range(group.count):
-                        ver.instances.append(Instance(f"{group.name}_{i}", kind, device))
+            ver.instances = list(instances_of(entry.config))
             for inst in ver.instances:
-                self.spawn(ver, inst)
+                self.supervisor.spawn(ver, inst)
         self.publish()
 
     def apply_completed_config(self, ver: ModelVersion, config_json: str) -> bool:
@@ -123,7 +179,7 @@ class Lifecycle:
             return False
         ver.config = cfg
         ver.config_json = model_config.config_to_json(cfg)
-        ver.build_scheduler()
+        ver.build_queue()
         ver.configure_timeout(self.settings.execution_timeout_secs)
         load = self.loads.get(ver.name)
         if load is not None:
@@ -132,17 +188,17 @@ class Lifecycle:
 
     def version_started(self, ver: ModelVersion) -> None:
         """Every instance of ``ver`` is up; the load commits once all its versions are."""
-        ver.stats.record.load_seconds = time.monotonic() - ver.load_started
+        ver.stats.record.load_seconds = self.clock() / 1e9 - ver.load_started
         load = self.loads.get(ver.name)
         if load is None or ver not in load.versions:
             return
-        ver.state = ModelState.READY
+        ver.set_state(ModelState.READY)
         if all(v.state == ModelState.READY for v in load.versions):
             self.finish_load(load, "")
 
     def version_failed(self, ver: ModelVersion, reason: str) -> None:
         load = self.loads.get(ver.name)
-        ver.state, ver.reason = ModelState.UNAVAILABLE, reason
+        ver.set_state(ModelState.UNAVAILABLE, reason, StateCause.LOAD_FAILED)
         if load is not None and ver in load.versions:
             self.finish_load(load, reason)
 
@@ -152,10 +208,9 @@ class Lifecycle:
         old = self.serving_versions(name)
         if error:
             for ver in load.versions:
-                self.stop_instances(ver, kill=True)
-                ver.state = ModelState.UNAVAILABLE
-                if not ver.reason:
-                    ver.reason = error
+                self.supervisor.stop(ver, kill=True)
+                ver.set_state(ModelState.UNAVAILABLE, ver.reason or error,
+                              ver.cause if ver.reason else StateCause.LOAD_FAILED)
             if not any(v.state == ModelState.READY for v in old):
                 # nothing else serves: show the failed versions and why
                 for v in old:
@@ -172,65 +227,59 @@ class Lifecycle:
             for ver in load.versions:
                 self.versions[(name, ver.version)] = ver
                 self.retired.pop((name, ver.version), None)
-                if ver.config.HasField("dynamic_batching"):
+                if ver.batching:
                     self.batching.append(ver)
                 log.info("model '%s' version %d is READY", name, ver.version)
         # the table goes first: a client that hears "loaded" must find the model ready
         self.check_startup()
         self.publish()
         for waiter in load.waiters:
-            self.reply_control(waiter, ErrorCode.INVALID_ARG if error else "",
-                               f"load failed for model '{name}': {error}" if error else "")
+            self.reply(waiter, ErrorCode.INVALID_ARG if error else None,
+                       f"load failed for model '{name}': {error}" if error else "")
         for ver in load.versions:
             if ver.state == ModelState.READY:
                 self.dispatch(ver)
 
-    # ---- unload and drain --------------------------------------------------------------------------
-    def unload(self, name: str, waiter) -> None:
+    # ---- unload and drain ---------------------------------------------------------------------
+    def unload(self, name: str, waiter: Waiter | None) -> None:
         if name in self.loads:
-            load = self.loads[name]
-            self.finish_load(load, "unloaded while loading")
+            self.finish_load(self.loads[name], "unloaded while loading")
         for v in self.serving_versions(name):
             del self.versions[(name, v.version)]
             self.begin_drain(v)
         self.publish()
-        self.reply_control(waiter, "", "")
+        self.reply(waiter, None, "")
 
     def begin_drain(self, ver: ModelVersion) -> None:
         """No new requests reach ``ver``; those it holds finish, then its workers stop."""
         if ver.state == ModelState.READY:
-            ver.state = ModelState.UNLOADING
+            ver.set_state(ModelState.UNLOADING)
         if ver in self.batching:
             self.batching.remove(ver)
         self.draining.append(ver)
         self.drain_progress(ver)
 
     def drain_progress(self, ver: ModelVersion) -> None:
-        if ver not in self.draining:
-            return
-        busy = any(i.state == InstanceState.BUSY for i in ver.instances)
-        if len(ver.scheduler) or busy:
+        if ver not in self.draining or len(ver.queue) or ver.busy():
             return
         self.draining.remove(ver)
-        self.stop_instances(ver, kill=False)
-        ver.state, ver.reason = ModelState.UNAVAILABLE, "unloaded"
+        self.supervisor.stop(ver, kill=False)
+        ver.set_state(ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)
         if (ver.name, ver.version) not in self.versions:
             self.retired[(ver.name, ver.version)] = "unloaded"
         log.info("model '%s' version %d unloaded", ver.name, ver.version)
         self.publish()
 
-    def stop_instances(self, ver: ModelVersion, kill: bool) -> None:
-        for inst in ver.instances:
-            if inst.state == InstanceState.STOPPED:
-                continue
-            if inst.outbox is not None and not kill:
-                inst.outbox.send(Shutdown())
-            elif inst.process is not None:
-                inst.process.kill()
-            inst.state = InstanceState.STOPPED
-            self.backoff.discard((ver, inst))
+    def fail_version(self, ver: ModelVersion, reason: str, cause: StateCause) -> None:
+        """A serving version stops serving (crash loop) until it is loaded again."""
+        log.error("model '%s' version %d is UNAVAILABLE: %s", ver.name, ver.version, reason)
+        ver.set_state(ModelState.UNAVAILABLE, reason, cause)
+        if ver in self.batching:
+            self.batching.remove(ver)
+        self.supervisor.stop(ver, kill=False)
+        self.publish()
 
-    # ---- poll mode ---------------------------------------------------------------------------------
+    # ---- poll mode --------------------------------------------------------------------------------
     def poll_repository(self) -> None:
         """Apply what changed on disk: new models load, removed ones unload, changed ones reload
         (the old version serves until the new one is READY)."""
@@ -249,28 +298,13 @@ class Lifecycle:
                 self.entries.pop(name, None)
                 self.publish()
 
-    # ---- control requests from frontends -------------------------------------------------------------
-    def control(self, req: ControlRequest) -> None:
-        waiter = (req.frontend, req.query_id)
-        if self.settings.model_control_mode != "explicit":
-            return self.reply_control(waiter, ErrorCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
-        if req.action == "load":
-            self.start_load(req.name, req.config, waiter)
-        else:
-            self.unload(req.name, waiter)
-
-    def reply_control(self, waiter, code: str, error: str) -> None:
-        if waiter is None:
-            if error:
-                log.error("%s", error)
-            return
-        box = self.frontends.get(waiter[0])
-        if box is not None:
-            box.send(ControlReply(waiter[1], error, code))
-
-    # ---- views ----------------------------------------------------------------------------------------
+    # ---- views ------------------------------------------------------------------------------------
     def serving_versions(self, name: str) -> list[ModelVersion]:
         return [v for (n, _), v in self.versions.items() if n == name]
+
+    def live_versions(self) -> list[ModelVersion]:
+        """Every version that may hold requests or busy instances."""
+        return [*self.versions.values(), *self.draining]
 
     def model_table(self) -> ModelTable:
         models = []
@@ -279,21 +313,36 @@ class Lifecycle:
             states: dict[int, VersionInfo] = {}
             for (n, v), reason in self.retired.items():
                 if n == name:
-                    states[v] = VersionInfo(v, ModelState.UNAVAILABLE.value, reason)
+                    states[v] = VersionInfo(v, ModelState.UNAVAILABLE, reason,
+                                            StateCause.UNLOADED)
             for ver in self.draining:
                 if ver.name == name:
-                    states[ver.version] = VersionInfo(ver.version, ver.state.value, ver.reason)
+                    states[ver.version] = VersionInfo(ver.version, ver.state, ver.reason,
+                                                      ver.cause)
             load = self.loads.get(name)
             if load is not None:
                 for ver in load.versions:
-                    states[ver.version] = VersionInfo(ver.version, ModelState.LOADING.value)
+                    states[ver.version] = VersionInfo(ver.version, ModelState.LOADING)
             for ver in self.serving_versions(name):
-                states[ver.version] = VersionInfo(ver.version, ver.state.value, ver.reason)
+                states[ver.version] = VersionInfo(ver.version, ver.state, ver.reason, ver.cause)
             vers = [states[k] for k in sorted(states)]
-            if entry.error and not vers:
-                vers = [VersionInfo(-1, ModelState.UNAVAILABLE.value, entry.error)]  # model-wide
+            if entry.error and not vers:       # model-wide failure
+                vers = [VersionInfo(-1, ModelState.UNAVAILABLE, entry.error,
+                                    StateCause.LOAD_FAILED)]
             models.append(ModelInfo(name, cfg, vers))
         return ModelTable(models, self.startup_done)
+
+
+def instances_of(config):
+    """One Instance per worker process the config's instance groups ask for."""
+    for group in config.instance_group:
+        kind = "GPU" if group.kind == group.KIND_GPU else "CPU"
+        # a GPU group on a machine without GPUs still gets its workers: the backend then
+        # refuses to load with the reason, instead of having no instances
+        devices = (list(group.gpus) or [0]) if kind == "GPU" else [0]
+        for device in devices:
+            for i in range(group.count):
+                yield Instance(f"{group.name}_{i}", kind, device)
 
 
 def fingerprint(dirs: list[str]) -> tuple:

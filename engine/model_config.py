@@ -1,4 +1,4 @@
-"""Reading, checking and normalizing ``config.pbtxt`` the way Triton does (TRITON.md §3)."""
+"""Reading, checking and normalizing ``config.pbtxt`` the way Triton does (docs/triton-compat.md §3)."""
 from __future__ import annotations
 
 import json
@@ -97,7 +97,7 @@ def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
 
 
 def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelConfig:
-    """Check a config and fill the defaults Triton fills (TRITON.md §3.3); raises ConfigError."""
+    """Check a config and fill the defaults Triton fills (docs/triton-compat.md §3.3); raises ConfigError."""
     if cfg.name and cfg.name != name:
         raise ConfigError(f"model name '{cfg.name}' in config.pbtxt does not match the directory "
                           f"name '{name}'")
@@ -170,7 +170,7 @@ def select_versions(cfg: mc.ModelConfig, available: list[int]) -> tuple[list[int
 
 
 def _int64_to_numbers(msg, data: dict) -> None:
-    """protobuf JSON prints int64 as strings; Triton prints them as numbers (TRITON.md §1.5)."""
+    """protobuf JSON prints int64 as strings; Triton prints them as numbers (docs/triton-compat.md §1.5)."""
     for field in msg.DESCRIPTOR.fields:
         key = field.name
         if key not in data:

@@ -1,13 +1,15 @@
 """Runtime records of loaded model versions and their instances (state only, no sockets)."""
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from .batching import DefaultScheduler, QueuedRequest
+from shmserve.ipc.messages import StateCause
+
+from .batching import DefaultQueue, QueuedRequest, RequestQueue
 from .dynamic_batcher import DynamicBatcher, batcher_config
 from .model_config import ModelConfig
-from .states import InstanceState, ModelState
+from .states import InstanceState, KillReason, ModelState
 from .stats import VersionStats
 
 # Queued requests per model version before new ones are refused with 503 (Triton's default
@@ -33,9 +35,8 @@ class Instance:
     kind: str                   # "CPU" or "GPU"
     device_id: int
     state: InstanceState = InstanceState.STARTING
-    spawn_id: int = -1
-    process: object = None      # supervision.WorkerProcess, owned by the shell
-    outbox: object = None       # channel.Outbox to the worker, owned by the shell
+    spawn_id: int = -1          # of the worker process now serving it; -1 = none yet
+    connected: bool = False     # the worker said where its inbox is (WorkerReady)
     batch: list[QueuedRequest] | None = None
     batch_id: int = 0
     started_at: float = 0.0
@@ -44,7 +45,8 @@ class Instance:
     deaths: int = 0
     deaths_in_a_row: int = 0    # deaths since the last execution that finished
     busy_since: float = 0.0
-    kill_reason: str = ""       # why the scheduler killed it (hung), for the requests it held
+    kill_reason: KillReason = KillReason.NONE    # why the scheduler killed its worker
+    kill_detail: str = ""       # the same, for people: goes into the requests' errors
     ping_seq: int = 0           # last ping sent; 0 = none outstanding
     ping_sent: float = 0.0
 
@@ -58,17 +60,19 @@ class ModelVersion:
     config_json: str
     state: ModelState = ModelState.LOADING
     reason: str = ""
+    cause: StateCause = StateCause.NONE
     instances: list[Instance] = field(default_factory=list)
-    scheduler: DefaultScheduler | DynamicBatcher = None
-    stats: VersionStats = None
-    load_started: float = field(default_factory=time.monotonic)
+    queue: RequestQueue = field(init=False, repr=False)     # built from the config
+    stats: VersionStats = field(init=False, repr=False)
+    load_started: float = 0.0           # seconds on the core's clock
     summaries: bool = False             # keep latency windows for summary metrics
     auto_complete: bool = False         # the config is completed by the first worker to load
     execution_timeout_s: float = 0.0    # 0 = never; a batch running longer kills its worker
     retry_on_death: bool = True         # re-run once what a dead worker held (stateless models)
+    clock: object = None                # the core's clock (ns) for its queue; None = monotonic
 
     def __post_init__(self):
-        self.build_scheduler()
+        self.build_queue()
         self.stats = VersionStats(self.name, self.version, summaries=self.summaries)
 
     def configure_timeout(self, default_s: float) -> None:
@@ -80,11 +84,24 @@ class ModelVersion:
         if param is not None and param.string_value.strip():
             self.execution_timeout_s = float(param.string_value) / 1000.0
 
-    def build_scheduler(self) -> None:
+    def build_queue(self) -> None:
+        kw: dict[str, Any] = {"clock": self.clock} if self.clock is not None else {}
         if self.config.HasField("dynamic_batching"):
-            self.scheduler = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE)
+            self.queue = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE, **kw)
         else:
-            self.scheduler = DefaultScheduler(max_queue_size=DEFAULT_MAX_QUEUE)
+            self.queue = DefaultQueue(max_queue_size=DEFAULT_MAX_QUEUE, **kw)
+
+    def set_state(self, state: ModelState, reason: str = "",
+                  cause: StateCause = StateCause.NONE) -> None:
+        self.state, self.reason, self.cause = state, reason, cause
+
+    @property
+    def batching(self) -> bool:
+        """Whether its queue has deadlines of its own (delays, queue timeouts)."""
+        return self.config.HasField("dynamic_batching")
 
     def all_started(self) -> bool:
         return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)
+
+    def busy(self) -> bool:
+        return any(i.state == InstanceState.BUSY for i in self.instances)

@@ -102,7 +102,7 @@ class ModelRepository:
 
     def _config_or_stub(self, path: str, name: str) -> model_config.ModelConfig:
         """config.pbtxt; or, with auto-complete on and a model.onnx present, a bare config that
-        the workers complete from the model (Triton: TRITON.md §3.4)."""
+        the workers complete from the model (Triton: docs/triton-compat.md §3.4)."""
         try:
             return model_config.read_config(path, name, self.config_name)
         except ConfigError:

@@ -1,16 +1,11 @@
-"""Lifecycles as explicit enums."""
+"""Lifecycles as explicit enums. ModelState travels on the wire, so it lives in ipc.messages."""
 from __future__ import annotations
 
 import enum
 
+from shmserve.ipc.messages import ModelState
 
-class ModelState(str, enum.Enum):
-    """State of one model version, as the repository index reports it."""
-    UNKNOWN = "UNKNOWN"
-    LOADING = "LOADING"
-    READY = "READY"
-    UNLOADING = "UNLOADING"
-    UNAVAILABLE = "UNAVAILABLE"
+__all__ = ["InstanceState", "ModelState", "KillReason"]
 
 
 class InstanceState(enum.Enum):
@@ -20,3 +15,11 @@ class InstanceState(enum.Enum):
     BUSY = "BUSY"               # executing a batch
     BACKOFF = "BACKOFF"         # died; waiting to be restarted
     STOPPED = "STOPPED"         # told to stop, or failed to load
+
+
+class KillReason(enum.Enum):
+    """Why the scheduler killed a worker; decides what happens to the requests it held."""
+    NONE = "none"
+    EXECUTION_TIMEOUT = "execution_timeout"     # a hung batch: its requests fail, no retry
+    PING_TIMEOUT = "ping_timeout"               # idle and unresponsive: nothing to retry
+    LOAD_ABORTED = "load_aborted"               # its load failed or was cancelled

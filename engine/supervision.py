@@ -59,7 +59,7 @@ class WorkerProcess:
 
 def spawn_worker(instance: int, run_dir: str, scheduler_addr: str, segment_prefix: str,
                  spec: InstanceSpec, log_verbose: int) -> WorkerProcess:
-    args = WorkerArgs(instance=instance, parent=os.getpid(), run_dir=run_dir,
+    args = WorkerArgs(spawn_id=instance, parent=os.getpid(), run_dir=run_dir,
                       scheduler=scheduler_addr, segment_prefix=segment_prefix, spec=spec,
                       log_verbose=log_verbose)
     return WorkerProcess(args)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shmserve.engine.model_config import ModelConfig, config_to_json
 from tritonclient.grpc.model_config_pb2 import DataType
 
+from shmserve.engine.model_config import ModelConfig, config_to_json
 from shmserve.ipc.dtypes import CONFIG_TO_WIRE
-from shmserve.ipc.messages import ErrorCode, ModelTable
+from shmserve.ipc.messages import ErrorCode, ModelState, ModelTable, StateCause
 
 from .errors import InferError
 
@@ -29,7 +29,7 @@ class ModelView:
     name: str
     config: ModelConfig | None
     config_json: bytes
-    states: dict[int, tuple[str, str]]      # version -> (state, reason)
+    states: dict[int, tuple[ModelState, str, StateCause]]   # version -> state, reason, cause
     max_batch_size: int = 0
     inputs: dict[str, TensorSpec] = field(default_factory=dict)
     outputs: dict[str, TensorSpec] = field(default_factory=dict)
@@ -45,7 +45,7 @@ class ModelView:
         return bool(self.variable_inputs) or self.has_optional
 
     def ready_versions(self) -> list[int]:
-        return sorted(v for v, (s, _) in self.states.items() if s == "READY")
+        return sorted(v for v, (s, _, _) in self.states.items() if s == ModelState.READY)
 
     def metadata(self, version: int | None) -> dict:
         lead = [-1] if self.max_batch_size > 0 else []
@@ -62,7 +62,7 @@ class ModelView:
 
 
 def _view(info) -> ModelView:
-    states = {v.version: (v.state, v.reason) for v in info.versions}
+    states = {v.version: (v.state, v.reason, v.cause) for v in info.versions}
     if not info.config:
         return ModelView(info.name, None, b"", states)
     cfg = ModelConfig()
@@ -87,6 +87,15 @@ def _view(info) -> ModelView:
     return view
 
 
+def version_number(name: str, version: str) -> int:
+    """A version as a request spells it; every protocol and endpoint refuses a bad one alike."""
+    if not (version.isascii() and version.isdigit()):
+        raise InferError(ErrorCode.INVALID_ARG,
+                         f"invalid model version '{version}' for model '{name}': a version "
+                         f"is a non-negative integer")
+    return int(version)
+
+
 class ModelCatalog:
     def __init__(self):
         self.models: dict[str, ModelView] = {}
@@ -101,8 +110,8 @@ class ModelCatalog:
             return False
         if not strict:
             return True
-        return all(s == "READY" or reason == "unloaded"
-                   for m in self.models.values() for s, reason in m.states.values())
+        return all(s == ModelState.READY or cause == StateCause.UNLOADED
+                   for m in self.models.values() for s, _, cause in m.states.values())
 
     def index(self, ready_only: bool) -> list[dict]:
         """Entries of the repository index: one per model version (version -1: the whole model)."""
@@ -110,13 +119,13 @@ class ModelCatalog:
         for name in sorted(self.models):
             if not self.models[name].states and not ready_only:
                 out.append({"name": name})          # in the repository, never loaded
-            for v, (state, reason) in sorted(self.models[name].states.items()):
-                if ready_only and state != "READY":
+            for v, (state, reason, _) in sorted(self.models[name].states.items()):
+                if ready_only and state != ModelState.READY:
                     continue
                 entry = {"name": name}
                 if v >= 0:
                     entry["version"] = str(v)
-                entry["state"] = state
+                entry["state"] = ModelState(state).value     # tables built in tests hold str
                 entry["reason"] = reason
                 out.append(entry)
         return out
@@ -133,21 +142,17 @@ class ModelCatalog:
         if not version:
             ready = view.ready_versions()
             if not ready:
-                reasons = "; ".join(r for _, r in view.states.values() if r)
+                reasons = "; ".join(r for _, r, _ in view.states.values() if r)
                 raise InferError(ErrorCode.NOT_FOUND,
                                  f"Request for unknown model: '{name}' has no available versions"
                                  + (f" ({reasons})" if reasons else ""))
             return view, ready[-1]
-        if not (version.isascii() and version.isdigit()):
-            raise InferError(ErrorCode.INVALID_ARG,
-                             f"invalid model version '{version}' for model '{name}': a version "
-                             f"is a non-negative integer")
-        v = int(version)
+        v = version_number(name, version)
         state = view.states.get(v)
         if state is None or v < 0:
             raise InferError(ErrorCode.NOT_FOUND,
                              f"Request for unknown model: '{name}' version {v} is not found")
-        if state[0] != "READY":
+        if state[0] != ModelState.READY:
             raise InferError(ErrorCode.UNAVAILABLE,
                              f"Request for unknown model: '{name}' version {v} is not at ready state")
         return view, v

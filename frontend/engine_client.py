@@ -16,11 +16,24 @@ from typing import Callable
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (CancelRequest, ControlReply, ControlRequest, ErrorCode, ForgetSegments,
-                                   FrontendHello, InferResult,
-                                   InferResults,
-                                   ModelTable, ReleaseOutputs, ShmRef, StatsQuery, StatsReply,
-                                   SubmitRequest, encode as encode_message)
+from shmserve.ipc.messages import (
+    CancelRequest,
+    ControlAction,
+    ControlReply,
+    ControlRequest,
+    ErrorCode,
+    ForgetSegments,
+    FrontendHello,
+    InferResult,
+    InferResults,
+    ModelTable,
+    ReleaseOutputs,
+    ShmRef,
+    StatsQuery,
+    StatsReply,
+    SubmitRequest,
+)
+from shmserve.ipc.messages import encode as encode_message
 
 from .catalog import ModelCatalog
 from .request import PreparedRequest
@@ -47,6 +60,11 @@ class EngineClient:
         self.queries: dict[int, asyncio.Future] = {}
         self.ids = itertools.count(1)
         self.table_event = asyncio.Event()
+        self.handlers: dict[type, Callable] = {
+            InferResult: self._deliver, InferResults: self._deliver_many,
+            ModelTable: self._update_table, StatsReply: self._answer_query,
+            ControlReply: self._answer_query,
+        }
         loop.add_reader(self.inbox.fileno(), self._drain)
         loop.call_soon(self._drain)     # the fd is edge-triggered: collect anything already queued
         self.scheduler.send(FrontendHello(frontend_id, self.inbox.address))
@@ -97,7 +115,10 @@ class EngineClient:
             result = self.held.pop(rid)
             cb = self.pending.pop(rid, None)
             if cb is not None:
-                cb(result)
+                try:
+                    cb(result)
+                except Exception:       # the answers held behind this one must still go out
+                    log.exception("error answering request %d", rid)
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
         box = self.workers.get(worker)
@@ -119,7 +140,7 @@ class EngineClient:
     def forget_segments(self, segments: list[str]) -> None:
         self.scheduler.send(ForgetSegments(segments))
 
-    async def control(self, action: str, name: str, config: str = "",
+    async def control(self, action: ControlAction, name: str, config: str = "",
                       unload_dependents: bool = False, timeout: float = 600.0) -> ControlReply:
         """Load or unload a model; answers once the scheduler has finished it."""
         qid = next(self.ids)
@@ -144,24 +165,38 @@ class EngineClient:
             self.queries.pop(qid, None)
 
     def _drain(self) -> None:
-        inbox = self.inbox
+        inbox, handlers = self.inbox, self.handlers
         while True:
             try:
                 msg, _ = inbox.recv(channel.NOBLOCK)
             except zmq.Again:
                 return
-            if isinstance(msg, InferResult):
-                self._deliver(msg)
-            elif isinstance(msg, InferResults):
-                for result in msg.results:
-                    self._deliver(result)
-            elif isinstance(msg, ModelTable):
-                self.catalog.update(msg)
-                self.table_event.set()
-            elif isinstance(msg, (StatsReply, ControlReply)):
-                fut = self.queries.get(msg.query_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            handler = handlers.get(type(msg))
+            if handler is None:
+                log.warning("ignoring an unexpected %s message", type(msg).__name__)
+                continue
+            try:
+                handler(msg)
+            except Exception:
+                # the inbox fd is edge-triggered: stopping here would strand the messages
+                # behind this one until the next arrives, so a failing callback costs only itself
+                log.exception("error handling a %s message", type(msg).__name__)
+
+    def _deliver_many(self, msg: InferResults) -> None:
+        for result in msg.results:
+            try:
+                self._deliver(result)
+            except Exception:           # the rest of the batch must still be answered
+                log.exception("error answering request %d", result.req_id)
+
+    def _update_table(self, msg: ModelTable) -> None:
+        self.catalog.update(msg)
+        self.table_event.set()
+
+    def _answer_query(self, msg: StatsReply | ControlReply) -> None:
+        fut = self.queries.get(msg.query_id)
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
 
     def fail_all(self, message: str) -> None:
         pending, self.pending = self.pending, {}

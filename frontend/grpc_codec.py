@@ -17,7 +17,7 @@ from .errors import invalid
 from .request import PreparedRequest
 from .shm_registry import ShmRegistry
 
-# typed contents field per datatype (FP16/BF16 only travel raw, TRITON.md §2.2)
+# typed contents field per datatype (FP16/BF16 only travel raw, docs/triton-compat.md §2.2)
 _CONTENTS_FIELD = {
     "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
     "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",

@@ -1,47 +1,77 @@
-"""The KServe v2 HTTP/REST endpoints with Triton's extensions (TRITON.md §1)."""
+"""The KServe v2 HTTP/REST endpoints with Triton's extensions (docs/triton-compat.md §1).
+
+This module only translates: it routes a request through the table in ``routes``, turns paths
+and JSON bodies into arguments of ``FrontendService``, and turns answers and ``InferError``s
+into responses (``errors.http_status``). What HTTP alone does lives here too: receiving large
+bodies straight into shared memory, Content-Encoding, and writing outputs from the worker's slot.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
 import zlib
-from urllib.parse import unquote
+from functools import partial
+from typing import Any, Awaitable, Callable
 
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import ErrorCode, InferResult
-from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
+from shmserve.ipc.messages import InferResult
+from shmserve.ipc.shm import ShmError
 
-from . import http_codec, request, statistics
-from .engine_client import EngineClient
+from . import http_codec, statistics
 from .errors import InferError, http_status, invalid
 from .http_server import HttpConnection, HttpRequest
 from .request import PreparedRequest
-from .shm_registry import ShmRegistry
+from .routes import Router
+from .service import FrontendService
 
 log = logging.getLogger("shmserve.http")
 
-EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
-              "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
-              "statistics"]
 MAX_BODY = 1 << 32
 _NOT_FOUND = b'{"error":"Not Found"}'
 _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
+_MODEL = "/v2/models/{model}"
+_VERSION = "/v2/models/{model}/versions/{version}"
 
 
 class KServeHttpApp:
-    def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
-                 registry: ShmRegistry, server_id: str, server_version: str,
-                 strict_readiness: bool, max_input_size: int):
-        self.client = client
-        self.arena = arena
-        self.maps = maps
-        self.registry = registry
-        self.strict_readiness = strict_readiness
+    def __init__(self, service: FrontendService, max_input_size: int):
+        self.service = service
+        self.arena = service.arena
         self.max_input_size = max_input_size
-        self.server_metadata = http_codec.encode_json(
-            {"name": server_id, "version": server_version, "extensions": EXTENSIONS})
-        self.accepting = True
+        self.server_metadata = http_codec.encode_json(service.metadata())
+        self.tasks: set[asyncio.Task] = set()     # answers in progress (the loop keeps weak refs)
+        self.router = Router(self.routes())
 
-    # ---- body buffers ----------------------------------------------------------------------------
+    def routes(self) -> list[tuple]:
+        """Every endpoint: (methods, path pattern, handler(conn, req, *captures))."""
+        table = [
+            ("GET", "/v2/health/live", self.live),
+            ("GET", "/v2/health/ready", self.ready),
+            ("GET", "/v2", self.metadata),
+            ("GET", "/v2/", self.metadata),
+            ("POST", "/v2/repository/index", self.repository_index),
+            ("POST", "/v2/repository/models/{model}/load", partial(self.control, "load")),
+            ("POST", "/v2/repository/models/{model}/unload", partial(self.control, "unload")),
+            ("POST", "/v2/repository/{repository}/models/{model}/load",
+             partial(self.control_in_repository, "load")),
+            ("POST", "/v2/repository/{repository}/models/{model}/unload",
+             partial(self.control_in_repository, "unload")),
+            ("GET", "/v2/models/stats", self.statistics),
+        ]
+        for base in (_MODEL, _VERSION):
+            table += [("GET", base, self.model_metadata),
+                      ("GET", base + "/ready", self.model_ready),
+                      ("GET", base + "/config", self.model_config),
+                      ("GET", base + "/stats", self.statistics),
+                      ("POST", base + "/infer", self.infer)]
+        for kind, system in (("systemsharedmemory", True), ("cudasharedmemory", False)):
+            for base in (f"/v2/{kind}", f"/v2/{kind}/region/{{region}}"):
+                table += [("GET", base + "/status", partial(self.shm_status, system)),
+                          ("POST", base + "/register", partial(self.shm_register, system)),
+                          ("POST", base + "/unregister", partial(self.shm_unregister, system))]
+        return table
+
+    # ---- body buffers ---------------------------------------------------------------------------
     def check_body_size(self, req: HttpRequest, n: int) -> str:
         limit = MAX_BODY if req.path.endswith("/infer") else self.max_input_size
         if n > limit:
@@ -65,17 +95,24 @@ class KServeHttpApp:
 
     def connection_lost(self, conn: HttpConnection) -> None:
         if conn.busy and conn.inflight:
-            self.client.cancel(conn.inflight)
+            self.service.cancel(conn.inflight)
         for req in conn.queue:
             self.release_body(req)
         conn.queue.clear()
         if conn.request is not None:
             self.release_body(conn.request)
 
-    # ---- routing ------------------------------------------------------------------------------------
+    # ---- dispatch -------------------------------------------------------------------------------
     def handle(self, conn: HttpConnection, req: HttpRequest) -> None:
         try:
-            self.route(conn, req)
+            handler, captures = self.router.match(req.method, req.path)
+            if handler is None:
+                # a body received into shared memory for a path that does not exist
+                self.release_body(req)
+                if captures:
+                    return conn.respond(req, 405, _NOT_ALLOWED, headers=(("Allow", captures),))
+                return conn.respond(req, 404, _NOT_FOUND)
+            handler(conn, req, *captures)
         except InferError as e:
             self.release_body(req)
             self.error(conn, req, http_status(e.code), e.message)
@@ -84,122 +121,55 @@ class KServeHttpApp:
             self.release_body(req)
             self.error(conn, req, 500, f"internal error: {type(e).__name__}: {e}")
 
-    def route(self, conn: HttpConnection, req: HttpRequest) -> None:
-        path, method = req.path, req.method
-        if path == "/v2/health/live":
-            if method != "GET":
-                return self.not_allowed(conn, req)
-            return conn.respond(req, 200, content_type="")
-        if path == "/v2/health/ready":
-            if method != "GET":
-                return self.not_allowed(conn, req)
-            ok = self.accepting and self.client.catalog.server_ready(self.strict_readiness)
-            return conn.respond(req, 200 if ok else 400, content_type="")
-        if path == "/v2" or path == "/v2/":
-            if method != "GET":
-                return self.not_allowed(conn, req)
-            return conn.respond(req, 200, self.server_metadata)
-        if path.startswith("/v2/systemsharedmemory") or path.startswith("/v2/cudasharedmemory"):
-            return self.shared_memory(conn, req)
-        if path == "/v2/repository/index":
-            if method != "POST":
-                return self.not_allowed(conn, req)
-            return self.repository_index(conn, req)
-        if path.startswith("/v2/repository/"):
-            return self.repository_control(conn, req)
-        if path == "/v2/models/stats":
-            if method != "GET":
-                return self.not_allowed(conn, req)
-            return self.statistics(conn, req, "", "")
-        parts = path.split("/")
-        if len(parts) < 4 or parts[1] != "v2" or parts[2] != "models" or not parts[3]:
-            return conn.respond(req, 404, _NOT_FOUND)
-        model = unquote(parts[3])
-        rest = parts[4:]
-        version = ""
-        if len(rest) >= 2 and rest[0] == "versions":
-            version = rest[1]
-            rest = rest[2:]
-        if len(rest) > 1 or (rest and rest[0] not in ("ready", "config", "infer", "stats")):
-            return conn.respond(req, 404, _NOT_FOUND)
-        action = rest[0] if rest else ""
-        want = "POST" if action == "infer" else "GET"
-        if method != want:
-            return self.not_allowed(conn, req)
-        if action == "infer":
-            return self.infer(conn, req, model, version)
-        if action == "stats":
-            return self.statistics(conn, req, model, version)
-        catalog = self.client.catalog
-        if action == "ready":
-            catalog.get(model)              # an unknown model is a 404, not "not ready"
-            try:
-                catalog.resolve(model, version)
-            except InferError as e:
-                if e.code == ErrorCode.INVALID_ARG:
-                    raise
-                return self.error(conn, req, 400, "Model version not ready")
-            return conn.respond(req, 200, content_type="")
-        view, v = catalog.resolve(model, version)
-        if action == "config":
-            return conn.respond(req, 200, view.config_json)
-        return conn.respond(req, 200, http_codec.encode_json(
-            view.metadata(v if version else None)))
-
-    def repository_control(self, conn: HttpConnection, req: HttpRequest) -> None:
-        parts = req.path.split("/")      # '', v2, repository, [repo,] models, m, load|unload
-        if len(parts) == 7 and parts[4] == "models" and parts[3]:
-            return self.error(conn, req, 501, "repository names are not supported: use "
-                                              "/v2/repository/models/<model>/...")
-        if len(parts) != 6 or parts[3] != "models" or parts[5] not in ("load", "unload") \
-                or not parts[4]:
-            return conn.respond(req, 404, _NOT_FOUND)
-        if req.method != "POST":
-            return self.not_allowed(conn, req)
-        name, action = unquote(parts[4]), parts[5]
-        params = {}
-        if req.body:
-            try:
-                doc = http_codec.decode_json(req.body)
-            except Exception:
-                raise invalid(f"failed to parse the {action} request JSON") from None
-            params = doc.get("parameters", {}) if isinstance(doc, dict) else None
-            if not isinstance(params, dict):
-                raise invalid(f"{action} request 'parameters' must be a JSON object")
-        config = params.get("config", "")
-        if not isinstance(config, str):
-            raise invalid("load parameter 'config' must be a string holding the model "
-                          "configuration as JSON")
-        if any(k.startswith("file:") for k in params):
-            raise invalid("load parameters 'file:<version>/<name>' are not supported yet")
-        dependents = params.get("unload_dependents", False)
-
+    def later(self, conn: HttpConnection, req: HttpRequest, work: Awaitable,
+              render: Callable[[Any], bytes] | None = None) -> None:
+        """Answer once ``work`` finishes: 200 with ``render(result)`` (or no body), or the
+        InferError it raised."""
         async def answer():
             try:
-                reply = await self.client.control(action, name, config, dependents is True)
-            except asyncio.TimeoutError:
-                return self.error(conn, req, 503, f"{action} of '{name}' did not finish in time")
-            if reply.error:
-                return self.error(conn, req, http_status(reply.code), reply.error)
-            conn.respond(req, 200, content_type="")
-        asyncio.get_running_loop().create_task(answer())
-
-    def statistics(self, conn: HttpConnection, req: HttpRequest, model: str, version: str) -> None:
-        if version and not version.isdigit():
-            raise invalid(f"invalid model version '{version}' for model '{model}'")
-
-        async def answer():
-            try:
-                reply = await self.client.statistics(model, int(version) if version else -1)
-                body = http_codec.encode_json(statistics.to_json(statistics.check(reply)))
+                result = await work
+                body = render(result) if render is not None else b""
             except InferError as e:
                 return self.error(conn, req, http_status(e.code), e.message)
-            except asyncio.TimeoutError:
-                return self.error(conn, req, 503, "the scheduler did not answer in time")
-            conn.respond(req, 200, body)
-        asyncio.get_running_loop().create_task(answer())
+            except Exception as e:
+                log.exception("error handling %s %s", req.method, req.path)
+                return self.error(conn, req, 500, f"internal error: {type(e).__name__}: {e}")
+            if render is None:
+                conn.respond(req, 200, content_type="")
+            else:
+                conn.respond(req, 200, body)
+        task = asyncio.get_running_loop().create_task(answer())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
-    def repository_index(self, conn: HttpConnection, req: HttpRequest) -> None:
+    def error(self, conn: HttpConnection, req: HttpRequest, status: int, message: str) -> None:
+        conn.respond(req, status, http_codec.encode_json({"error": message}))
+
+    # ---- health and metadata --------------------------------------------------------------------
+    def live(self, conn, req):
+        conn.respond(req, 200, content_type="")
+
+    def ready(self, conn, req):
+        conn.respond(req, 200 if self.service.server_ready() else 400, content_type="")
+
+    def metadata(self, conn, req):
+        conn.respond(req, 200, self.server_metadata)
+
+    def model_ready(self, conn, req, model: str, version: str = ""):
+        if not self.service.model_ready(model, version):
+            return self.error(conn, req, 400, "Model version not ready")
+        conn.respond(req, 200, content_type="")
+
+    def model_metadata(self, conn, req, model: str, version: str = ""):
+        view, v = self.service.model(model, version)
+        conn.respond(req, 200, http_codec.encode_json(view.metadata(v if version else None)))
+
+    def model_config(self, conn, req, model: str, version: str = ""):
+        view, _ = self.service.model(model, version)
+        conn.respond(req, 200, view.config_json)
+
+    # ---- repository and statistics --------------------------------------------------------------
+    def repository_index(self, conn, req):
         ready = False
         if req.body:
             try:
@@ -209,31 +179,43 @@ class KServeHttpApp:
             if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
                 raise invalid("repository index request: 'ready' must be a boolean")
             ready = doc.get("ready", False)
-        conn.respond(req, 200, http_codec.encode_json(self.client.catalog.index(ready)))
+        conn.respond(req, 200, http_codec.encode_json(self.service.index(ready)))
 
-    def shared_memory(self, conn: HttpConnection, req: HttpRequest) -> None:
-        parts = req.path.split("/")[2:]          # e.g. systemsharedmemory region r register
-        kind = parts[0]
-        name = ""
-        if len(parts) >= 3 and parts[1] == "region":
-            name = unquote(parts[2])
-            parts = [kind] + parts[3:]
-        if len(parts) != 2 or parts[1] not in ("status", "register", "unregister"):
-            return conn.respond(req, 404, _NOT_FOUND)
-        action = parts[1]
-        if req.method != ("GET" if action == "status" else "POST"):
-            return self.not_allowed(conn, req)
-        system = kind == "systemsharedmemory"
-        reg = self.registry
-        if action == "status":
-            regions = reg.status_system(name) if system else reg.status_cuda(name)
-            return conn.respond(req, 200, http_codec.encode_json(regions))
-        if action == "unregister":
-            gone = reg.unregister_system(name) if system else reg.unregister_cuda(name)
-            if gone:
-                self.client.forget_segments(gone)
-            return conn.respond(req, 200, content_type="")
-        if not name:
+    def control_in_repository(self, action: str, conn, req, repository: str, model: str):
+        self.control(action, conn, req, model, repository)     # the service refuses it
+
+    def control(self, action: str, conn, req, model: str, repository: str = ""):
+        params = {}
+        if req.body:
+            try:
+                doc = http_codec.decode_json(req.body)
+            except Exception:
+                raise invalid(f"failed to parse the {action} request JSON") from None
+            params = doc.get("parameters", {}) if isinstance(doc, dict) else None
+            if not isinstance(params, dict):
+                raise invalid(f"{action} request 'parameters' must be a JSON object")
+        call = self.service.load if action == "load" else self.service.unload
+        self.later(conn, req, call(model, params, repository))
+
+    def statistics(self, conn, req, model: str = "", version: str = ""):
+        self.later(conn, req, self.service.statistics(model, version),
+                   lambda models: http_codec.encode_json(statistics.to_json(models)))
+
+    # ---- shared memory --------------------------------------------------------------------------
+    def shm_status(self, system: bool, conn, req, region: str = ""):
+        svc = self.service
+        regions = svc.status_system(region) if system else svc.status_cuda(region)
+        conn.respond(req, 200, http_codec.encode_json(regions))
+
+    def shm_unregister(self, system: bool, conn, req, region: str = ""):
+        if system:
+            self.service.unregister_system(region)
+        else:
+            self.service.unregister_cuda(region)
+        conn.respond(req, 200, content_type="")
+
+    def shm_register(self, system: bool, conn, req, region: str = ""):
+        if not region:
             raise invalid("shared memory register needs a region name in the path "
                           "(.../region/<name>/register)")
         try:
@@ -245,26 +227,18 @@ class KServeHttpApp:
         if system:
             for field in ("key", "byte_size"):
                 if field not in doc:
-                    raise invalid(f"shared memory register request for '{name}' is missing '{field}'")
-            region = reg.register_system(name, doc["key"], doc.get("offset", 0), doc["byte_size"])
-            # a key may name a segment the client re-created: drop stale mappings of it first
-            self.client.forget_segments([region.segment])
+                    raise invalid(f"shared memory register request for '{region}' is missing "
+                                  f"'{field}'")
+            self.service.register_system(region, doc["key"], doc.get("offset", 0),
+                                         doc["byte_size"])
         else:
-            reg.register_cuda(name, doc.get("raw_handle"), doc.get("device_id"), doc.get("byte_size"))
+            self.service.register_cuda(region, doc.get("raw_handle"), doc.get("device_id"),
+                                       doc.get("byte_size"))
         conn.respond(req, 200, content_type="")
 
-    def not_allowed(self, conn, req):
-        self.release_body(req)
-        conn.respond(req, 405, _NOT_ALLOWED)
-
-    def error(self, conn: HttpConnection, req: HttpRequest, status: int, message: str) -> None:
-        conn.respond(req, status, http_codec.encode_json({"error": message}))
-
-    # ---- inference ------------------------------------------------------------------------------------
-    def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str) -> None:
-        if not self.accepting:
-            raise InferError(ErrorCode.UNAVAILABLE, "the server is shutting down")
-        view, v = self.client.catalog.resolve(model, version)
+    # ---- inference ------------------------------------------------------------------------------
+    def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str = "") -> None:
+        view, v = self.service.infer_target(model, version)
         body = req.body
         encoding = req.headers.get("content-encoding", "identity").lower()
         if encoding in ("gzip", "deflate"):
@@ -295,10 +269,10 @@ class KServeHttpApp:
             req.body_slot = slot
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
-        parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena, self.registry)
-        conn.inflight = self.client.submit(
-            view.name, v, parsed, lambda result: self.infer_done(conn, req, parsed, result),
-            view.preserve_ordering)
+        parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena,
+                                        self.service.registry)
+        conn.inflight = self.service.submit(
+            view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
 
     def _decompress(self, body, encoding: str) -> bytes:
         try:
@@ -311,19 +285,16 @@ class KServeHttpApp:
 
     def infer_done(self, conn: HttpConnection, req: HttpRequest, parsed: PreparedRequest,
                    result: InferResult) -> None:
+        svc = self.service
         # the worker has finished reading the inputs: their memory can be reused now
         self.release_body(req)
-        request.release(parsed, self.arena)
-        refs = request.worker_slots(result, parsed)
+        refs = svc.release_inputs(parsed, result)
         try:
-            if result.error:
-                return self.error(conn, req, http_status(result.code), result.error)
-            try:
-                views = request.output_views(result, parsed, self.maps)
-                header, parts, hlen = http_codec.render_response(result, parsed, views)
-            except (ShmError, InferError) as e:
-                status = 400 if isinstance(e, InferError) else 500
-                return self.error(conn, req, status, getattr(e, "message", str(e)))
+            views = svc.outputs(result, parsed)
+            header, parts, hlen = http_codec.render_response(result, parsed, views)
+        except InferError as e:
+            self.error(conn, req, http_status(e.code), e.message)
+        else:
             if parts:
                 conn.respond(req, 200, header, "application/octet-stream",
                              (("Inference-Header-Content-Length", hlen),), tuple(parts))
@@ -331,5 +302,6 @@ class KServeHttpApp:
                 conn.respond(req, 200, header)
         finally:
             if refs:
-                worker = result.worker
-                conn.after_sent(lambda: self.client.release(worker, refs))
+                # the response was written from the worker's slots (registered after the write,
+                # so it waits for those bytes): give them back once sent
+                conn.after_sent(lambda: svc.release_outputs(result, refs))

@@ -22,6 +22,7 @@ from . import grpc_service, http_server
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
+from .service import FrontendService
 from .shm_registry import ShmRegistry
 from .system_metrics import SystemSampler
 
@@ -31,28 +32,32 @@ log = logging.getLogger("shmserve.frontend")
 async def run(settings: ServerSettings, frontend_id: int) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
+
+    def on_sigterm() -> None:
+        if stop.is_set():   # the drain is taking too long for whoever sent it: go now
+            log.warning("second SIGTERM: exiting at once, without answering what is held")
+            os._exit(1)
+        stop.set()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
     registry = ShmRegistry(settings.allow_client_shm)
+    service = FrontendService(client, arena, maps, registry, settings.server_id,
+                              settings.server_version, settings.strict_readiness)
     servers, ports = [], {}
-    grpc_svc = grpc_server = sampler_task = None
+    grpc_server = sampler_task = None
     try:
         if settings.allow_http:
-            app = KServeHttpApp(client, arena, maps, registry, settings.server_id,
-                                settings.server_version, settings.strict_readiness,
-                                settings.http_max_input_size)
+            app = KServeHttpApp(service, settings.http_max_input_size)
             srv = await http_server.serve(app, settings.http_address, settings.http_port)
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]
             log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
         if settings.allow_grpc:
-            grpc_svc = grpc_service.InferenceService(client, arena, maps, registry,
-                                                     settings.server_id, settings.server_version,
-                                                     settings.strict_readiness)
             grpc_server, ports["grpc"] = await grpc_service.serve(
-                grpc_svc, settings.grpc_address, settings.grpc_port)
+                service, settings.grpc_address, settings.grpc_port)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
             sampler = None
@@ -75,10 +80,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
             os.replace(tmp, settings.port_file)
         await stop.wait()
         log.info("frontend stopping")
-        if settings.allow_http:
-            app.accepting = False
-        if grpc_svc is not None:
-            grpc_svc.accepting = False
+        service.accepting = False
         for srv in servers:
             srv.close()
         deadline = loop.time() + settings.exit_timeout_secs

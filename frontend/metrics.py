@@ -3,12 +3,16 @@
 Inference counters come from the scheduler, which keeps every model's statistics for the
 server's whole life (worker restarts neither reset nor double them). They are fetched once per
 scrape and rendered by prometheus_client from a custom collector. CPU and memory gauges are
-sampled every --metrics-interval-ms, GPU gauges too where nvidia-ml-py finds a GPU.
+sampled every --metrics-interval-ms, GPU gauges too where nvidia-ml-py finds a GPU. Python
+models' own metrics (pb_utils.MetricFamily) come with the same statistics reply: the scheduler
+keeps the latest snapshot each live worker sent.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import re
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -16,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 
 from shmserve.engine.stats import DEFAULT_LATENCY_BUCKETS_MS, FAILURE_REASONS, SUMMARY_QUANTILES
 from shmserve.ipc import channel
-from shmserve.ipc.messages import ModelStatistics
+from shmserve.ipc.messages import CustomMetrics, MetricKind, ModelStatistics
 
 from .engine_client import EngineClient
 from .http_server import HttpConnection, HttpRequest
@@ -34,12 +38,14 @@ def _counter(name: str, doc: str) -> Metric:
     return Metric(name, doc, "counter")
 
 
-def exposition(registry) -> bytes:
+def exposition(registry, custom: "CustomCollector | None" = None) -> bytes:
     """prometheus_client's text format, with Triton's counter names in HELP/TYPE lines too
     (prometheus_client always writes a counter family as <name>_total there, which would no
-    longer match the sample names that Triton's dashboards query)."""
+    longer match the sample names that Triton's dashboards query). Python models' counters, which
+    the ``custom`` collector put on this page, carry the names the models gave them too."""
     text = generate_latest(registry).decode()
-    for name in TRITON_COUNTERS:
+    extra = custom.counter_names if custom is not None else ()  # known once the page is made
+    for name in TRITON_COUNTERS.union(extra):
         text = text.replace(f"# HELP {name}_total ", f"# HELP {name} ")
         text = text.replace(f"# TYPE {name}_total counter", f"# TYPE {name} counter")
     return text.encode()
@@ -53,24 +59,39 @@ class InferenceCollector:
         self.histogram_latencies = histogram_latencies
 
     def collect(self):
+        excl = "(does not include cached requests)"
+        incl = "(includes cached requests)"
         fams = {
-            "success": _counter("nv_inference_request_success", "Number of successful inference requests, all batch sizes"),
-            "failure": _counter("nv_inference_request_failure", "Number of failed inference requests, all batch sizes"),
-            "count": _counter("nv_inference_count", "Number of inferences performed (does not include cached requests)"),
-            "exec": _counter("nv_inference_exec_count", "Number of model executions performed (does not include cached requests)"),
+            "success": _counter("nv_inference_request_success",
+                                "Number of successful inference requests, all batch sizes"),
+            "failure": _counter("nv_inference_request_failure",
+                                "Number of failed inference requests, all batch sizes"),
+            "count": _counter("nv_inference_count", f"Number of inferences performed {excl}"),
+            "exec": _counter("nv_inference_exec_count",
+                             f"Number of model executions performed {excl}"),
         }
         lat = {}
         if self.counter_latencies:
             lat = {
-                "success": _counter("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds (includes cached requests)"),
-                "queue": _counter("nv_inference_queue_duration_us", "Cumulative inference queuing duration in microseconds (includes cached requests)"),
-                "compute_input": _counter("nv_inference_compute_input_duration_us", "Cumulative compute input duration in microseconds (does not include cached requests)"),
-                "compute_infer": _counter("nv_inference_compute_infer_duration_us", "Cumulative compute inference duration in microseconds (does not include cached requests)"),
-                "compute_output": _counter("nv_inference_compute_output_duration_us", "Cumulative inference compute output duration in microseconds (does not include cached requests)"),
+                "success": _counter("nv_inference_request_duration_us",
+                                    f"Cumulative inference request duration in microseconds {incl}"),
+                "queue": _counter("nv_inference_queue_duration_us",
+                                  f"Cumulative inference queuing duration in microseconds {incl}"),
+                "compute_input": _counter("nv_inference_compute_input_duration_us",
+                                          f"Cumulative compute input duration in microseconds {excl}"),
+                "compute_infer": _counter("nv_inference_compute_infer_duration_us",
+                                          f"Cumulative compute inference duration in microseconds {excl}"),
+                "compute_output": _counter("nv_inference_compute_output_duration_us",
+                                           "Cumulative inference compute output duration in "
+                                           f"microseconds {excl}"),
             }
-        pending = GaugeMetricFamily("nv_inference_pending_request_count", "Instantaneous number of pending requests awaiting execution per-model.", labels=["model", "version"])
-        load = GaugeMetricFamily("nv_model_load_duration_secs", "Model load time in seconds", labels=["model", "version"])
-        hist = HistogramMetricFamily("nv_inference_first_response_histogram_ms", "Duration from request to first response in milliseconds", labels=["model", "version"])
+        mv = ["model", "version"]
+        pending = GaugeMetricFamily("nv_inference_pending_request_count", "Instantaneous number of "
+                                    "pending requests awaiting execution per-model.", labels=mv)
+        load = GaugeMetricFamily("nv_model_load_duration_secs", "Model load time in seconds",
+                                 labels=mv)
+        hist = HistogramMetricFamily("nv_inference_first_response_histogram_ms", "Duration from "
+                                     "request to first response in milliseconds", labels=mv)
         for m in self.models:
             labels = {"model": m.name, "version": str(m.version)}
             fams["success"].add_sample("nv_inference_request_success", labels, m.success.count)
@@ -146,15 +167,151 @@ class InferenceCollector:
         yield largest
 
 
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
+_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
+
+
+def _exposed_names(fam: Metric) -> set[str]:
+    """Every name a family puts on the page, HELP/TYPE lines included."""
+    names = {fam.name, *(s.name for s in fam.samples)}
+    if fam.type == "counter":
+        names.add(fam.name + "_total")
+    return names
+
+
+def _le(bound: float) -> str:
+    """Bucket bounds as Triton writes them: 1 not 1.0, +Inf for the last."""
+    if math.isinf(bound):
+        return "+Inf"
+    return repr(bound)[:-2] if bound.is_integer() and abs(bound) < 1e15 else repr(bound)
+
+
+class _Family:
+    """One custom family merged over every worker that reports it."""
+    __slots__ = ("name", "description", "kind", "samples")
+
+    def __init__(self, name: str, description: str, kind: MetricKind):
+        self.name, self.description, self.kind = name, description, kind
+        self.samples: dict[tuple, list] = {}    # sorted labels -> [labels, value, bounds, counts, sum]
+
+
+class CustomCollector:
+    """Python models' pb_utils metrics, from the scheduler's latest snapshot of each live worker.
+
+    Triton keeps one registry for the whole server, so two instances (or two models) that use the
+    same family and labels update one metric. We merge the per-worker snapshots the same way:
+    counters and histograms add up, and a gauge shows the value of the worker listed last in the
+    reply (one value is all a gauge has; which instance set it last is not known here). Labels
+    are exactly the model's: Triton adds none. A family whose names would collide with a built-in
+    family (nv_*, shmserve_*) or that is not valid Prometheus is left out, and logged once, so a
+    model can never break the page."""
+
+    def __init__(self):
+        self.reports: list[CustomMetrics] = []
+        self.counter_names: set[str] = set()    # rendered by the last collect(), for exposition()
+        self._warned: set[str] = set()
+
+    def _warn(self, key: str, message: str, *args) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def _merge(self) -> dict[str, _Family]:
+        families: dict[str, _Family] = {}
+        for report in self.reports:
+            for f in report.families:
+                fam = families.get(f.name)
+                if fam is None:
+                    fam = families[f.name] = _Family(f.name, f.description, f.kind)
+                elif fam.kind != f.kind:
+                    self._warn(f"kind:{f.name}", "custom metric family '%s' is reported as both "
+                               "%s and %s; showing the %s only", f.name, fam.kind.value,
+                               f.kind.value, fam.kind.value)
+                    continue
+                for m in f.metrics:
+                    key = tuple(sorted(m.labels.items()))
+                    cur = fam.samples.get(key)
+                    if cur is None:
+                        fam.samples[key] = [m.labels, m.value, list(m.buckets), list(m.counts), m.sum]
+                    elif fam.kind == MetricKind.COUNTER:
+                        cur[1] += m.value
+                    elif fam.kind == MetricKind.GAUGE:
+                        cur[1] = m.value
+                    elif cur[2] == m.buckets and len(cur[3]) == len(m.counts):
+                        cur[3] = [a + b for a, b in zip(cur[3], m.counts)]
+                        cur[4] += m.sum
+                    else:
+                        self._warn(f"buckets:{f.name}", "custom histogram '%s' has different "
+                                   "buckets in different instances; showing the first", f.name)
+        return families
+
+    def _render(self, fam: _Family) -> Metric:
+        if not _METRIC_NAME.match(fam.name):
+            raise ValueError("not a valid metric name")
+        metric = Metric(fam.name, fam.description, fam.kind.value)
+        for labels, value, bounds, counts, total in fam.samples.values():
+            if not all(_LABEL_NAME.match(k) for k in labels):
+                raise ValueError(f"invalid label name in {sorted(labels)}")
+            if fam.kind != MetricKind.HISTOGRAM:
+                metric.add_sample(fam.name, labels, value)
+                continue
+            if "le" in labels or len(counts) != len(bounds) + 1:
+                raise ValueError("malformed histogram")
+            running = 0
+            for bound, n in zip([*bounds, math.inf], counts):
+                running += n
+                metric.add_sample(fam.name + "_bucket", {**labels, "le": _le(bound)}, running)
+            metric.add_sample(fam.name + "_count", labels, running)
+            metric.add_sample(fam.name + "_sum", labels, total)
+        return metric
+
+    def collect(self, taken: set[str]):
+        """Families to add to a page that already shows the names in ``taken``."""
+        self.counter_names = set()
+        for fam in self._merge().values():
+            try:
+                metric = self._render(fam)
+            except ValueError as e:
+                self._warn(f"invalid:{fam.name}", "custom metric family '%s' left out of "
+                           "/metrics: %s", fam.name, e)
+                continue
+            names = _exposed_names(metric)
+            clash = names & taken
+            if clash:
+                self._warn(f"clash:{fam.name}", "custom metric family '%s' left out of "
+                           "/metrics: %s already in use", fam.name, ", ".join(sorted(clash)))
+                continue
+            taken |= names
+            if fam.kind == MetricKind.COUNTER:
+                self.counter_names.add(fam.name)
+            yield metric
+
+
+class _Page:
+    """The one collector the registry holds: the built-in families, then the custom ones, which
+    need to know every name the built-in ones used in this same scrape."""
+
+    def __init__(self, builtin: list, custom: CustomCollector):
+        self.builtin, self.custom = builtin, custom
+
+    def collect(self):
+        taken: set[str] = set()
+        for collector in self.builtin:
+            for fam in collector.collect():
+                taken |= _exposed_names(fam)
+                yield fam
+        yield from self.custom.collect(taken)
+
+
 class MetricsApp:
     def __init__(self, client: EngineClient, sampler: SystemSampler | None,
                  counter_latencies: bool = True, histogram_latencies: bool = False):
         self.client = client
         self.registry = CollectorRegistry(auto_describe=False)
         self.inference = InferenceCollector(counter_latencies, histogram_latencies)
-        self.registry.register(self.inference)
-        if sampler is not None:
-            self.registry.register(sampler)
+        self.custom = CustomCollector()
+        builtin = [self.inference] if sampler is None else [self.inference, sampler]
+        self.registry.register(_Page(builtin, self.custom))
 
     def check_body_size(self, req, n):
         return ""
@@ -180,6 +337,8 @@ class MetricsApp:
             reply = await self.client.statistics()
             self.inference.models = reply.models
             self.inference.ipc = reply.ipc
+            self.custom.reports = reply.custom_metrics
         except asyncio.TimeoutError:
             log.warning("scheduler did not answer the statistics query in time")
-        conn.respond(req, 200, exposition(self.registry), "text/plain; charset=utf-8")
+        page = exposition(self.registry, self.custom)
+        conn.respond(req, 200, page, "text/plain; charset=utf-8")

@@ -16,8 +16,14 @@ from .catalog import ModelView
 from .errors import invalid
 from .shm_registry import ShmRegistry, SystemRegion
 
-# request parameters that steer the protocol layer and are not passed to the model
+# request parameters that steer the protocol layer (the only 'triton_' keys a request may send)
 PROTOCOL_PARAMS = ("binary_data_output", "triton_enable_empty_final_response")
+# parameters the server consumes (docs/triton-compat.md §1, "Request-level parameters"); every
+# other key reaches the model as a custom parameter, as in Triton
+RESERVED_PARAMS = frozenset(("sequence_id", "sequence_start", "sequence_end", "priority",
+                             "timeout", "headers", *PROTOCOL_PARAMS))
+# TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END, what request.flags() returns
+SEQUENCE_START, SEQUENCE_END = 1, 2
 
 
 @dataclass(slots=True)
@@ -97,15 +103,20 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         if o.name in wanted:
             raise invalid(f"output '{o.name}' is requested more than once")
         wanted[o.name] = o
-    for key in params:
-        if key.startswith("triton_") and key not in PROTOCOL_PARAMS:
-            raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' cannot "
-                          f"be set by a request")
-    priority = _unsigned(params, "priority")
-    timeout_us = _unsigned(params, "timeout")
-    model_params = {k: v for k, v in params.items() if k not in PROTOCOL_PARAMS}
+    priority = timeout_us = flags = 0
+    correlation_id: int | str = 0
+    model_params = params
+    if params:
+        for key in params:
+            if key.startswith("triton_") and key not in PROTOCOL_PARAMS:
+                raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' "
+                              f"cannot be set by a request")
+        priority = _unsigned(params, "priority")
+        timeout_us = _unsigned(params, "timeout")
+        correlation_id, flags = _sequence(params)
+        model_params = {k: v for k, v in params.items() if k not in RESERVED_PARAMS}
     payload = InferPayload(request_id, tensors, [OutputSpec(o.name, o.ref) for o in outputs],
-                           model_params)
+                           model_params, correlation_id, flags)
     for r in regions:
         r.in_use += 1
     return PreparedRequest(payload, batch, wanted, request_id, scratch, regions, priority,
@@ -117,6 +128,24 @@ def _unsigned(params: dict, key: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise invalid(f"request parameter '{key}' must be a non-negative integer, got {value!r}")
     return value
+
+
+def _sequence(params: dict) -> tuple[int | str, int]:
+    """The correlation id and START/END flags a request carries (request.correlation_id() and
+    request.flags() in a python model). A model without a sequence batcher sees them as sent."""
+    cid = params.get("sequence_id", 0)
+    if isinstance(cid, bool) or not isinstance(cid, (int, str)) or \
+            (isinstance(cid, int) and not 0 <= cid < 1 << 64):
+        raise invalid(f"request parameter 'sequence_id' must be an unsigned 64-bit integer or a "
+                      f"string, got {cid!r}")
+    flags = 0
+    for key, bit in (("sequence_start", SEQUENCE_START), ("sequence_end", SEQUENCE_END)):
+        value = params.get(key, False)
+        if not isinstance(value, bool):
+            raise invalid(f"request parameter '{key}' must be a boolean, got {value!r}")
+        if value:
+            flags |= bit
+    return cid, flags
 
 
 def shape_key(model: ModelView, tensors: list[Tensor]) -> str:

@@ -7,10 +7,9 @@ segment; unregistering only forgets it.
 """
 from __future__ import annotations
 
+import _posixshmem
 import os
 from dataclasses import dataclass
-
-import _posixshmem
 
 from shmserve.ipc.messages import ErrorCode, ShmRef
 from shmserve.ipc.shm import PREFIX

@@ -1,21 +1,13 @@
-"""The statistics extension (TRITON.md §1.11): the scheduler's counters as Triton's JSON and as
-gRPC ``ModelStatisticsResponse``."""
+"""The statistics extension (docs/triton-compat.md §1.11): the scheduler's counters as Triton's JSON and as
+gRPC ``ModelStatisticsResponse`` (the query itself is ``FrontendService.statistics``)."""
 from __future__ import annotations
 
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.ipc.messages import Duration, ErrorCode, ModelStatistics
-
-from .errors import InferError
+from shmserve.ipc.messages import Duration, ModelStatistics
 
 STAT_FIELDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
                "cache_hit", "cache_miss")
-
-
-def check(reply) -> list[ModelStatistics]:
-    if reply.error:
-        raise InferError(ErrorCode.INVALID_ARG, reply.error)
-    return reply.models
 
 
 def _d(d: Duration) -> dict:

@@ -10,9 +10,47 @@ rides inline is never decoded or re-encoded on the way to a worker.
 """
 from __future__ import annotations
 
+import enum
 from typing import Any, Union
 
 import msgspec
+
+
+# ---- the vocabulary: every field that names a state, an action or an error class is an enum
+# (msgspec encodes an enum by its value, so the wire carries the same short strings as before)
+class ErrorCode(str, enum.Enum):
+    """Triton's error classes; each frontend maps them to HTTP and gRPC status codes."""
+    INTERNAL = "INTERNAL"
+    NOT_FOUND = "NOT_FOUND"
+    INVALID_ARG = "INVALID_ARG"
+    UNAVAILABLE = "UNAVAILABLE"
+    UNSUPPORTED = "UNSUPPORTED"
+    UNKNOWN = "UNKNOWN"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    CANCELLED = "CANCELLED"
+
+
+class ModelState(str, enum.Enum):
+    """State of one model version, as the repository index reports it."""
+    UNKNOWN = "UNKNOWN"
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
+
+
+class StateCause(str, enum.Enum):
+    """Why a version is in the state it is in, where a client's decision depends on it (the
+    readiness rule treats an unloaded version as not failed); the reason text is for people."""
+    NONE = ""
+    UNLOADED = "unloaded"
+    LOAD_FAILED = "load_failed"
+    CRASH_LOOP = "crash_loop"
+
+
+class ControlAction(str, enum.Enum):
+    LOAD = "load"
+    UNLOAD = "unload"
 
 
 class ShmRef(msgspec.Struct, array_like=True, frozen=True):
@@ -41,9 +79,9 @@ class InferPayload(msgspec.Struct, array_like=True):
     request_id: str
     inputs: list[Tensor]
     outputs: list[OutputSpec]   # the outputs to produce, in response order
-    parameters: dict[str, Any] = {}
-    correlation_id: int | str = 0
-    flags: int = 0
+    parameters: dict[str, Any] = {}     # the request's custom parameters
+    correlation_id: int | str = 0       # sequence_id; 0 = none
+    flags: int = 0                      # SEQUENCE_START 1 | SEQUENCE_END 2
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------
@@ -66,7 +104,8 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
 
 
 class CancelRequest(msgspec.Struct, array_like=True, tag=5):
-    """The client went away: drop the request if it is still queued."""
+    """The client went away: the scheduler drops the request if it is still queued, and
+    forwards this message to the worker running it (``request.is_cancelled()``)."""
     frontend: int
     req_id: int
 
@@ -82,7 +121,7 @@ class ControlRequest(msgspec.Struct, array_like=True, tag=4):
     """Repository extension: load (or reload) / unload a model; answered when it is done."""
     frontend: int
     query_id: int
-    action: str                 # "load" | "unload"
+    action: ControlAction
     name: str
     config: str = ""            # load: JSON ModelConfig overriding config.pbtxt
     unload_dependents: bool = False
@@ -91,8 +130,9 @@ class ControlRequest(msgspec.Struct, array_like=True, tag=4):
 # ---- scheduler -> frontend -------------------------------------------------------------------
 class VersionInfo(msgspec.Struct, array_like=True):
     version: int
-    state: str                  # engine.states.ModelState name
+    state: ModelState
     reason: str = ""
+    cause: StateCause = StateCause.NONE
 
 
 class ModelInfo(msgspec.Struct, array_like=True):
@@ -148,7 +188,7 @@ class ModelStatistics(msgspec.Struct, array_like=True):
 class ControlReply(msgspec.Struct, array_like=True, tag=12):
     query_id: int
     error: str = ""
-    code: str = ""
+    code: ErrorCode | None = None
 
 
 class StatsReply(msgspec.Struct, array_like=True, tag=11):
@@ -156,6 +196,7 @@ class StatsReply(msgspec.Struct, array_like=True, tag=11):
     models: list[ModelStatistics]
     ipc: dict[str, int]
     error: str = ""
+    custom_metrics: list[CustomMetrics] = []     # python models' own metrics, per live worker
 
 
 # ---- scheduler -> worker ---------------------------------------------------------------------
@@ -196,24 +237,52 @@ class ForgetSegments(msgspec.Struct, array_like=True, tag=23):
 
 # ---- worker -> scheduler ---------------------------------------------------------------------
 class WorkerReady(msgspec.Struct, array_like=True, tag=30):
-    instance: int
+    spawn_id: int
     pid: int
     address: str
     config_json: str = ""       # the auto-completed config, when the worker was asked for it
 
 
 class Pong(msgspec.Struct, array_like=True, tag=33):
-    instance: int
+    spawn_id: int
     seq: int
 
 
 class WorkerLoadFailed(msgspec.Struct, array_like=True, tag=31):
-    instance: int
+    spawn_id: int
     reason: str
 
 
+class MetricKind(str, enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+class MetricSample(msgspec.Struct, array_like=True):
+    """One labelled metric of a python model's family: its value, or a histogram's state."""
+    labels: dict[str, str]
+    value: float = 0.0                  # counter / gauge
+    buckets: list[float] = []           # histogram upper bounds (without +Inf)
+    counts: list[int] = []              # histogram: per bucket, the last one is +Inf
+    sum: float = 0.0                    # histogram
+
+
+class MetricFamilyState(msgspec.Struct, array_like=True):
+    name: str
+    description: str
+    kind: MetricKind
+    metrics: list[MetricSample] = []
+
+
+class CustomMetrics(msgspec.Struct, array_like=True, tag=34):
+    """The whole current state of a worker's pb_utils.MetricFamily objects (replaces the last)."""
+    spawn_id: int
+    families: list[MetricFamilyState] = []
+
+
 class BatchDone(msgspec.Struct, array_like=True, tag=32):
-    instance: int
+    spawn_id: int
     batch_id: int
     failed: list[int] = []      # positions in the batch of requests that failed
     compute_input_ns: int = 0
@@ -228,7 +297,7 @@ class Wake(msgspec.Struct, array_like=True, tag=50):
 
 class ProcessExited(msgspec.Struct, array_like=True, tag=51):
     """The exit watcher saw the worker process of this spawn end."""
-    instance: int
+    spawn_id: int
 
 
 # ---- worker (or scheduler on a worker's behalf) -> frontend ----------------------------------
@@ -238,7 +307,7 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     version: int
     outputs: list[Tensor] = []
     error: str = ""
-    code: str = ""              # ErrorCode name when error is set
+    code: ErrorCode | None = None   # set with error
     worker: str = ""            # address to send ReleaseOutputs to when outputs use shm
     parameters: dict[str, Any] = {}
 
@@ -253,7 +322,7 @@ Message = Union[
     StatsReply,
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
-    BatchDone, InferResult, InferResults, Wake, ProcessExited,
+    BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -325,22 +394,10 @@ class InstanceSpec(msgspec.Struct):
 
 
 class WorkerArgs(msgspec.Struct):
-    instance: int               # spawn id, unique for the server's life
+    spawn_id: int               # unique for the server's life; names the worker's sockets
     parent: int
     run_dir: str
     scheduler: str
     segment_prefix: str
     spec: InstanceSpec
     log_verbose: int = 0
-
-
-class ErrorCode:
-    """Triton's error classes; the frontends map them to HTTP and gRPC status codes."""
-    INTERNAL = "INTERNAL"
-    NOT_FOUND = "NOT_FOUND"
-    INVALID_ARG = "INVALID_ARG"
-    UNAVAILABLE = "UNAVAILABLE"
-    UNSUPPORTED = "UNSUPPORTED"
-    UNKNOWN = "UNKNOWN"
-    ALREADY_EXISTS = "ALREADY_EXISTS"
-    CANCELLED = "CANCELLED"

@@ -1,10 +1,16 @@
-"""Process plumbing shared by every shmserve process: parent-death signal and flag-only handlers."""
+"""Process plumbing shared by every shmserve process: parent-death signal, flag-only handlers, and
+waking a loop that blocks when a stop signal arrives."""
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
 import sys
+from typing import Callable
+
+import zmq
+
+from . import channel, messages
 
 _PR_SET_PDEATHSIG = 1
 
@@ -22,14 +28,60 @@ def die_with_parent(expected_parent: int) -> None:
 
 
 class StopFlag:
-    """SIGTERM/SIGINT only set a flag; the process loop notices it and shuts down in order."""
+    """SIGTERM/SIGINT only set a flag; the process loop notices it and shuts down in order.
 
-    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT)):
+    ``on_signal(signum)`` runs on the first signal, after the flag is set: it wakes a loop that
+    blocks (see ``InboxWaker``), so the flag is seen at once instead of at the next timeout.
+    ``on_repeat(signum)`` runs on every later signal: the operator insists, force the exit.
+    Both run as Python-level handlers, in the main thread between bytecodes; on Linux a
+    process-directed signal interrupts the main thread's blocking call (EINTR), so the handler
+    runs while the loop is still blocked, not after it wakes.
+    """
+
+    def __init__(self, signals=(signal.SIGTERM, signal.SIGINT),
+                 on_signal: Callable[[int], None] | None = None,
+                 on_repeat: Callable[[int], None] | None = None):
         self.set = False
         self.signum = 0
+        self.on_signal = on_signal
+        self.on_repeat = on_repeat
         for s in signals:
             signal.signal(s, self._handler)
 
     def _handler(self, signum, frame):
+        if self.set:
+            if self.on_repeat is not None:
+                self.on_repeat(signum)
+            return
         self.set = True
         self.signum = signum
+        if self.on_signal is not None:
+            self.on_signal(signum)
+
+
+class InboxWaker:
+    """An ``on_signal`` for a loop that blocks in ``Inbox.recv``: posts ``Wake`` into that inbox.
+
+    It connects a PUSH socket to an inproc endpoint; the owner binds its inbox to it as well
+    (``inbox.bind_also(waker.address)``, before or after: inproc allows either order). The loop's
+    blocking receive then ends with a ``Wake`` and the loop sees the stop flag. Nothing is added
+    to the receive path: the loop keeps one socket and one blocking receive.
+
+    Call ``close`` before the ZeroMQ context is terminated.
+    """
+
+    def __init__(self, name: str):
+        self.address = f"inproc://{name}-signal"
+        self.socket = channel.context().socket(zmq.PUSH)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(self.address)
+        self._wake = messages.encode(messages.Wake())
+
+    def __call__(self, signum: int = 0) -> None:
+        try:
+            self.socket.send(self._wake, zmq.NOBLOCK)
+        except zmq.ZMQError:    # a full inbox is awake anyway; a closed socket: we are exiting
+            pass
+
+    def close(self) -> None:
+        self.socket.close(0)

@@ -10,13 +10,12 @@ killed server left behind.
 """
 from __future__ import annotations
 
+import _posixshmem
 import mmap
 import os
 import secrets
 import time
 from dataclasses import dataclass
-
-import _posixshmem
 
 from .messages import ShmRef
 

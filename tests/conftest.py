@@ -5,9 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serverproc import REPO_ROOT, Server  # noqa: E402
-
 from repo_builder import build_test_repository  # noqa: E402
+from serverproc import REPO_ROOT, Server  # noqa: E402
 
 
 def _nvml_gpu_count() -> int:

@@ -1,5 +1,5 @@
 """Auto-complete of a model configuration, run inside the worker (which has the model open
-anyway), as Triton's backends do (TRITON.md §3.4). The scheduler takes the result from the
+anyway), as Triton's backends do (docs/triton-compat.md §3.4). The scheduler takes the result from the
 worker's WorkerReady; user code never runs in the scheduler.
 """
 from __future__ import annotations

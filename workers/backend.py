@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from shmserve.ipc.messages import InstanceSpec
+from shmserve.ipc.messages import ErrorCode, InstanceSpec
 
 
 @dataclass(slots=True)
@@ -18,13 +18,14 @@ class WorkRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     correlation_id: int | str = 0
     flags: int = 0
+    cancel_key: tuple[int, int] | None = None   # (frontend, req_id): what a CancelRequest names
 
 
 @dataclass(slots=True)
 class WorkResponse:
     outputs: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # name, datatype, data
     error: str = ""
-    code: str = ""
+    code: ErrorCode | None = None
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
@@ -38,10 +39,13 @@ class BackendLoadError(Exception):
     pass
 
 
-def load_backend(spec: InstanceSpec) -> Backend:
+def load_backend(spec: InstanceSpec,
+                 poll_cancelled: Callable[[tuple[int, int]], bool] | None = None) -> Backend:
+    """``poll_cancelled(cancel_key)`` tells whether a running request's client has gone; only
+    the python backend can use it (``request.is_cancelled()``)."""
     if spec.backend == "python":
         from .python_backend import PythonBackend
-        return PythonBackend(spec)
+        return PythonBackend(spec, poll_cancelled)
     if spec.backend == "onnxruntime":
         from .onnx_backend import OnnxBackend
         return OnnxBackend(spec)

@@ -10,31 +10,61 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
+from collections import deque
 
 import msgspec
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (BatchDone, ErrorCode, ExecuteBatch, ForgetSegments, InferResult,
-                                   InferResults,
-                                   Ping, Pong, ReleaseOutputs,
-                                   Shutdown, WorkerArgs, WorkerLoadFailed, WorkerReady,
-                                   decode_payload)
-from shmserve.ipc.proc import StopFlag, die_with_parent
+from shmserve.ipc.messages import (
+    BatchDone,
+    CancelRequest,
+    CustomMetrics,
+    ErrorCode,
+    ExecuteBatch,
+    ForgetSegments,
+    InferResult,
+    InferResults,
+    Ping,
+    Pong,
+    ReleaseOutputs,
+    Shutdown,
+    Wake,
+    WorkerArgs,
+    WorkerLoadFailed,
+    WorkerReady,
+    decode_payload,
+)
+from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import autocomplete, tensors, warmup
+from . import autocomplete, pb_metrics, tensors, warmup
 from .backend import WorkRequest, load_backend
 
 log = logging.getLogger("shmserve.worker")
+
+# Custom metrics (pb_utils.MetricFamily) go to the scheduler at most this often under load, so a
+# model that updates them on every request costs one small message per interval, not per batch.
+METRICS_INTERVAL_S = 0.1
+_METRICS_WAIT_MS = 100
+# How long the loop blocks when nothing is due. Signals and messages end the wait at once; the
+# timeout only lets metrics changed by a model's own threads reach /metrics within a second.
+IDLE_TIMEOUT_MS = 1000
+_POLLIN = int(zmq.POLLIN)
+_EVENTS = int(zmq.EVENTS)
+
+
+def _ignore(msg) -> None:
+    pass
 
 
 class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
-        self.inbox = channel.Inbox(channel.address(args.run_dir, f"w{args.instance}"))
+        self.inbox = channel.Inbox(channel.address(args.run_dir, f"w{args.spawn_id}"))
         self.scheduler = channel.Outbox(args.scheduler)
         self.frontends: dict[int, channel.Outbox] = {}
         self.arena = ShmArena(args.segment_prefix)
@@ -42,6 +72,17 @@ class Worker:
         self.spec = args.spec
         self.reshapes = tensors.Reshapes(json.loads(args.spec.config_json))
         self.backend = None
+        # messages that request.is_cancelled() read while execute() ran; handled first, in order
+        self.backlog: deque = deque()
+        self.running = None                     # routes of the batch inside execute()
+        self.cancelled: set[tuple[int, int]] = set()   # of those, the ones whose client left
+        self.metrics_due = 0.0                  # the first custom-metrics message goes at once
+        self.main_thread = threading.get_ident()
+        # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
+        # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
+        # longer running needs nothing
+        self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
+                         Ping: self.pong, Wake: _ignore, CancelRequest: _ignore}
 
     def frontend(self, fid: int) -> channel.Outbox:
         box = self.frontends.get(fid)
@@ -56,7 +97,7 @@ class Worker:
                 self.spec.config_json = autocomplete.complete(
                     self.spec.config_json, self.spec.backend, self.spec.model_dir,
                     self.spec.version)
-            self.backend = load_backend(self.spec)
+            self.backend = load_backend(self.spec, self.poll_cancelled)
             self.reshapes = tensors.Reshapes(json.loads(self.spec.config_json))
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
@@ -64,34 +105,101 @@ class Worker:
             log.error("loading %s failed: %s", self.spec.instance_name, reason)
             if self.args.log_verbose:
                 traceback.print_exc()
-            self.scheduler.send(WorkerLoadFailed(self.args.instance, reason))
+            self.scheduler.send(WorkerLoadFailed(self.args.spawn_id, reason))
             return False
         completed = self.spec.config_json if self.spec.auto_complete else ""
-        self.scheduler.send(WorkerReady(self.args.instance, os.getpid(), self.inbox.address,
+        # before WorkerReady, on the same socket: a client that sees the model ready finds the
+        # families initialize() created on /metrics
+        self.send_metrics()
+        self.scheduler.send(WorkerReady(self.args.spawn_id, os.getpid(), self.inbox.address,
                                         completed))
         return True
 
     def run(self, stop: StopFlag) -> None:
         # One socket: a blocking receive wakes straight into the message, which is cheaper than
-        # a poll followed by a non-blocking receive (bench/zmq_options.py).
-        self.inbox.set_timeout(1000)
+        # a poll followed by a non-blocking receive (bench/zmq_options.py). A stop signal ends
+        # the receive with a Wake (InboxWaker).
+        inbox, backlog, registry = self.inbox, self.backlog, pb_metrics.REGISTRY
+        armed = None
         while not stop.set:
-            try:
-                msg, frames = self.inbox.recv()
-            except zmq.Again:
-                continue
-            if isinstance(msg, ExecuteBatch):
+            if backlog:
+                msg, frames = backlog.popleft()
+            else:
+                # metrics waiting for the rate limit need a wake-up; otherwise nothing is due
+                ms = _METRICS_WAIT_MS if registry.dirty else IDLE_TIMEOUT_MS
+                if ms != armed:
+                    inbox.set_timeout(ms)
+                    armed = ms
+                try:
+                    msg, frames = inbox.recv()
+                except zmq.Again:
+                    self.send_metrics()
+                    continue
+            kind = type(msg)
+            if kind is ExecuteBatch:
                 self.execute(msg, frames)
-            elif isinstance(msg, ReleaseOutputs):
-                for ref in msg.refs:
-                    self.arena.free(ref)
-            elif isinstance(msg, ForgetSegments):
-                for name in msg.segments:
-                    self.maps.forget(name)
-            elif isinstance(msg, Ping):
-                self.scheduler.send(Pong(self.args.instance, msg.seq))
-            elif isinstance(msg, Shutdown):
+            elif kind is Shutdown:
                 return
+            else:
+                handler = self.handlers.get(kind)
+                if handler is None:
+                    log.warning("ignoring an unexpected %s", kind.__name__)
+                else:
+                    handler(msg)
+            if registry.dirty:
+                self.send_metrics()
+
+    def release_outputs(self, msg: ReleaseOutputs) -> None:
+        for ref in msg.refs:
+            self.arena.free(ref)
+
+    def forget(self, msg: ForgetSegments) -> None:
+        for name in msg.segments:
+            self.maps.forget(name)
+
+    def pong(self, msg: Ping) -> None:
+        self.scheduler.send(Pong(self.args.spawn_id, msg.seq))
+
+    def send_metrics(self) -> None:
+        """Ship the custom metrics if they changed, at most once per METRICS_INTERVAL_S."""
+        now = time.monotonic()
+        if now < self.metrics_due:
+            return
+        families = pb_metrics.snapshot_if_dirty()
+        if families is not None:
+            self.scheduler.send(CustomMetrics(self.args.spawn_id, families))
+            self.metrics_due = now + METRICS_INTERVAL_S
+
+    def poll_cancelled(self, key: tuple[int, int]) -> bool:
+        """request.is_cancelled(): read what has arrived without blocking, note CancelRequests
+        for the running batch, keep everything else for the loop. No thread is needed, and the
+        cost falls only on models that ask.
+
+        The scheduler sends a worker one batch at a time, so a CancelRequest for anything but
+        the running batch is late (its request has finished) and is dropped; ``cancelled``
+        holds keys of the running batch only and is cleared after it.
+
+        Only the main thread touches the socket (ZeroMQ sockets are single-threaded, and after
+        execute() returns the loop owns it again); a model's own threads see what it recorded."""
+        if self.running is None:
+            return False
+        if threading.get_ident() != self.main_thread:
+            return key in self.cancelled
+        inbox = self.inbox
+        sock = inbox.socket
+        while sock.get(_EVENTS) & _POLLIN:
+            try:
+                msg, frames = inbox.recv(channel.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(msg, CancelRequest):
+                routes = self.running
+                if routes and any(r.req_id == msg.req_id and r.frontend == msg.frontend
+                                  for r in routes):
+                    self.cancelled.add((msg.frontend, msg.req_id))
+            else:
+                self.backlog.append((msg, frames))
+        return key in self.cancelled
 
     def execute(self, batch: ExecuteBatch, frames) -> None:
         clock = time.monotonic_ns
@@ -105,8 +213,10 @@ class Worker:
                 for t in p.inputs:
                     inputs[t.name] = self.reshapes.model_input(t.name, tensors.to_numpy(t, self.maps))
                     types[t.name] = t.datatype
+                route = batch.routes[i]
                 work.append(WorkRequest(inputs, types, [o.name for o in p.outputs], p.request_id,
-                                        p.parameters, p.correlation_id, p.flags))
+                                        p.parameters, p.correlation_id, p.flags,
+                                        (route.frontend, route.req_id)))
                 ready.append(i)
                 targets.append({o.name: o.shm for o in p.outputs if o.shm is not None})
             except (ShmError, ValueError, msgspec.DecodeError) as e:
@@ -114,6 +224,7 @@ class Worker:
                                         ErrorCode.INVALID_ARG)
         t1 = t2 = clock()
         if work:
+            self.running = batch.routes
             try:
                 responses = self.backend.execute(work)
                 t2 = clock()
@@ -123,6 +234,10 @@ class Worker:
                 for i in ready:
                     results[i] = self.error(batch.routes[i].req_id, f"execute failed: {e}",
                                             ErrorCode.INTERNAL)
+            finally:
+                self.running = None
+                if self.cancelled:
+                    self.cancelled.clear()
             if responses is None:
                 t2 = clock()
             else:
@@ -137,10 +252,10 @@ class Worker:
             by_frontend.setdefault(route.frontend, []).append(res)
         for fid, answers in by_frontend.items():
             self.frontend(fid).send(answers[0] if len(answers) == 1 else InferResults(answers))
-        self.scheduler.send(BatchDone(self.args.instance, batch.batch_id, failed,
+        self.scheduler.send(BatchDone(self.args.spawn_id, batch.batch_id, failed,
                                       t1 - t0, t2 - t1, t3 - t2))
 
-    def error(self, req_id: int, message: str, code: str) -> InferResult:
+    def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
 
     def result(self, req_id: int, resp, targets: dict) -> InferResult:
@@ -172,7 +287,7 @@ class Worker:
             if t.shm is not None and t.name not in targets:
                 self.arena.free(t.shm)
 
-    def close(self) -> None:
+    def close(self, waker: InboxWaker | None = None) -> None:
         if self.backend is not None:
             try:
                 self.backend.finalize()
@@ -182,9 +297,17 @@ class Worker:
         self.maps.close()
         # give queued messages (a load failure, the last BatchDone) a moment to leave
         self.inbox.close()
+        if waker is not None:
+            waker.close()           # every socket must be closed before the context ends
         for box in [self.scheduler, *self.frontends.values()]:
             box.socket.close(linger=2000)
         channel.context().term()
+
+
+def _exit_now(signum: int) -> None:
+    log.warning("second %s: exiting at once, without finishing the batch",
+                signal.Signals(signum).name)
+    os._exit(1)
 
 
 def main() -> None:
@@ -193,13 +316,20 @@ def main() -> None:
     logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
                         format=f"%(asctime)s worker {args.spec.instance_name} %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C; we obey Shutdown
-    stop = StopFlag(signals=(signal.SIGTERM,))
+    waker = InboxWaker(f"w{args.spawn_id}")
+
+    def on_sigterm(signum: int) -> None:
+        waker(signum)
+        log.info("SIGTERM: stopping after the current batch (a second SIGTERM exits at once)")
+
+    stop = StopFlag(signals=(signal.SIGTERM,), on_signal=on_sigterm, on_repeat=_exit_now)
     worker = Worker(args)
+    worker.inbox.bind_also(waker.address)
     try:
         if worker.load():
             worker.run(stop)
     finally:
-        worker.close()
+        worker.close(waker)
     os._exit(0)
 
 

@@ -6,6 +6,8 @@ import os
 
 import numpy as np
 
+from shmserve.ipc.messages import ErrorCode
+
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 
 _ORT_TYPES = {
@@ -76,7 +78,7 @@ class OnnxBackend:
         try:
             results = self.session.run(self.output_names, feeds)
         except Exception as e:
-            return [WorkResponse(error=f"onnxruntime execution failed: {e}", code="INTERNAL")
+            return [WorkResponse(error=f"onnxruntime execution failed: {e}", code=ErrorCode.INTERNAL)
                     for _ in requests]
         out, start = [], 0
         for r in requests:
@@ -89,7 +91,7 @@ class OnnxBackend:
         try:
             results = self.session.run(self.output_names, r.inputs)
         except Exception as e:
-            return WorkResponse(error=f"onnxruntime execution failed: {e}", code="INTERNAL")
+            return WorkResponse(error=f"onnxruntime execution failed: {e}", code=ErrorCode.INTERNAL)
         return self._response(r, results)
 
     def _response(self, r: WorkRequest, results) -> WorkResponse:

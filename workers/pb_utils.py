@@ -5,17 +5,18 @@ a repository ``model.py``, so unmodified Triton python models run against it.  E
 tensors wrap numpy arrays, and the worker moves them through shared memory itself.
 """
 
-import bisect
 import enum
 import json
 import logging
 import struct
-import threading
 
 import numpy as np
+from ml_dtypes import bfloat16
 
 from shmserve.ipc import dtypes as _dtypes
-from ml_dtypes import bfloat16
+
+from .pb_errors import TritonError, TritonModelException  # noqa: F401  (part of the API)
+from .pb_metrics import MetricFamily  # noqa: F401  (part of the API)
 
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_START = 1
 TRITONSERVER_REQUEST_FLAG_SEQUENCE_END = 2
@@ -92,22 +93,6 @@ def deserialize_bytes_tensor(encoded_tensor):
     if isinstance(buf, np.ndarray) and buf.dtype == np.object_:
         buf = buf.item()  # tritonclient's serializer returns a 0-d object array holding the bytes
     return _dtypes.deserialize_bytes(buf)
-
-
-class TritonModelException(Exception):
-    def message(self): return str(self.args[0]) if self.args else ""
-
-
-class TritonError:
-    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
-
-    def __init__(self, message, code=INTERNAL):
-        self._message, self._code = str(message), int(code)
-
-    def message(self): return self._message
-    def code(self): return self._code
-    def __repr__(self): return f"TritonError({self._message!r}, code={self._code})"
-    __str__ = message
 
 
 def _to_bytes_object_array(arr):
@@ -210,7 +195,7 @@ class PreferredMemory:
 class InferenceRequest:
     __slots__ = ("_inputs", "_requested_output_names", "_request_id", "_correlation_id", "_flags",
                  "_parameters", "_model_name", "_model_version", "_timeout", "_preferred_memory",
-                 "_trace", "_release_flags")
+                 "_trace", "_release_flags", "_cancel_key", "_poll_cancelled")
 
     def __init__(self, model_name="", requested_output_names=(), inputs=(), request_id="", correlation_id=0,
                  model_version=-1, flags=0, timeout=0, preferred_memory=None, trace=None, parameters=None):
@@ -227,17 +212,20 @@ class InferenceRequest:
         self._model_name, self._model_version = str(model_name), int(model_version)
         self._timeout, self._preferred_memory, self._trace = int(timeout), preferred_memory, trace
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        self._cancel_key = self._poll_cancelled = None  # a request the model builds has no client
 
     @classmethod
     def _from_worker(cls, inputs, requested_output_names, request_id, correlation_id, flags,
-                     parameters_json, model_name, model_version):
-        """Trusted path for the worker: no validation, no copies; parameters_json must be a JSON string."""
+                     parameters_json, model_name, model_version, cancel_key=None, poll_cancelled=None):
+        """Trusted path for the worker: no validation, no copies; parameters_json must be a JSON string.
+        ``poll_cancelled(cancel_key)`` asks the worker whether this request's client has gone."""
         r = cls.__new__(cls)
         r._inputs, r._requested_output_names = inputs, requested_output_names
         r._request_id, r._correlation_id, r._flags = request_id, correlation_id, flags
         r._parameters, r._model_name, r._model_version = parameters_json or "{}", model_name, model_version
         r._timeout, r._preferred_memory, r._trace = 0, None, None
         r._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
+        r._cancel_key, r._poll_cancelled = cancel_key, poll_cancelled
         return r
 
     def inputs(self): return self._inputs
@@ -251,7 +239,13 @@ class InferenceRequest:
     def model_name(self): return self._model_name
     def model_version(self): return self._model_version
     def trace(self): return self._trace
-    def is_cancelled(self): return False
+
+    def is_cancelled(self):
+        # The worker is single-threaded and busy in execute(); asking reads its inbox (without
+        # blocking) for the CancelRequest the scheduler forwards when the client goes away.
+        poll = self._poll_cancelled
+        return poll is not None and poll(self._cancel_key)
+
     def set_release_flags(self, flags): self._release_flags = int(flags)
     def get_response_sender(self): raise TritonModelException("decoupled mode is not supported yet")
     def exec(self, decoupled=False): raise TritonModelException("BLS (request.exec) is not supported yet")
@@ -383,60 +377,6 @@ class ModelConfig:
             raise ValueError(f"model '{self._model()}': auto_complete_config cannot change decoupled, "
                              f"which the configuration sets to {policy['decoupled']}")
         policy.update(transaction_policy_dict)
-
-
-class MetricFamily:
-    COUNTER, GAUGE, HISTOGRAM = range(3)
-    _registry: dict = {}  # name -> family, process-wide so that a later exporter can walk it
-
-    def __init__(self, name, description, kind):
-        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
-            raise ValueError(f"metric family '{name}': kind must be COUNTER, GAUGE or HISTOGRAM")
-        self.name, self.description, self.kind, self._metrics = name, description, kind, {}
-        first = MetricFamily._registry.setdefault(name, self)
-        if first.kind != kind:
-            raise ValueError(f"metric family '{name}' already exists with a different kind")
-        self._metrics = first._metrics  # Triton: the same name (and labels) is the same metric
-
-    def Metric(self, labels=None, buckets=None):
-        labels = {str(k): str(v) for k, v in (labels or {}).items()}
-        if (self.kind == self.HISTOGRAM) != bool(buckets):
-            raise ValueError(f"metric family '{self.name}': buckets are required for, and only for, histograms")
-        m = _Metric(self, labels, sorted(float(b) for b in buckets) if buckets else None)
-        return self._metrics.setdefault(tuple(sorted(labels.items())), m)
-
-
-class _Metric:
-    def __init__(self, family, labels, buckets):
-        self.family, self.labels, self.buckets = family, labels, buckets
-        self._value, self._sum, self._count = 0.0, 0.0, 0
-        self._bucket_counts = [0] * (len(buckets) + 1) if buckets else None  # last slot is +Inf
-        self._lock = threading.Lock()
-
-    def _require(self, op, *kinds):
-        if self.family.kind not in kinds:
-            raise TritonModelException(f"metric '{self.family.name}': {op} is not supported for this kind")
-
-    def increment(self, value):
-        self._require("increment", MetricFamily.COUNTER, MetricFamily.GAUGE)
-        if self.family.kind == MetricFamily.COUNTER and value < 0:
-            raise TritonModelException(f"metric '{self.family.name}': a counter cannot be decremented")
-        with self._lock:
-            self._value += value
-
-    def set(self, value):
-        self._require("set", MetricFamily.GAUGE)
-        self._value = float(value)
-
-    def observe(self, value):
-        self._require("observe", MetricFamily.HISTOGRAM)
-        with self._lock:
-            self._sum, self._count = self._sum + value, self._count + 1
-            self._bucket_counts[bisect.bisect_left(self.buckets, value)] += 1
-
-    def value(self):
-        self._require("value", MetricFamily.COUNTER, MetricFamily.GAUGE)
-        return self._value
 
 
 def _not_yet(what):

@@ -14,23 +14,29 @@ import sys
 
 import numpy as np
 
+from shmserve.ipc.messages import ErrorCode
+
 from . import autocomplete, pb_utils
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 
+# pb_utils.TritonError's numbers are the order of ErrorCode's members
 _CODE_NAMES = {
-    pb_utils.TritonError.UNKNOWN: "UNKNOWN", pb_utils.TritonError.INTERNAL: "INTERNAL",
-    pb_utils.TritonError.NOT_FOUND: "NOT_FOUND", pb_utils.TritonError.INVALID_ARG: "INVALID_ARG",
-    pb_utils.TritonError.UNAVAILABLE: "UNAVAILABLE", pb_utils.TritonError.UNSUPPORTED: "UNSUPPORTED",
-    pb_utils.TritonError.ALREADY_EXISTS: "ALREADY_EXISTS",
-    pb_utils.TritonError.CANCELLED: "CANCELLED",
+    pb_utils.TritonError.UNKNOWN: ErrorCode.UNKNOWN, pb_utils.TritonError.INTERNAL: ErrorCode.INTERNAL,
+    pb_utils.TritonError.NOT_FOUND: ErrorCode.NOT_FOUND,
+    pb_utils.TritonError.INVALID_ARG: ErrorCode.INVALID_ARG,
+    pb_utils.TritonError.UNAVAILABLE: ErrorCode.UNAVAILABLE,
+    pb_utils.TritonError.UNSUPPORTED: ErrorCode.UNSUPPORTED,
+    pb_utils.TritonError.ALREADY_EXISTS: ErrorCode.ALREADY_EXISTS,
+    pb_utils.TritonError.CANCELLED: ErrorCode.CANCELLED,
 }
 
 
 class PythonBackend:
-    def __init__(self, spec: InstanceSpec):
+    def __init__(self, spec: InstanceSpec, poll_cancelled=None):
         self.spec = spec
+        self.poll_cancelled = poll_cancelled
         version_dir = os.path.join(spec.model_dir, str(spec.version))
         cfg = json.loads(spec.config_json)
         path = os.path.join(version_dir, cfg.get("default_model_filename") or "model.py")
@@ -83,7 +89,7 @@ class PythonBackend:
             pb_requests.append(pb_utils.InferenceRequest._from_worker(
                 tensors, r.requested_outputs, r.request_id, r.correlation_id, r.flags,
                 json.dumps(r.parameters) if r.parameters else "{}",
-                self.spec.model_name, self.spec.version))
+                self.spec.model_name, self.spec.version, r.cancel_key, self.poll_cancelled))
         try:
             responses = self.model.execute(pb_requests)
             if self.is_async:
@@ -92,22 +98,22 @@ class PythonBackend:
         except Exception as e:
             msg = f"Failed to process the request(s) for model '{self.spec.model_name}', " \
                   f"message: {type(e).__name__}: {e}"
-            return [WorkResponse(error=msg, code="INTERNAL") for _ in requests]
+            return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests]
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             msg = f"execute() of model '{self.spec.model_name}' must return a list of " \
                   f"{len(requests)} InferenceResponse objects, got {n}"
-            return [WorkResponse(error=msg, code="INTERNAL") for _ in requests]
+            return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests]
         return [self._convert(req, resp) for req, resp in zip(requests, responses)]
 
     def _convert(self, req: WorkRequest, resp) -> WorkResponse:
         if not isinstance(resp, pb_utils.InferenceResponse):
             return WorkResponse(error=f"execute() of model '{self.spec.model_name}' returned "
                                       f"{type(resp).__name__} instead of InferenceResponse",
-                                code="INTERNAL")
+                                code=ErrorCode.INTERNAL)
         if resp.has_error():
             err = resp.error()
-            return WorkResponse(error=err.message(), code=_CODE_NAMES.get(err.code(), "INTERNAL"))
+            return WorkResponse(error=err.message(), code=_CODE_NAMES.get(err.code(), ErrorCode.INTERNAL))
         produced = {t.name(): t for t in resp.output_tensors()}
         wanted = req.requested_outputs or list(produced)
         outputs = []
@@ -115,7 +121,7 @@ class PythonBackend:
             t = produced.get(name)
             if t is None:
                 return WorkResponse(error=f"model '{self.spec.model_name}' did not produce "
-                                          f"requested output '{name}'", code="INTERNAL")
+                                          f"requested output '{name}'", code=ErrorCode.INTERNAL)
             arr = t.as_numpy()
             datatype = t.datatype()
             if datatype == "UINT16" and self.output_types.get(name) == "TYPE_BF16":

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-
 from serverproc import Server, wait_for
 
 PY_AUTOCOMPLETE = textwrap.dedent('''

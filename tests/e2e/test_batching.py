@@ -7,9 +7,8 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
-from tritonclient.utils import InferenceServerException
-
 from serverproc import model_sleeping, wait_for
+from tritonclient.utils import InferenceServerException
 
 
 @pytest.fixture(scope="module")

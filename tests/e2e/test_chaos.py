@@ -7,9 +7,8 @@ import time
 
 import numpy as np
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from serverproc import Server, alive, descendants, segments_of, wait_for
+from tritonclient.utils import InferenceServerException
 
 DURATION_S = 20.0
 KILL_EVERY_S = 2.0

@@ -6,12 +6,10 @@ import time
 
 import numpy as np
 import pytest
-import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 import requests
-
+import tritonclient.http as httpclient
 from serverproc import Server, alive, wait_for
+from tritonclient.utils import InferenceServerException
 
 
 def _faulty(client, value: int):
@@ -222,11 +220,11 @@ def test_reload_brings_a_crash_looping_model_back(tmp_path):
     from repo_builder import write_model
     marker = tmp_path / "crash-now"
     marker.write_text("1")
-    write_model(str(tmp_path / "repo"), "flaky", f"""
+    write_model(str(tmp_path / "repo"), "flaky", """
         backend: "python"
         max_batch_size: 0
-        input [ {{ name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] }} ]
-        output [ {{ name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] }} ]
+        input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
     """, "import os\nimport triton_python_backend_utils as pb_utils\n\n"
          "class TritonPythonModel:\n    def execute(self, requests):\n"
          f"        if os.path.exists({str(marker)!r}):\n            os._exit(9)\n"

@@ -7,7 +7,6 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
-
 from serverproc import Server, wait_for
 
 

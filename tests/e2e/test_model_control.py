@@ -12,9 +12,8 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from tritonclient.utils import InferenceServerException
-
 from serverproc import Server, alive, descendants, segments_of, send_sleeping, wait_for
+from tritonclient.utils import InferenceServerException
 
 GENERATION_MODEL = textwrap.dedent('''
     import json

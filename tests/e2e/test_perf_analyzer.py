@@ -4,7 +4,6 @@ import os
 import subprocess
 
 import pytest
-
 from serverproc import REPO_ROOT
 
 CACHE = os.path.expanduser("~/.cache/shmserve-tools")

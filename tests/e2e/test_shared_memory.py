@@ -8,10 +8,10 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from tritonclient.utils import InferenceServerException
-
 from serverproc import Server, model_sleeping, wait_for
 from test_data_path import ipc_metrics
+from tritonclient.utils import InferenceServerException
+
 from shmserve.ipc.channel import INLINE_LIMIT
 
 PROTOCOLS = ["http", "grpc"]
@@ -110,7 +110,7 @@ def test_many_regions_and_large_tensors_stay_off_the_sockets(server, proto, regi
     _, mod, c = proto
     n = 4 << 20          # 16 MiB of FP32
     rng = np.random.default_rng(5)
-    for k in range(3):
+    for _ in range(3):
         x = rng.standard_normal((1, n)).astype(np.float32)
         inr, outr = regions(x.nbytes), regions(x.nbytes)
         shm.set_shared_memory_region(inr.handle, [x])

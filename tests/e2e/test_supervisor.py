@@ -7,7 +7,6 @@ import sys
 import textwrap
 
 import requests
-
 from serverproc import REPO_ROOT, alive, descendants, wait_for
 
 

@@ -4,7 +4,6 @@ import textwrap
 
 import numpy as np
 import requests
-
 from serverproc import Server, wait_for
 
 RECORDER = textwrap.dedent('''

@@ -1,4 +1,4 @@
-"""DynamicBatcher (TRITON.md §5.2): a pure queue driven with a fake clock, no processes, no sleeps."""
+"""DynamicBatcher (docs/triton-compat.md §5.2): a pure queue driven with a fake clock, no processes, no sleeps."""
 import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc

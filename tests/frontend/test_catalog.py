@@ -8,7 +8,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from shmserve.engine.model_config import normalize
 from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
-from shmserve.ipc.messages import ErrorCode, ModelInfo, ModelTable, VersionInfo
+from shmserve.ipc.messages import ErrorCode, ModelInfo, ModelState, ModelTable, StateCause, VersionInfo
 
 CONFIG = '''
 backend: "python"
@@ -29,7 +29,7 @@ def table(startup_done=True):
         ModelInfo("simple", config_bytes("simple"), [VersionInfo(1, "READY"), VersionInfo(2, "UNAVAILABLE", "load failed: boom"),
                                                      VersionInfo(3, "READY"), VersionInfo(4, "LOADING")]),
         ModelInfo("onnx", config_bytes("onnx", CONFIG.replace("python", "onnxruntime").replace("max_batch_size: 8", "max_batch_size: 0")),
-                  [VersionInfo(1, "UNAVAILABLE", "unloaded")]),
+                  [VersionInfo(1, ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)]),
         ModelInfo("broken", b"", [VersionInfo(-1, "UNAVAILABLE", "failed to parse config.pbtxt: x")]),
         ModelInfo("loading", config_bytes("loading"), [VersionInfo(1, "LOADING")]),
     ], startup_done=startup_done)
@@ -146,7 +146,7 @@ def test_server_ready():
     assert not c.server_ready(strict=True)      # 'broken', 'loading' and simple v2/v4 are not ready
     ok = ModelTable([
         ModelInfo("a", config_bytes("a"), [VersionInfo(1, "READY"), VersionInfo(2, "READY")]),
-        ModelInfo("b", config_bytes("b"), [VersionInfo(1, "UNAVAILABLE", "unloaded")]),
+        ModelInfo("b", config_bytes("b"), [VersionInfo(1, ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)]),
     ], startup_done=True)
     c.update(ok)
     assert c.server_ready(strict=True)           # explicitly unloaded versions do not count

@@ -47,7 +47,7 @@ MESSAGES = [
     m.ReleaseOutputs([REF, m.ShmRef("seg", 0, 0)]),
     m.ForgetSegments(["shmtest_a", "shmtest_b"]),
     m.InferResults([m.InferResult(1, "a", 1), m.InferResult(2, "a", 1, error="x", code="INTERNAL")]),
-    m.WorkerReady(instance=4, pid=1234, address="ipc:///tmp/w4"),
+    m.WorkerReady(spawn_id=4, pid=1234, address="ipc:///tmp/w4"),
     m.WorkerLoadFailed(4, "ImportError: no module named foo"),
     m.BatchDone(4, 7),
     m.BatchDone(4, 8, failed=[0, 2], compute_input_ns=5, compute_infer_ns=6, compute_output_ns=7),
@@ -55,7 +55,27 @@ MESSAGES = [
     m.InferResult(2, "simple", 3, outputs=TENSORS, worker="ipc:///tmp/w4",
                   parameters={"sequence_id": 5, "note": "é", "flag": True, "ratio": 0.5}),
     m.InferResult(3, "simple", 1, error="model raised", code=m.ErrorCode.INTERNAL),
+    m.CustomMetrics(4, [m.MetricFamilyState("requests_total", "requests seen", m.MetricKind.COUNTER,
+                                            [m.MetricSample({"model": "a"}, 3.0)]),
+                        m.MetricFamilyState("latency", "s", m.MetricKind.HISTOGRAM,
+                                            [m.MetricSample({}, buckets=[0.1, 1.0],
+                                                            counts=[1, 2, 0], sum=1.5)])]),
 ]
+
+
+def test_vocabulary_decodes_to_enums():
+    """States, actions and error codes arrive as enum members, never as bare strings, so a
+    decision compares members; an unknown value is refused at the decode place."""
+    out = m.decode(m.encode(m.ControlReply(1, "no", m.ErrorCode.NOT_FOUND)))
+    assert out.code is m.ErrorCode.NOT_FOUND
+    out = m.decode(m.encode(m.ControlRequest(1, 2, m.ControlAction.UNLOAD, "x")))
+    assert out.action is m.ControlAction.UNLOAD
+    info = m.decode(m.encode(m.ModelTable([m.ModelInfo("a", b"", [m.VersionInfo(
+        1, m.ModelState.UNAVAILABLE, "unloaded", m.StateCause.UNLOADED)])], True)))
+    v = info.models[0].versions[0]
+    assert v.state is m.ModelState.UNAVAILABLE and v.cause is m.StateCause.UNLOADED
+    with pytest.raises(msgspec.ValidationError):
+        m.decode(msgspec.msgpack.encode([12, 1, "x", "NOT_A_CODE"]))
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda x: type(x).__name__)

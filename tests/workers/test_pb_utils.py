@@ -331,3 +331,105 @@ def test_metrics():
         pb.MetricFamily("test_pb_hist", "x", pb.MetricFamily.HISTOGRAM).Metric()  # buckets required
     with pytest.raises(ValueError):
         pb.MetricFamily("test_pb_counter", "x", pb.MetricFamily.GAUGE)  # same name, other kind
+
+
+def _state(name):
+    """The snapshot entry of one family (the registry is process-wide; other tests add theirs)."""
+    from shmserve.workers import pb_metrics
+    pb_metrics.REGISTRY.dirty = True
+    return next(f for f in pb_metrics.snapshot_if_dirty() if f.name == name)
+
+
+def test_metric_snapshot_carries_every_kind():
+    from shmserve.ipc.messages import MetricKind
+    from shmserve.workers import pb_metrics
+    c = pb.MetricFamily("snap_counter", "c", pb.MetricFamily.COUNTER)
+    c.Metric(labels={"a": "1"}).increment(2)
+    c.Metric(labels={"a": "2"}).increment(np.float32(1.5))     # numpy scalars are fine
+    pb.MetricFamily("snap_gauge", "g", pb.MetricFamily.GAUGE).Metric().set(-3)
+    h = pb.MetricFamily("snap_hist", "h", pb.MetricFamily.HISTOGRAM).Metric(
+        labels={"m": "x"}, buckets=[10, 1, 5])                   # sorted, as before
+    for v in (0.5, 1, 3, 10, 11):
+        h.observe(v)
+    f = _state("snap_counter")
+    assert f.kind == MetricKind.COUNTER and f.description == "c"
+    assert {tuple(m.labels.items()): m.value for m in f.metrics} == {(("a", "1"),): 2.0,
+                                                                     (("a", "2"),): 1.5}
+    assert [m.value for m in _state("snap_gauge").metrics] == [-3.0]
+    (hs,) = _state("snap_hist").metrics
+    assert hs.labels == {"m": "x"} and hs.buckets == [1.0, 5.0, 10.0]
+    assert hs.counts == [2, 1, 1, 1] and hs.sum == 25.5           # per bucket, +Inf last
+    # the snapshot is a copy: encodable and not changed by later updates
+    from shmserve.ipc import messages
+    messages.encode(messages.CustomMetrics(1, [_state("snap_hist")]))
+    h.observe(100)
+    assert hs.counts == [2, 1, 1, 1]
+    # a family with no metric yet is still reported (it shows on /metrics with no samples)
+    pb.MetricFamily("snap_empty", "nothing yet", pb.MetricFamily.GAUGE)
+    assert _state("snap_empty").metrics == []
+    assert pb_metrics.snapshot_if_dirty() is None                 # nothing changed since
+
+
+def test_metric_changes_mark_the_registry_dirty():
+    from shmserve.workers import pb_metrics
+    g = pb.MetricFamily("dirty_gauge", "g", pb.MetricFamily.GAUGE).Metric()
+    pb_metrics.snapshot_if_dirty()
+    assert pb_metrics.snapshot_if_dirty() is None
+    for change in (lambda: g.set(1), lambda: g.increment(1),
+                   lambda: pb.MetricFamily("dirty_gauge", "g", pb.MetricFamily.GAUGE).Metric(
+                       labels={"new": "labels"})):
+        change()
+        assert pb_metrics.snapshot_if_dirty() is not None
+        assert pb_metrics.snapshot_if_dirty() is None
+    g.value()                                                     # reading changes nothing
+    pb.MetricFamily("dirty_gauge", "g", pb.MetricFamily.GAUGE).Metric()   # nor an existing one
+    assert pb_metrics.snapshot_if_dirty() is None
+
+
+def test_metric_family_rules_match_triton():
+    first = pb.MetricFamily("same_name", "first description", pb.MetricFamily.COUNTER)
+    second = pb.MetricFamily("same_name", "second description", pb.MetricFamily.COUNTER)
+    m = first.Metric(labels={"k": "v"})
+    assert second.Metric(labels={"k": "v"}) is m                  # one family, one metric
+    assert _state("same_name").description == "first description"
+    h = pb.MetricFamily("empty_buckets", "h", pb.MetricFamily.HISTOGRAM).Metric(buckets=[])
+    h.observe(3)                                                  # only +Inf
+    assert _state("empty_buckets").metrics[0].counts == [1]
+    for v in (h.value, lambda: h.increment(1), lambda: h.set(1)):
+        with pytest.raises(pb.TritonModelException):
+            v()
+    with pytest.raises(pb.TritonModelException):
+        pb.MetricFamily("g_no_observe", "g", pb.MetricFamily.GAUGE).Metric().observe(1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: pb.MetricFamily("bad kind", "x", pb.MetricFamily.COUNTER),
+    lambda: pb.MetricFamily("1starts_with_digit", "x", pb.MetricFamily.COUNTER),
+    lambda: pb.MetricFamily("ok_kind", "x", 7),
+    lambda: pb.MetricFamily("ok_labels", "x", pb.MetricFamily.GAUGE).Metric(labels={"a-b": "1"}),
+    lambda: pb.MetricFamily("ok_labels", "x", pb.MetricFamily.GAUGE).Metric(labels={"__x": "1"}),
+    lambda: pb.MetricFamily("ok_gauge", "x", pb.MetricFamily.GAUGE).Metric(buckets=[1]),
+    lambda: pb.MetricFamily("ok_hist", "x", pb.MetricFamily.HISTOGRAM).Metric(buckets=[1, 1]),
+    lambda: pb.MetricFamily("ok_hist", "x", pb.MetricFamily.HISTOGRAM).Metric(buckets=[float("inf")]),
+    lambda: pb.MetricFamily("ok_hist", "x", pb.MetricFamily.HISTOGRAM).Metric(labels={"le": "1"},
+                                                                              buckets=[1]),
+])
+def test_metric_argument_errors_are_both_kinds_of_exception(make):
+    with pytest.raises(pb.TritonModelException):
+        make()
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_is_cancelled_asks_the_worker_with_the_request_key():
+    asked = []
+
+    def poll(key):
+        asked.append(key)
+        return key == (0, 42)
+
+    r = pb.InferenceRequest._from_worker([], [], "", 0, 0, "", "m", 1, (0, 42), poll)
+    assert r.is_cancelled() and asked == [(0, 42)]
+    other = pb.InferenceRequest._from_worker([], [], "", 0, 0, "", "m", 1, (1, 42), poll)
+    assert not other.is_cancelled()
+    assert not pb.InferenceRequest().is_cancelled()                # built by a model: no client

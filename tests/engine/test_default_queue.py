@@ -1,7 +1,7 @@
-"""DefaultScheduler: a pure queue driven with a fake clock."""
+"""DefaultQueue: a pure queue driven with a fake clock."""
 import pytest
 
-from shmserve.engine.batching import DefaultScheduler, QueuedRequest, QueueFull
+from shmserve.engine.batching import DefaultQueue, QueuedRequest, QueueFull
 
 
 class Clock:
@@ -23,7 +23,7 @@ def clock():
 
 @pytest.fixture
 def sched(clock):
-    return DefaultScheduler(clock=clock)
+    return DefaultQueue(clock=clock)
 
 
 def test_fifo_one_request_per_batch(sched):
@@ -66,7 +66,7 @@ def test_no_batch_without_idle_instance(sched):
 
 
 def test_queue_full(clock):
-    sched = DefaultScheduler(max_queue_size=2, clock=clock)
+    sched = DefaultQueue(max_queue_size=2, clock=clock)
     sched.enqueue(req(1))
     sched.enqueue(req(2))
     with pytest.raises(QueueFull, match="Exceeds maximum queue size"):
@@ -118,7 +118,7 @@ def test_enqueued_ns_from_clock(sched, clock):
 
 
 def test_rejected_request_is_not_stamped(clock):
-    sched = DefaultScheduler(max_queue_size=1, clock=clock)
+    sched = DefaultQueue(max_queue_size=1, clock=clock)
     sched.enqueue(req(1))
     r = req(2)
     with pytest.raises(QueueFull):

@@ -1,0 +1,395 @@
+"""``SchedulerCore``: every decision the scheduler process makes, with no socket, process or
+wall clock of its own.
+
+It takes decoded messages (``handle``), worker exits (``process_exited``) and the passing of time
+(``housekeeping``, ``batching_due``), and acts only through a ``SchedulerPort``. It is built from
+parts that each own their state:
+
+- ``ModelLifecycle`` (engine/lifecycle.py): the serving map, loads, draining, retired versions;
+- ``InstanceSupervisor`` (engine/instances.py): worker processes, backoff, pings, hangs;
+- one ``RequestQueue`` per version (engine/batching.py, engine/dynamic_batcher.py).
+
+The core itself routes requests: queue, dispatch, completion, retry, failure, statistics.
+The process shell (engine/scheduler.py) owns the sockets, the alarm, the exit watcher and the
+loop; tests drive the core in-process with a fake port and a fake clock (tests/engine/).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from shmserve.ipc.messages import (
+    BatchDone,
+    CancelRequest,
+    ControlReply,
+    ControlRequest,
+    CustomMetrics,
+    ErrorCode,
+    ExecuteBatch,
+    ForgetSegments,
+    FrontendHello,
+    InferResult,
+    Pong,
+    RequestRoute,
+    ServerSettings,
+    StateCause,
+    StatsQuery,
+    StatsReply,
+    SubmitRequest,
+    Wake,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+
+from .batching import QueuedRequest, QueueFull
+from .instances import Death, InstanceSupervisor, Outcome
+from .lifecycle import ModelLifecycle, Waiter
+from .models import Instance, ModelVersion
+from .port import SchedulerPort
+from .repository import ModelRepository
+from .states import InstanceState, KillReason, ModelState
+
+log = logging.getLogger("shmserve.scheduler")
+
+
+class SchedulerCore:
+    def __init__(self, settings: ServerSettings, port: SchedulerPort,
+                 clock: Callable[[], int] = time.monotonic_ns,
+                 counters: Callable[[], dict[str, int]] = dict):
+        self.settings = settings
+        self.port = port
+        self.clock = clock                      # monotonic ns, the clock frontends stamp with
+        self.counters = counters                # the shell's IPC byte counters, for /metrics
+        self.supervisor = InstanceSupervisor(port, clock)
+        repository = ModelRepository(settings.model_repositories,
+                                     settings.model_config_name or None,
+                                     auto_complete=settings.auto_complete)
+        self.lifecycle = ModelLifecycle(settings, repository, self.supervisor, clock,
+                                        self.publish, self.reply_control, self.dispatch)
+        self.versions = self.lifecycle.versions         # the serving map, shared
+        self.frontends: set[int] = set()
+        self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
+        self.custom_metrics: dict[int, CustomMetrics] = {}          # spawn id -> latest
+        self.batch_counter = 0
+        self.next_poll = 0.0
+        # seconds on the clock when housekeeping() is next due (0 = now); the shell reads it
+        self.housekeeping_at = 0.0
+        self.stopping = False
+        self.handlers: dict[type, Callable] = {
+            WorkerReady: self.worker_ready, WorkerLoadFailed: self.worker_load_failed,
+            FrontendHello: self.frontend_hello, ForgetSegments: self.forget_segments,
+            Pong: self.supervisor.pong, CancelRequest: self.cancel,
+            ControlRequest: self.lifecycle.control, StatsQuery: self.stats_query,
+            CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
+        }
+
+    @property
+    def exit_requested(self) -> bool:
+        return self.lifecycle.exit_requested
+
+    def start(self) -> None:
+        self.lifecycle.load_initial()
+        if self.settings.model_control_mode == "poll":
+            self.next_poll = self.clock() / 1e9 + self.settings.repository_poll_secs
+
+    # ---- messages -------------------------------------------------------------------------------
+    def handle(self, msg, frames=()) -> None:
+        kind = type(msg)
+        if kind is SubmitRequest:               # the hot path first
+            self.submit(msg, frames[0])
+            return
+        if kind is BatchDone:
+            self.batch_done(msg)
+            return
+        handler = self.handlers.get(kind)
+        if handler is None:
+            log.warning("ignoring an unexpected %s", kind.__name__)
+            return
+        handler(msg)
+        if kind is not Wake:        # rare messages may start restarts, loads or pings: check now
+            self.housekeeping_at = 0.0
+
+    def frontend_hello(self, msg: FrontendHello) -> None:
+        self.frontends.add(msg.frontend)
+        self.port.connect_frontend(msg.frontend, msg.address)
+        self.port.send_frontend(msg.frontend, self.lifecycle.model_table())
+
+    def publish(self) -> None:
+        table = self.lifecycle.model_table()
+        for fid in self.frontends:
+            self.port.send_frontend(fid, table)
+
+    def reply_control(self, waiter: Waiter | None, code: ErrorCode | None, error: str) -> None:
+        if waiter is None:
+            if error:
+                log.error("%s", error)
+            return
+        self.port.send_frontend(waiter[0], ControlReply(waiter[1], error, code))
+
+    def reply_error(self, frontend: int, req_id: int, model: str, version: int,
+                    code: ErrorCode, message: str) -> None:
+        self.port.send_frontend(frontend, InferResult(req_id, model, version, error=message,
+                                                      code=code))
+
+    def forget_segments(self, msg: ForgetSegments) -> None:
+        for sid, (_, inst) in self.supervisor.by_spawn.items():
+            if inst.connected:
+                self.port.send_worker(sid, msg)
+
+    def custom_metrics_in(self, msg: CustomMetrics) -> None:
+        if msg.spawn_id in self.supervisor.by_spawn:
+            # re-inserted so the order is the order of reports: the frontend lets the latest
+            # report of a gauge win
+            self.custom_metrics.pop(msg.spawn_id, None)
+            self.custom_metrics[msg.spawn_id] = msg
+
+    def stats_query(self, q: StatsQuery) -> None:
+        self.port.send_frontend(q.frontend, self.statistics(q))
+
+    def statistics(self, q: StatsQuery) -> StatsReply:
+        ipc = self.counters()
+        entries = self.lifecycle.entries
+        if q.model and q.model not in entries:
+            return StatsReply(q.query_id, [], ipc, f"requested model '{q.model}' is not available")
+        chosen = [v for (name, version), v in sorted(self.versions.items())
+                  if (not q.model or name == q.model) and (q.version < 0 or version == q.version)
+                  and v.state == ModelState.READY]
+        if q.model and not chosen:
+            if q.version >= 0:
+                return StatsReply(q.query_id, [], ipc, f"requested model version is not "
+                                                       f"available for model '{q.model}'")
+            return StatsReply(q.query_id, [], ipc, f"requested model '{q.model}' is not available")
+        live = self.supervisor.by_spawn
+        return StatsReply(q.query_id, [v.stats.snapshot(len(v.queue)) for v in chosen], ipc,
+                          custom_metrics=[m for sid, m in self.custom_metrics.items()
+                                          if sid in live])
+
+    # ---- requests -------------------------------------------------------------------------------
+    def submit(self, msg: SubmitRequest, payload) -> None:
+        ver = self.versions.get((msg.model, msg.version))
+        if ver is None or ver.state != ModelState.READY:
+            self.reply_error(msg.frontend, msg.req_id, msg.model, msg.version,
+                             ErrorCode.UNAVAILABLE,
+                             f"Request for unknown model: '{msg.model}' version {msg.version} is "
+                             f"not at ready state")
+            return
+        req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
+                            priority=msg.priority, timeout_us=msg.timeout_us,
+                            shape_key=msg.shape_key, received_ns=msg.received_ns)
+        try:
+            ver.queue.enqueue(req)
+        except QueueFull as e:
+            self.reject(ver, req, str(e))
+            return
+        self.queued_in[(msg.frontend, msg.req_id)] = ver
+        self.dispatch(ver)
+
+    def cancel(self, msg: CancelRequest) -> None:
+        """The client went away: a queued request is dropped; a running one is finished by its
+        worker, which is told so that ``request.is_cancelled()`` turns true."""
+        key = (msg.frontend, msg.req_id)
+        ver = self.queued_in.pop(key, None)
+        if ver is None:
+            for sid, (_, inst) in self.supervisor.by_spawn.items():
+                if inst.batch and inst.connected and any(
+                        (r.frontend, r.req_id) == key for r in inst.batch):
+                    self.port.send_worker(sid, msg)
+                    return
+            return
+        req = ver.queue.cancel(msg.frontend, msg.req_id)
+        if req is not None:
+            ver.stats.failed("CANCELED", self.clock() - req.received_ns)
+            self.reply_error(req.frontend, req.req_id, ver.name, ver.version,
+                             ErrorCode.CANCELLED, "the request was cancelled by the client")
+
+    def reject(self, ver: ModelVersion, req: QueuedRequest, message: str) -> None:
+        self.queued_in.pop((req.frontend, req.req_id), None)
+        ver.stats.failed("REJECTED", self.clock() - req.received_ns)
+        self.reply_error(req.frontend, req.req_id, ver.name, ver.version,
+                         ErrorCode.UNAVAILABLE, message)
+
+    def dispatch(self, ver: ModelVersion) -> None:
+        queue = ver.queue
+        for req in queue.take_expired():
+            self.reject(ver, req, "Request timeout expired")
+        batches = queue.next_batches()
+        if not batches:
+            return
+        queued_in = self.queued_in
+        now_s = self.clock() / 1e9
+        for inst, reqs in batches:
+            for r in reqs:
+                queued_in.pop((r.frontend, r.req_id), None)
+            self.batch_counter += 1
+            inst.state = InstanceState.BUSY
+            inst.batch = reqs
+            inst.batch_id = self.batch_counter
+            inst.busy_since = now_s
+            if ver.execution_timeout_s > 0:     # the hang check must run in time
+                due = now_s + ver.execution_timeout_s
+                if due < self.housekeeping_at:
+                    self.housekeeping_at = due
+            routes = [RequestRoute(r.req_id, r.frontend) for r in reqs]
+            self.port.send_worker(inst.spawn_id, ExecuteBatch(self.batch_counter, routes),
+                                  [r.payload for r in reqs])
+
+    def batch_done(self, msg: BatchDone) -> None:
+        found = self.supervisor.by_spawn.get(msg.spawn_id)
+        if found is None:
+            return
+        ver, inst = found
+        if inst.batch_id != msg.batch_id or inst.state != InstanceState.BUSY:
+            return
+        self.account(ver, inst.batch or [], msg)
+        inst.deaths_in_a_row = 0
+        inst.batch = None
+        inst.state = InstanceState.IDLE
+        ver.queue.instance_idle(inst)
+        self.dispatch(ver)
+        if ver.state != ModelState.READY:      # draining: its last batch may have ended
+            self.lifecycle.drain_progress(ver)
+
+    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone) -> None:
+        now = self.clock()
+        failed = set(done.failed)
+        stats = ver.stats
+        stats.executed(sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or
+                       sum(r.batch_size for r in batch), done.compute_input_ns,
+                       done.compute_infer_ns, done.compute_output_ns)
+        for i, r in enumerate(batch):
+            if i in failed:
+                stats.failed("BACKEND", now - r.received_ns)
+            else:
+                stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
+                                done.compute_input_ns, done.compute_infer_ns,
+                                done.compute_output_ns)
+
+    # ---- workers ----------------------------------------------------------------------------------
+    def worker_ready(self, msg: WorkerReady) -> None:
+        found = self.supervisor.connected(msg.spawn_id, msg.address)
+        if found is None:
+            return
+        ver, inst = found
+        if ver.auto_complete and msg.config_json and \
+                not self.lifecycle.apply_completed_config(ver, msg.config_json):
+            return
+        inst.state = InstanceState.IDLE
+        ver.queue.instance_idle(inst)
+        if ver.state == ModelState.LOADING and ver.all_started():
+            self.lifecycle.version_started(ver)
+        self.dispatch(ver)
+
+    def worker_load_failed(self, msg: WorkerLoadFailed) -> None:
+        found = self.supervisor.find(msg.spawn_id)
+        if found is None:
+            return
+        ver, inst = found
+        inst.state = InstanceState.STOPPED
+        if ver.state == ModelState.LOADING:
+            self.lifecycle.version_failed(ver, msg.reason)
+        elif ver.state == ModelState.READY:
+            # a restart that no longer loads: keep the others serving, retry with backoff
+            log.error("instance %s of '%s' failed to reload: %s", inst.name, ver.name, msg.reason)
+            self.supervisor.restart_later(ver, inst, self.clock() / 1e9)
+
+    def process_exited(self, spawn_id: int) -> None:
+        """The shell saw the worker process of ``spawn_id`` end."""
+        death = self.supervisor.exited(spawn_id)
+        if death is None:
+            return
+        self.housekeeping_at = 0.0             # a restart may be due at once
+        self.custom_metrics.pop(spawn_id, None)
+        ver, inst = death.version, death.instance
+        if death.batch:
+            self.requests_of_dead_worker(death)
+        if death.outcome == Outcome.LOAD_FAILED:
+            self.lifecycle.version_failed(ver, f"worker process of instance '{inst.name}' "
+                                               f"{death.how} while loading the model")
+        elif death.outcome == Outcome.NOT_SERVING:
+            self.lifecycle.drain_progress(ver)
+        elif death.outcome == Outcome.CRASH_LOOP:
+            self.crash_loop(ver, inst, death.how)
+
+    def requests_of_dead_worker(self, death: Death) -> None:
+        """Stateless models get one retry on another (or the restarted) instance, unless we
+        killed the worker for running too long; a request that already had its retry, or a
+        model that turned retries off, gets the error."""
+        ver, inst = death.version, death.instance
+        reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
+                  f"{death.how} while executing this request")
+        now = self.clock()
+        retry = ver.retry_on_death and ver.state == ModelState.READY and not self.stopping \
+            and death.kill_reason == KillReason.NONE
+        for r in reversed(death.batch or []):   # requeued at the head, in their order
+            if retry and not r.retried:
+                r.retried = True
+                ver.queue.requeue(r)
+                self.queued_in[(r.frontend, r.req_id)] = ver
+                continue
+            ver.stats.failed("BACKEND", now - r.received_ns)
+            self.reply_error(r.frontend, r.req_id, ver.name, ver.version,
+                             ErrorCode.INTERNAL, reason)
+        self.dispatch(ver)
+
+    def crash_loop(self, ver: ModelVersion, inst: Instance, how: str) -> None:
+        """Stop restarting: the version is UNAVAILABLE with the reason until it is reloaded."""
+        reason = (f"crash loop: instance '{inst.name}' {how}; it died {inst.deaths_in_a_row} "
+                  f"times in a row without finishing an execution")
+        self.fail_queued(ver, ErrorCode.UNAVAILABLE, "OTHER",
+                         f"model '{ver.name}' version {ver.version} is unavailable: {reason}")
+        self.lifecycle.fail_version(ver, reason, StateCause.CRASH_LOOP)
+
+    def fail_queued(self, ver: ModelVersion, code: ErrorCode, stat: str, message: str) -> None:
+        now = self.clock()
+        for r in ver.queue.drain():
+            self.queued_in.pop((r.frontend, r.req_id), None)
+            if stat:
+                ver.stats.failed(stat, now - r.received_ns)
+            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, code, message)
+
+    # ---- time -------------------------------------------------------------------------------------
+    def batching_due(self) -> int | None:
+        """Form batches whose delay or timeout passed; the next such deadline (monotonic ns)."""
+        earliest = None
+        for ver in self.lifecycle.batching:
+            queue = ver.queue
+            deadline = queue.next_deadline_ns()
+            if deadline is None:
+                continue
+            if deadline <= self.clock():    # read after the deadline: it may be "now"
+                self.dispatch(ver)
+                deadline = queue.next_deadline_ns()
+                if deadline is None:
+                    continue
+            if earliest is None or deadline < earliest:
+                earliest = deadline
+        return earliest
+
+    def housekeeping(self) -> None:
+        """Restarts, repository polls, hang checks and pings that are due; sets when the next
+        one is (``housekeeping_at``)."""
+        sup = self.supervisor
+        live = self.lifecycle.live_versions()
+        wait = min(sup.restart_due(), self.poll_due(), sup.hang_due(live),
+                   sup.ping_due(self.versions.values()))
+        self.housekeeping_at = self.clock() / 1e9 + wait
+
+    def poll_due(self) -> float:
+        """Poll mode: rescan the repository when it is time; seconds until the next scan."""
+        every = self.settings.repository_poll_secs
+        if self.settings.model_control_mode != "poll" or every <= 0:
+            return 1.0
+        now = self.clock() / 1e9
+        if now >= self.next_poll:
+            self.lifecycle.poll_repository()
+            self.next_poll = now + every
+        return min(1.0, self.next_poll - now)
+
+    def begin_shutdown(self) -> list[int]:
+        """Answer every queued request, ask every worker to finish its batch and exit.
+        Returns the spawn ids the shell should wait for."""
+        self.stopping = True
+        for ver in self.lifecycle.live_versions():
+            self.fail_queued(ver, ErrorCode.UNAVAILABLE, "", "the server is shutting down")
+        return self.supervisor.stop_all()

@@ -1,0 +1,230 @@
+"""Instance supervision: spawning workers, noticing deaths, restarts with backoff, crash loops,
+pings to idle workers and kills of hung ones.
+
+Pure: it acts through the port and reads the injected clock. It owns every instance's process
+state; what a death means for the model version and for the requests the worker held is decided
+by the core, from the ``Death`` it gets back.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from shmserve.ipc.messages import InstanceSpec, Ping, Pong, Shutdown
+
+from .models import (
+    BACKOFF_CAP_S,
+    BACKOFF_FIRST_S,
+    CRASH_LOOP_DEATHS,
+    HEALTHY_AFTER_S,
+    PING_INTERVAL_S,
+    PING_TIMEOUT_S,
+    Instance,
+    ModelVersion,
+)
+from .port import SchedulerPort
+from .states import InstanceState, KillReason, ModelState
+from .supervision import describe_exit
+
+log = logging.getLogger("shmserve.scheduler")
+
+
+class Outcome(enum.Enum):
+    """What a worker's death leads to."""
+    STOPPED = "stopped"             # it was told to stop (or the server is stopping)
+    LOAD_FAILED = "load_failed"     # it died while its version was loading
+    NOT_SERVING = "not_serving"     # its version drains or failed: no restart
+    RESTARTING = "restarting"       # restarts after its backoff
+    CRASH_LOOP = "crash_loop"       # died too often in a row: the version must go
+
+
+@dataclass
+class Death:
+    version: ModelVersion
+    instance: Instance
+    outcome: Outcome
+    how: str                        # e.g. "exited unexpectedly (killed by SIGSEGV)"
+    kill_reason: KillReason         # why we killed it, NONE if nobody did
+    batch: list | None              # the requests it was executing
+
+
+class InstanceSupervisor:
+    def __init__(self, port: SchedulerPort, clock: Callable[[], int]):
+        self.port = port
+        self.clock = clock                  # monotonic ns
+        self.by_spawn: dict[int, tuple[ModelVersion, Instance]] = {}
+        self.spawn_counter = 0
+        self.backoff: set[tuple[ModelVersion, Instance]] = set()    # waiting to restart
+        self.ping_counter = 0
+        self.next_ping = 0.0
+        self.stopping = False
+
+    def now(self) -> float:
+        return self.clock() / 1e9
+
+    # ---- processes -------------------------------------------------------------------------------
+    def spawn(self, ver: ModelVersion, inst: Instance) -> None:
+        self.spawn_counter += 1
+        sid = self.spawn_counter
+        spec = InstanceSpec(ver.name, ver.version, ver.path, ver.config_json, inst.name, inst.kind,
+                            inst.device_id, ver.config.backend, ver.auto_complete)
+        inst.spawn_id = sid
+        inst.state = InstanceState.STARTING
+        inst.connected = False
+        inst.kill_reason, inst.kill_detail = KillReason.NONE, ""
+        inst.ping_seq = 0
+        inst.started_at = self.now()
+        self.by_spawn[sid] = (ver, inst)
+        self.port.spawn(sid, spec)
+
+    def find(self, spawn_id: int) -> tuple[ModelVersion, Instance] | None:
+        return self.by_spawn.get(spawn_id)
+
+    def connected(self, spawn_id: int, address: str) -> tuple[ModelVersion, Instance] | None:
+        found = self.by_spawn.get(spawn_id)
+        if found is not None:
+            found[1].connected = True
+            self.port.connect_worker(spawn_id, address)
+        return found
+
+    def kill(self, ver: ModelVersion, inst: Instance, reason: KillReason, detail: str) -> None:
+        inst.kill_reason, inst.kill_detail = reason, detail
+        log.error("instance %s of model '%s' %s", inst.name, ver.name, detail)
+        self.port.kill(inst.spawn_id)
+
+    def stop(self, ver: ModelVersion, kill: bool) -> None:
+        """Stop every instance of ``ver``: connected ones finish their batch and exit, the
+        others (or all, with ``kill``) are killed."""
+        for inst in ver.instances:
+            if inst.state == InstanceState.STOPPED:
+                continue
+            if inst.spawn_id in self.by_spawn:
+                if inst.connected and not kill:
+                    self.port.send_worker(inst.spawn_id, Shutdown())
+                else:
+                    inst.kill_reason = KillReason.LOAD_ABORTED
+                    self.port.kill(inst.spawn_id)
+            inst.state = InstanceState.STOPPED
+            self.backoff.discard((ver, inst))
+
+    def stop_all(self) -> list[int]:
+        """Server shutdown: every worker finishes its batch and exits (those still loading are
+        killed). Returns the spawn ids to wait for."""
+        self.stopping = True
+        for sid, (_, inst) in self.by_spawn.items():
+            if inst.connected:
+                self.port.send_worker(sid, Shutdown())
+            else:
+                self.port.kill(sid)
+        return list(self.by_spawn)
+
+    # ---- deaths -------------------------------------------------------------------------------------
+    def exited(self, spawn_id: int) -> Death | None:
+        found = self.by_spawn.pop(spawn_id, None)
+        if found is None:
+            return None                     # a stale report
+        ver, inst = found
+        rc = self.port.reap(spawn_id)
+        self.port.unlink(spawn_id)
+        inst.connected = False
+        ver.queue.instance_gone(inst)
+        reason, detail = inst.kill_reason, inst.kill_detail
+        inst.kill_reason, inst.kill_detail = KillReason.NONE, ""
+        how = detail or f"exited unexpectedly ({describe_exit(rc)})"
+        batch, inst.batch = inst.batch, None
+        death = Death(ver, inst, Outcome.STOPPED, how, reason, batch)
+        if inst.state == InstanceState.STOPPED or self.stopping:
+            inst.state = InstanceState.STOPPED
+            return death
+        if inst.state == InstanceState.STARTING and ver.state == ModelState.LOADING:
+            inst.state = InstanceState.STOPPED
+            death.outcome = Outcome.LOAD_FAILED
+            return death
+        if ver.state != ModelState.READY:
+            inst.state = InstanceState.STOPPED
+            death.outcome = Outcome.NOT_SERVING
+            return death
+        now = self.now()
+        inst.deaths_in_a_row += 1
+        if inst.deaths_in_a_row >= CRASH_LOOP_DEATHS:
+            inst.state = InstanceState.STOPPED
+            death.outcome = Outcome.CRASH_LOOP
+            return death
+        if now - inst.started_at > HEALTHY_AFTER_S:
+            inst.backoff_s = 0.0
+        inst.deaths += 1
+        self.restart_later(ver, inst, now)
+        log.warning("instance %s of model '%s' %s; restarting in %.1fs", inst.name, ver.name,
+                    how, inst.restart_at - now)
+        death.outcome = Outcome.RESTARTING
+        return death
+
+    def restart_later(self, ver: ModelVersion, inst: Instance, now: float) -> None:
+        inst.state = InstanceState.BACKOFF
+        inst.restart_at = now + inst.backoff_s
+        inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, BACKOFF_FIRST_S))
+        self.backoff.add((ver, inst))
+
+    # ---- timers ---------------------------------------------------------------------------------------
+    def restart_due(self) -> float:
+        """Restart instances whose backoff expired; seconds until the next one is due."""
+        now = self.now()
+        wait = 1.0
+        for ver, inst in list(self.backoff):
+            if ver.state != ModelState.READY or inst.state != InstanceState.BACKOFF:
+                self.backoff.discard((ver, inst))
+            elif inst.restart_at <= now:
+                self.backoff.discard((ver, inst))
+                self.spawn(ver, inst)
+            else:
+                wait = min(wait, inst.restart_at - now)
+        return wait
+
+    def ping_due(self, versions: Iterable[ModelVersion]) -> float:
+        """Ping idle workers; kill one whose answer is overdue (stopped, deadlocked, swapped
+        out). Busy ones are covered by the execution timeout instead."""
+        now = self.now()
+        if now < self.next_ping:
+            return self.next_ping - now
+        self.next_ping = now + PING_INTERVAL_S
+        for ver in versions:
+            for inst in ver.instances:
+                if inst.state != InstanceState.IDLE or not inst.connected \
+                        or inst.kill_reason != KillReason.NONE:
+                    continue
+                if inst.ping_seq:
+                    if now - inst.ping_sent > PING_TIMEOUT_S:
+                        self.kill(ver, inst, KillReason.PING_TIMEOUT,
+                                  f"stopped answering pings for {now - inst.ping_sent:.0f} s "
+                                  f"and was killed")
+                    continue
+                self.ping_counter += 1
+                inst.ping_seq, inst.ping_sent = self.ping_counter, now
+                self.port.send_worker(inst.spawn_id, Ping(inst.ping_seq))
+        return PING_INTERVAL_S
+
+    def pong(self, msg: Pong) -> None:
+        found = self.by_spawn.get(msg.spawn_id)
+        if found is not None and found[1].ping_seq == msg.seq:
+            found[1].ping_seq = 0
+
+    def hang_due(self, versions: Iterable[ModelVersion]) -> float:
+        """Kill workers whose batch has run past the execution timeout; seconds to next check."""
+        now = self.now()
+        wait = 1.0
+        for ver in versions:
+            limit = ver.execution_timeout_s
+            if limit <= 0:
+                continue
+            for inst in ver.instances:
+                if inst.state != InstanceState.BUSY or inst.kill_reason != KillReason.NONE:
+                    continue
+                overdue = inst.busy_since + limit - now
+                if overdue > 0:
+                    wait = min(wait, overdue)
+                    continue
+                self.kill(ver, inst, KillReason.EXECUTION_TIMEOUT,
+                          f"exceeded the execution timeout of {limit:g} s and was killed")
+        return wait

@@ -1,0 +1,39 @@
+"""The scheduler core's only way to act on the world.
+
+``SchedulerCore`` decides; whatever it decides to do to a socket or a process goes through this
+small interface. The process shell (engine/scheduler.py) implements it with ZeroMQ outboxes,
+subprocesses and pidfds; the core's tests implement it with lists (tests/engine/fakes.py).
+Workers are named by spawn id: one id per worker process, never reused in a server's life.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+from shmserve.ipc.messages import InstanceSpec
+
+
+class SchedulerPort(Protocol):
+    def connect_frontend(self, frontend: int, address: str) -> None:
+        """A frontend said hello: messages for it go to ``address`` from now on."""
+
+    def send_frontend(self, frontend: int, msg) -> None:
+        """Best effort: a frontend that never said hello is skipped."""
+
+    def connect_worker(self, spawn_id: int, address: str) -> None:
+        """A worker is up and listening on ``address``."""
+
+    def send_worker(self, spawn_id: int, msg, payloads: Sequence[bytes] = ()) -> None:
+        """To a connected worker; ``payloads`` are opaque frames forwarded as they are."""
+
+    def spawn(self, spawn_id: int, spec: InstanceSpec) -> None:
+        """Start a worker process; its exit comes back as ``SchedulerCore.process_exited``."""
+
+    def kill(self, spawn_id: int) -> None:
+        """SIGKILL a worker (no-op if it has exited); its exit is reported as usual."""
+
+    def reap(self, spawn_id: int) -> int | None:
+        """The worker has exited: collect its status, close what pointed at it (socket,
+        descriptors). Returns the exit status as ``Popen.returncode`` gives it."""
+
+    def unlink(self, spawn_id: int) -> None:
+        """Remove the shared-memory segments a worker created."""

@@ -1,0 +1,202 @@
+"""What the HTTP and gRPC frontends both do, written once.
+
+Readiness rules, model control with its parameter checks, statistics, client shared memory and an
+inference request's life after it is parsed (submit, wait, free the inputs, give the worker's
+output slots back) live here. Methods take plain values, return plain values and raise only
+``InferError``; ``http_app`` and ``grpc_service`` parse their messages, call in, and map the
+error with ``errors.http_status`` / ``errors.grpc_status``. So the protocols cannot drift apart
+in what they accept or how they fail.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable
+
+from shmserve.ipc.messages import ControlAction, ErrorCode, InferResult, ModelStatistics, ShmRef
+from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
+
+from . import request
+from .catalog import ModelCatalog, ModelView, version_number
+from .engine_client import EngineClient
+from .errors import InferError, invalid
+from .request import PreparedRequest
+from .shm_registry import ShmRegistry
+
+EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
+              "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
+              "statistics"]
+
+
+class FrontendService:
+    def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
+                 registry: ShmRegistry, server_id: str, server_version: str,
+                 strict_readiness: bool):
+        self.client = client
+        self.arena = arena
+        self.maps = maps
+        self.registry = registry
+        self.server_id = server_id
+        self.server_version = server_version
+        self.strict_readiness = strict_readiness
+        self.accepting = True           # False once shutdown begins: not ready, no new requests
+
+    @property
+    def catalog(self) -> ModelCatalog:
+        # the client replaces the catalog's contents on every model table; never cache a view
+        return self.client.catalog
+
+    # ---- health and metadata -------------------------------------------------------------------
+    def metadata(self) -> dict:
+        return {"name": self.server_id, "version": self.server_version, "extensions": EXTENSIONS}
+
+    def server_ready(self) -> bool:
+        return self.accepting and self.catalog.server_ready(self.strict_readiness)
+
+    def model_ready(self, name: str, version: str) -> bool:
+        """Whether the model (or one version of it) serves. An unknown model and a malformed
+        version are errors, not "not ready": clients tell a typo from a loading model that way."""
+        catalog = self.catalog
+        catalog.get(name)
+        try:
+            catalog.resolve(name, version)
+        except InferError as e:
+            if e.code == ErrorCode.INVALID_ARG:
+                raise
+            return False
+        return True
+
+    def model(self, name: str, version: str) -> tuple[ModelView, int]:
+        """The model and version a metadata, config or infer request addresses."""
+        return self.catalog.resolve(name, version)
+
+    def index(self, ready_only: bool) -> list[dict]:
+        return self.catalog.index(ready_only)
+
+    # ---- model control --------------------------------------------------------------------------
+    async def load(self, name: str, params: dict[str, Any], repository: str = "") -> None:
+        _no_repository(repository)
+        # checked before 'config' so a client sending model files hears that files are the issue
+        if any(k.startswith("file:") for k in params):
+            raise invalid("load parameters 'file:<version>/<name>' are not supported yet")
+        config = params.get("config", "")
+        if not isinstance(config, str):
+            raise invalid(f"load parameter 'config' must be a string holding the model "
+                          f"configuration as JSON, got {config!r}")
+        await self._control(ControlAction.LOAD, name, config, False)
+
+    async def unload(self, name: str, params: dict[str, Any], repository: str = "") -> None:
+        _no_repository(repository)
+        # Triton clients always send it. shmserve has no ensembles yet, so no model has
+        # dependents and true and false unload the same (README, "Model control").
+        dependents = params.get("unload_dependents", False)
+        if not isinstance(dependents, bool):
+            raise invalid(f"unload parameter 'unload_dependents' must be a boolean, "
+                          f"got {dependents!r}")
+        await self._control(ControlAction.UNLOAD, name, "", dependents)
+
+    async def _control(self, action: ControlAction, name: str, config: str,
+                       dependents: bool) -> None:
+        try:
+            reply = await self.client.control(action, name, config, dependents)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE,
+                             f"{action.value} of '{name}' did not finish in time") from None
+        if reply.error:
+            raise InferError(reply.code or ErrorCode.INTERNAL, reply.error)
+
+    # ---- statistics -----------------------------------------------------------------------------
+    async def statistics(self, model: str, version: str) -> list[ModelStatistics]:
+        """Every model's counters (model ""), or one model's (every ready version, or one)."""
+        number = version_number(model, version) if version else -1
+        try:
+            reply = await self.client.statistics(model, number)
+        except asyncio.TimeoutError:
+            raise InferError(ErrorCode.UNAVAILABLE,
+                             "the statistics query did not finish in time") from None
+        if reply.error:
+            # the scheduler refuses only an unknown model or version, which Triton calls a bad
+            # argument here (400 / INVALID_ARGUMENT), not NOT_FOUND
+            raise InferError(ErrorCode.INVALID_ARG, reply.error)
+        return reply.models
+
+    # ---- client shared memory -------------------------------------------------------------------
+    def register_system(self, name: str, key, offset, byte_size) -> None:
+        region = self.registry.register_system(name, key, offset, byte_size)
+        # the key may name a segment the client unlinked and re-created: workers must drop a
+        # mapping of the old one before any request uses the region
+        self.client.forget_segments([region.segment])
+
+    def unregister_system(self, name: str) -> None:
+        gone = self.registry.unregister_system(name)
+        if gone:
+            self.client.forget_segments(gone)
+
+    def status_system(self, name: str) -> list[dict]:
+        return self.registry.status_system(name)
+
+    def register_cuda(self, name: str, raw_handle, device_id, byte_size) -> None:
+        self.registry.register_cuda(name, raw_handle, device_id, byte_size)
+
+    def unregister_cuda(self, name: str) -> None:
+        self.registry.unregister_cuda(name)
+
+    def status_cuda(self, name: str) -> list[dict]:
+        return self.registry.status_cuda(name)
+
+    # ---- inference ------------------------------------------------------------------------------
+    def infer_target(self, model: str, version: str) -> tuple[ModelView, int]:
+        """The model and version an infer request runs on, once the server takes requests."""
+        if not self.accepting:
+            raise InferError(ErrorCode.UNAVAILABLE, "the server is shutting down")
+        return self.catalog.resolve(model, version)
+
+    def submit(self, view: ModelView, version: int, prepared: PreparedRequest,
+               on_result: Callable[[InferResult], None]) -> int:
+        """Send a prepared request; ``on_result`` gets its answer. Returns the request id."""
+        return self.client.submit(view.name, version, prepared, on_result,
+                                  view.preserve_ordering)
+
+    async def infer(self, view: ModelView, version: int,
+                    prepared: PreparedRequest) -> InferResult:
+        """Submit and wait for the answer. If the caller is cancelled, the request is dropped
+        when still queued, and its memory is released whenever its answer comes."""
+        fut = asyncio.get_running_loop().create_future()
+        req_id = self.submit(view, version, prepared, fut.set_result)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            self.cancel(req_id)
+            fut.add_done_callback(lambda f: self.release_outputs(
+                f.result(), self.release_inputs(prepared, f.result())))
+            raise
+
+    def cancel(self, req_id: int) -> None:
+        self.client.cancel(req_id)
+
+    def release_inputs(self, prepared: PreparedRequest, result: InferResult) -> list[ShmRef]:
+        """The answer is here, so the worker is done reading the inputs: free our slots and let
+        go of client regions. Returns the worker's output slots the answer points at; hand them
+        to ``release_outputs`` once their bytes have been sent or copied."""
+        request.release(prepared, self.arena)
+        return request.worker_slots(result, prepared)
+
+    def outputs(self, result: InferResult, prepared: PreparedRequest) -> list:
+        """Each output's bytes (see ``request.output_views``); a failed answer raises."""
+        if result.error:
+            # every sender sets a code with an error; a missing one is a bug, so 500
+            raise InferError(result.code or ErrorCode.INTERNAL, result.error)
+        try:
+            return request.output_views(result, prepared, self.maps)
+        except ShmError as e:
+            raise InferError(ErrorCode.INTERNAL, str(e)) from None
+
+    def release_outputs(self, result: InferResult, refs: list[ShmRef]) -> None:
+        if refs:
+            self.client.release(result.worker, refs)
+
+
+def _no_repository(repository: str) -> None:
+    if repository:
+        raise InferError(ErrorCode.UNSUPPORTED,
+                         f"model repository names are not supported (got '{repository}'): "
+                         f"address the model without one")

@@ -1,0 +1,197 @@
+"""A fake port and a fake clock for driving ``SchedulerCore`` in-process: no sockets, no
+processes, no sleeping. Everything the core does to the world lands in lists the tests read."""
+from __future__ import annotations
+
+import os
+
+from shmserve.engine.core import SchedulerCore
+from shmserve.ipc.messages import (
+    BatchDone,
+    ControlReply,
+    ExecuteBatch,
+    FrontendHello,
+    InferResult,
+    InferResults,
+    ModelTable,
+    Ping,
+    Pong,
+    ServerSettings,
+    SubmitRequest,
+    WorkerLoadFailed,
+    WorkerReady,
+)
+
+FRONTEND = 0
+
+
+class FakeClock:
+    """Monotonic nanoseconds that move only when a test says so."""
+
+    def __init__(self, start_s: float = 1000.0):
+        self.ns = int(start_s * 1e9)
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, seconds: float) -> None:
+        self.ns += int(seconds * 1e9)
+
+
+class FakePort:
+    def __init__(self):
+        self.frontend_addresses: dict[int, str] = {}
+        self.to_frontend: list[tuple[int, object]] = []
+        self.to_worker: list[tuple[int, object, list]] = []
+        self.spawned: dict[int, object] = {}        # spawn id -> InstanceSpec
+        self.connected: dict[int, str] = {}
+        self.killed: list[int] = []
+        self.reaped: list[int] = []
+        self.unlinked: list[int] = []
+        self.exit_codes: dict[int, int] = {}        # what reap() reports, per spawn id
+
+    def connect_frontend(self, frontend, address):
+        self.frontend_addresses[frontend] = address
+
+    def send_frontend(self, frontend, msg):
+        if frontend in self.frontend_addresses:
+            self.to_frontend.append((frontend, msg))
+
+    def connect_worker(self, spawn_id, address):
+        self.connected[spawn_id] = address
+
+    def send_worker(self, spawn_id, msg, payloads=()):
+        assert spawn_id in self.connected, f"sent {msg!r} to worker {spawn_id} before it connected"
+        self.to_worker.append((spawn_id, msg, list(payloads)))
+
+    def spawn(self, spawn_id, spec):
+        assert spawn_id not in self.spawned, "spawn ids are never reused"
+        self.spawned[spawn_id] = spec
+
+    def kill(self, spawn_id):
+        self.killed.append(spawn_id)
+
+    def reap(self, spawn_id):
+        self.reaped.append(spawn_id)
+        self.connected.pop(spawn_id, None)
+        return self.exit_codes.get(spawn_id, -9 if spawn_id in self.killed else 0)
+
+    def unlink(self, spawn_id):
+        self.unlinked.append(spawn_id)
+
+
+def write_model(repo: str, name: str, config: str, versions=(1,)) -> None:
+    os.makedirs(os.path.join(repo, name), exist_ok=True)
+    with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
+        f.write(f'name: "{name}"\nbackend: "python"\n{config}\n')
+    for v in versions:
+        os.makedirs(os.path.join(repo, name, str(v)), exist_ok=True)
+        with open(os.path.join(repo, name, str(v), "model.py"), "w") as f:
+            f.write("class TritonPythonModel:\n    pass\n")
+
+
+IO = '''input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]'''
+
+
+class Harness:
+    """A core on a fake port and clock, with the moves a test makes in one line each."""
+
+    def __init__(self, repo: str, **settings):
+        self.clock = FakeClock()
+        self.port = FakePort()
+        self.settings = ServerSettings(model_repositories=[repo], run_dir="", segment_prefix="",
+                                       launcher_pid=0, **settings)
+        self.core = SchedulerCore(self.settings, self.port, clock=self.clock)
+        self.next_req = 0
+        self.mute: set[int] = set()     # workers that do not answer pings
+        self.pinged = 0                 # how many of port.to_worker were looked at for pings
+
+    # ---- moves -----------------------------------------------------------------------------------
+    def start(self, ready: bool = True) -> "Harness":
+        self.core.start()
+        self.core.handle(FrontendHello(FRONTEND, "inproc://frontend"))
+        if ready:
+            self.ready_all()
+        return self
+
+    def ready(self, sid: int, config_json: str = "") -> None:
+        self.core.handle(WorkerReady(sid, 1000 + sid, f"inproc://w{sid}", config_json))
+
+    def ready_all(self) -> None:
+        for sid in self.waiting():
+            self.ready(sid)
+
+    def load_failed(self, sid: int, reason: str) -> None:
+        self.core.handle(WorkerLoadFailed(sid, reason))
+
+    def submit(self, model: str, version: int = 1, **kw) -> int:
+        self.next_req += 1
+        self.core.handle(SubmitRequest(self.next_req, FRONTEND, model, version,
+                                       kw.pop("batch_size", 1), self.clock(), **kw),
+                         [f"payload-{self.next_req}".encode()])
+        return self.next_req
+
+    def finish(self, sid: int, failed=()) -> None:
+        """The worker ``sid`` answers the batch it holds."""
+        batch = self.last_batch(sid)
+        self.core.handle(BatchDone(sid, batch.batch_id, list(failed), 10, 20, 30))
+
+    def die(self, sid: int, rc: int = -11) -> None:
+        self.port.exit_codes.setdefault(sid, rc)
+        self.core.process_exited(sid)
+
+    def kill_reported(self) -> None:
+        """Every worker the core killed has exited."""
+        for sid in list(self.port.killed):
+            if sid not in self.port.reaped:
+                self.core.process_exited(sid)
+
+    def tick(self, seconds: float = 0.0) -> None:
+        """Let time pass, then do what the shell's loop does after every wake-up."""
+        self.clock.advance(seconds)
+        self.core.batching_due()
+        if self.clock() / 1e9 >= self.core.housekeeping_at:
+            self.core.housekeeping()
+        sent, self.pinged = self.port.to_worker[self.pinged:], len(self.port.to_worker)
+        for sid, msg, _ in sent:
+            if isinstance(msg, Ping) and sid not in self.mute and sid in self.port.connected:
+                self.core.handle(Pong(sid, msg.seq))
+
+    # ---- what the core did -------------------------------------------------------------------------
+    def waiting(self) -> list[int]:
+        """Spawned workers that have not said they are ready, nor exited."""
+        return [sid for sid in self.port.spawned
+                if sid not in self.port.connected and sid not in self.port.reaped]
+
+    def batches(self, sid: int | None = None) -> list[tuple[int, ExecuteBatch, list]]:
+        return [(s, m, p) for s, m, p in self.port.to_worker
+                if isinstance(m, ExecuteBatch) and (sid is None or s == sid)]
+
+    def last_batch(self, sid: int) -> ExecuteBatch:
+        return self.batches(sid)[-1][1]
+
+    def to_worker(self, kind) -> list[tuple[int, object]]:
+        return [(s, m) for s, m, _ in self.port.to_worker if isinstance(m, kind)]
+
+    def results(self) -> dict[int, InferResult]:
+        out = {}
+        for _, m in self.port.to_frontend:
+            for r in (m.results if isinstance(m, InferResults) else [m]):
+                if isinstance(r, InferResult):
+                    out[r.req_id] = r
+        return out
+
+    def replies(self) -> list[ControlReply]:
+        return [m for _, m in self.port.to_frontend if isinstance(m, ControlReply)]
+
+    def table(self) -> ModelTable:
+        return [m for _, m in self.port.to_frontend if isinstance(m, ModelTable)][-1]
+
+    def states(self, model: str) -> dict[int, tuple]:
+        for info in self.table().models:
+            if info.name == model:
+                return {v.version: (v.state, v.reason, v.cause) for v in info.versions}
+        return {}
+
+    def spawn_ids(self, model: str) -> list[int]:
+        return [sid for sid, spec in self.port.spawned.items() if spec.model_name == model]

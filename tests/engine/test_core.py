@@ -1,0 +1,395 @@
+"""SchedulerCore in-process: every decision of the scheduler process, driven with a fake port
+and a fake clock (tests/engine/fakes.py). No sockets, no processes, no sleeping."""
+import os
+import shutil
+
+import pytest
+from fakes import IO, Harness, write_model
+
+from shmserve.engine.models import BACKOFF_FIRST_S, CRASH_LOOP_DEATHS, PING_TIMEOUT_S
+from shmserve.ipc.messages import (
+    CancelRequest,
+    ControlAction,
+    ControlRequest,
+    CustomMetrics,
+    ErrorCode,
+    ExecuteBatch,
+    ModelState,
+    Ping,
+    Shutdown,
+    StateCause,
+    StatsQuery,
+)
+
+ONE = 'instance_group [ { count: 1 kind: KIND_CPU } ]'
+TWO = 'instance_group [ { count: 2 kind: KIND_CPU } ]'
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = str(tmp_path / "models")
+    write_model(r, "plain", f"max_batch_size: 8\n{IO}\n{ONE}")
+    write_model(r, "pair", f"max_batch_size: 8\n{IO}\n{TWO}")
+    write_model(r, "norertry", f'max_batch_size: 8\n{IO}\n{TWO}\n'
+                               f'parameters {{ key: "retry_on_worker_death" '
+                               f'value {{ string_value: "false" }} }}')
+    write_model(r, "prio", f'''max_batch_size: 4
+{IO}
+{ONE}
+dynamic_batching {{
+  priority_levels: 2
+  default_priority_level: 2
+  default_queue_policy {{ default_timeout_microseconds: 1000000 timeout_action: REJECT
+                          allow_timeout_override: true }}
+}}''')
+    return r
+
+
+def only(h, model):
+    sids = [s for s in h.spawn_ids(model) if s not in h.port.reaped]
+    assert len(sids) == 1, sids
+    return sids[0]
+
+
+def stats(h, model):
+    return h.core.statistics(StatsQuery(0, 1, model)).models[0]
+
+
+# ---- dispatch and completion ---------------------------------------------------------------------
+def test_dispatch_and_completion(repo):
+    h = Harness(repo).start()
+    assert h.states("plain") == {1: (ModelState.READY, "", StateCause.NONE)}
+    sid = only(h, "plain")
+    a, b = h.submit("plain"), h.submit("plain")
+    assert len(h.batches()) == 1                    # one instance: b waits for it
+    s, batch, payloads = h.batches()[0]
+    assert s == sid and [r.req_id for r in batch.routes] == [a] and payloads == [b"payload-1"]
+    h.finish(sid)
+    assert [r.req_id for r in h.last_batch(sid).routes] == [b]
+    h.finish(sid)
+    st = stats(h, "plain")
+    assert st.inference_count == 2 and st.execution_count == 2 and st.pending == 0
+    assert st.compute_infer.ns == 40 and h.results() == {}  # answers go worker -> frontend
+
+
+def test_unknown_or_unready_version_is_unavailable(repo):
+    h = Harness(repo).start()
+    rid = h.submit("plain", version=7)
+    r = h.results()[rid]
+    assert r.code is ErrorCode.UNAVAILABLE and "version 7 is not at ready state" in r.error
+
+
+def test_failed_requests_are_counted_per_request(repo):
+    h = Harness(repo).start()
+    sid = only(h, "prio")
+    h.submit("prio")
+    h.submit("prio"), h.submit("prio")            # queued: they form the next batch
+    h.finish(sid)
+    h.finish(sid, failed=[1])
+    st = stats(h, "prio")
+    assert st.inference_count == 2 and st.failures["BACKEND"] == 1
+
+
+# ---- deaths, retries, restarts ------------------------------------------------------------------------
+def test_worker_dies_mid_batch_retried_once_then_failed(repo):
+    h = Harness(repo).start()
+    first, second = h.spawn_ids("pair")
+    rid = h.submit("pair")
+    ran_on = h.batches()[-1][0]
+    h.die(ran_on)                                   # SIGSEGV: an unexpected death
+    assert h.port.unlinked == [ran_on]              # its segments go at once
+    other = second if ran_on == first else first
+    assert [r.req_id for r in h.last_batch(other).routes] == [rid]   # the retry
+    assert rid not in h.results()
+    h.die(other)
+    err = h.results()[rid]
+    assert err.code is ErrorCode.INTERNAL
+    assert "exited unexpectedly (killed by SIGSEGV) while executing this request" in err.error
+    assert stats(h, "pair").failures["BACKEND"] == 1
+
+
+def test_no_retry_when_the_model_turns_it_off(repo):
+    h = Harness(repo).start()
+    rid = h.submit("norertry")
+    h.die(h.batches()[-1][0], rc=3)
+    assert "exit code 3" in h.results()[rid].error
+
+
+def test_restart_backoff_doubles_and_resets_after_health(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.die(sid)
+    h.tick(BACKOFF_FIRST_S / 2)
+    assert h.waiting() == []                        # still backing off
+    h.tick(BACKOFF_FIRST_S / 2 + 0.01)
+    (sid2,) = h.waiting()
+    h.ready(sid2)
+    h.die(sid2)                                     # second death in a row: twice the wait
+    h.tick(BACKOFF_FIRST_S * 1.5)
+    assert h.waiting() == []
+    h.tick(BACKOFF_FIRST_S)
+    (sid3,) = h.waiting()
+    h.ready(sid3)
+    h.submit("plain")
+    h.finish(sid3)                                  # served: no longer "in a row"
+    h.tick(31)                                      # healthy for longer than 30 s
+    h.die(sid3)
+    h.tick(0)
+    assert len(h.waiting()) == 1                    # restarted at once
+    assert h.states("plain")[1][0] is ModelState.READY
+
+
+def test_crash_loop_makes_the_version_unavailable(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    for _ in range(CRASH_LOOP_DEATHS - 1):
+        h.die(sid)
+        h.tick(30)
+        (sid,) = h.waiting()
+        h.ready(sid)
+    running = h.submit("plain")
+    queued = h.submit("plain")
+    h.die(sid)
+    state, reason, cause = h.states("plain")[1]
+    assert state is ModelState.UNAVAILABLE and cause is StateCause.CRASH_LOOP
+    assert reason.startswith("crash loop: instance 'plain_0_0'") and "5 times in a row" in reason
+    for rid in (running, queued):     # the running one was requeued, then failed with the rest
+        err = h.results()[rid]
+        assert err.code is ErrorCode.UNAVAILABLE and "crash loop" in err.error
+    h.tick(60)
+    assert h.waiting() == []                        # no more restarts
+    late = h.submit("plain")
+    assert h.results()[late].code is ErrorCode.UNAVAILABLE
+
+
+def test_hung_execution_is_killed_and_not_retried(repo):
+    h = Harness(repo, execution_timeout_secs=5.0).start()
+    sid = only(h, "plain")
+    rid = h.submit("plain")
+    assert h.core.housekeeping_at <= h.clock() / 1e9 + 5.0   # the shell wakes in time
+    h.tick(4.9)
+    assert h.port.killed == []
+    h.tick(0.2)
+    assert h.port.killed == [sid]
+    h.kill_reported()
+    err = h.results()[rid]
+    assert err.code is ErrorCode.INTERNAL
+    assert "exceeded the execution timeout of 5 s and was killed" in err.error
+    h.tick(1)
+    assert len(h.waiting()) == 1                    # the instance comes back
+
+
+def test_idle_worker_that_stops_answering_pings_is_killed(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.tick(2.1)
+    assert len([m for s, m in h.to_worker(Ping) if s == sid]) == 1   # answered: no kill
+    h.mute.add(sid)
+    h.tick(2.1)
+    ping = [m for s, m in h.to_worker(Ping) if s == sid][-1]
+    for _ in range(4):
+        h.tick(2.0)
+    assert ping.seq and h.port.killed == [sid]
+    assert PING_TIMEOUT_S < 8.1
+    h.kill_reported()
+    h.tick(1)
+    assert len(h.waiting()) == 1
+
+
+def test_worker_death_while_loading_fails_the_version(repo):
+    h = Harness(repo).start(ready=False)
+    first, second = h.spawn_ids("pair")
+    h.die(first, rc=1)
+    state, reason, cause = h.states("pair")[1]
+    assert state is ModelState.UNAVAILABLE and cause is StateCause.LOAD_FAILED
+    assert "worker process of instance 'pair_0_0' exited unexpectedly (exit code 1) while " \
+           "loading" in reason
+    assert second in h.port.killed                  # the rest of the load is released
+
+
+def test_exit_on_error_when_a_model_fails_at_startup(repo):
+    write_model(repo, "broken", "max_batch_size: -3")
+    h = Harness(repo, exit_on_error=True).start()
+    assert h.core.exit_requested
+    assert not Harness(repo).start().core.exit_requested
+
+
+# ---- loading, reloading, unloading ------------------------------------------------------------------
+def control(h, action, name, config=""):
+    h.core.handle(ControlRequest(0, len(h.replies()) + 100, action, name, config))
+
+
+def test_load_commits_when_ready_and_answers_after_the_table(repo):
+    h = Harness(repo, model_control_mode="explicit").start()
+    assert h.port.spawned == {}
+    control(h, ControlAction.LOAD, "plain")
+    assert h.replies() == [] and h.states("plain")[1][0] is ModelState.LOADING
+    h.ready_all()
+    kinds = [type(m).__name__ for _, m in h.port.to_frontend]
+    assert kinds[-2:] == ["ModelTable", "ControlReply"]      # the table goes first
+    assert h.replies()[-1].error == "" and h.replies()[-1].code is None
+    assert h.states("plain")[1][0] is ModelState.READY
+
+
+def test_reload_serves_the_old_version_until_the_new_one_is_ready(repo):
+    h = Harness(repo, model_control_mode="explicit", load_models=["plain"]).start()
+    old = only(h, "plain")
+    control(h, ControlAction.LOAD, "plain")
+    (new,) = h.waiting()
+    rid = h.submit("plain")
+    assert h.batches()[-1][0] == old and rid        # the old one still serves
+    h.ready(new)
+    assert h.to_worker(Shutdown) == []              # draining: it holds a batch
+    h.finish(old)
+    assert h.to_worker(Shutdown) == [(old, Shutdown())]
+    h.submit("plain")
+    assert h.batches()[-1][0] == new
+
+
+def test_failed_reload_rolls_back(repo):
+    h = Harness(repo, model_control_mode="explicit", load_models=["pair"]).start()
+    old = set(h.spawn_ids("pair"))
+    control(h, ControlAction.LOAD, "pair")
+    new_a, new_b = h.waiting()
+    h.ready(new_a)
+    h.load_failed(new_b, "ImportError: no module named nope")
+    reply = h.replies()[-1]
+    assert reply.code is ErrorCode.INVALID_ARG
+    assert reply.error == "load failed for model 'pair': ImportError: no module named nope"
+    assert h.states("pair")[1][0] is ModelState.READY
+    assert new_a in h.port.killed and not old & set(h.port.killed)
+    h.submit("pair")
+    assert h.batches()[-1][0] in old
+
+
+def test_bad_override_and_missing_model_are_refused(repo):
+    h = Harness(repo, model_control_mode="explicit").start()
+    control(h, ControlAction.LOAD, "nope")
+    assert h.replies()[-1].code is ErrorCode.INTERNAL and "no model directory" in \
+        h.replies()[-1].error
+    control(h, ControlAction.LOAD, "plain", "{not json")
+    assert h.replies()[-1].code is ErrorCode.INVALID_ARG
+    assert h.port.spawned == {}
+
+
+def test_load_refused_outside_explicit_mode(repo):
+    h = Harness(repo).start()
+    control(h, ControlAction.UNLOAD, "plain")
+    assert h.replies()[-1].code is ErrorCode.UNAVAILABLE
+    assert "polling is enabled" in h.replies()[-1].error
+
+
+def test_unload_drains_then_stops(repo):
+    h = Harness(repo, model_control_mode="explicit", load_models=["plain"]).start()
+    sid = only(h, "plain")
+    h.submit("plain")
+    queued = h.submit("plain")
+    control(h, ControlAction.UNLOAD, "plain")
+    assert h.replies()[-1].error == ""
+    assert h.states("plain")[1][0] is ModelState.UNLOADING
+    h.finish(sid)                                   # the queued one still runs
+    assert [r.req_id for r in h.last_batch(sid).routes] == [queued]
+    assert h.to_worker(Shutdown) == []
+    h.finish(sid)
+    assert h.to_worker(Shutdown) == [(sid, Shutdown())]
+    assert h.states("plain")[1] == (ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)
+    late = h.submit("plain")
+    assert h.results()[late].code is ErrorCode.UNAVAILABLE
+
+
+def test_shutdown_answers_queued_requests(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.submit("plain")
+    queued = h.submit("plain")
+    waits = h.core.begin_shutdown()
+    assert sid in waits and (sid, Shutdown()) in h.to_worker(Shutdown)
+    err = h.results()[queued]
+    assert err.code is ErrorCode.UNAVAILABLE and err.error == "the server is shutting down"
+    h.die(sid, rc=0)
+    h.tick(5)
+    assert h.waiting() == []                        # no restart while stopping
+
+
+# ---- priorities, timeouts, cancellation ---------------------------------------------------------------
+def test_priorities_order_the_batch(repo):
+    h = Harness(repo).start()
+    sid = only(h, "prio")
+    h.submit("prio")                                # occupies the instance
+    low = h.submit("prio")                          # default level 2
+    high = h.submit("prio", priority=1)
+    h.finish(sid)
+    assert [r.req_id for r in h.last_batch(sid).routes] == [high, low]
+
+
+def test_queue_timeout_rejects_without_a_message(repo):
+    h = Harness(repo).start()
+    h.submit("prio")
+    late = h.submit("prio")
+    short = h.submit("prio", timeout_us=100_000)    # overrides the 1 s default
+    h.tick(0.2)
+    assert h.results()[short].error == "Request timeout expired"
+    assert late not in h.results()
+    h.tick(0.9)
+    assert h.results()[late].code is ErrorCode.UNAVAILABLE
+    assert stats(h, "prio").failures["REJECTED"] == 2
+
+
+def test_cancel_while_queued_and_while_running(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    running = h.submit("plain")
+    queued = h.submit("plain")
+    h.core.handle(CancelRequest(0, queued))
+    err = h.results()[queued]
+    assert err.code is ErrorCode.CANCELLED and stats(h, "plain").failures["CANCELED"] == 1
+    h.core.handle(CancelRequest(0, running))        # running: its worker is told
+    assert h.to_worker(CancelRequest) == [(sid, CancelRequest(0, running))]
+    h.finish(sid)
+    assert len(h.batches()) == 1                    # the cancelled one never ran
+
+
+# ---- poll mode -----------------------------------------------------------------------------------------
+def test_poll_mode_loads_reloads_and_unloads(repo):
+    h = Harness(repo, model_control_mode="poll", repository_poll_secs=10).start()
+    old = only(h, "plain")
+    write_model(repo, "plain", f"max_batch_size: 4\n{IO}\n{ONE}")   # changed on disk
+    write_model(repo, "fresh", f"max_batch_size: 4\n{IO}\n{ONE}")   # new
+    shutil.rmtree(os.path.join(repo, "pair"))                        # removed
+    h.tick(5)
+    assert h.waiting() == []                        # not yet time to look
+    h.tick(5.1)
+    assert sorted(h.port.spawned[s].model_name for s in h.waiting()) == ["fresh", "plain"]
+    assert "pair" not in {m.name for m in h.table().models}
+    h.ready_all()
+    assert (old, Shutdown()) in h.to_worker(Shutdown)
+    assert h.states("fresh")[1][0] is ModelState.READY
+    h.submit("plain")
+    assert h.batches()[-1][0] == h.spawn_ids("plain")[-1] != old
+
+
+# ---- what the core keeps for the frontends ----------------------------------------------------------------
+def test_custom_metrics_follow_live_workers(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.core.handle(CustomMetrics(sid, []))
+    h.core.handle(CustomMetrics(999, []))           # not a worker of ours
+    assert [m.spawn_id for m in h.core.statistics(StatsQuery(0, 1)).custom_metrics] == [sid]
+    h.die(sid)
+    assert h.core.statistics(StatsQuery(0, 1)).custom_metrics == []
+
+
+def test_statistics_errors_name_the_model(repo):
+    h = Harness(repo).start()
+    assert h.core.statistics(StatsQuery(0, 1, "nope")).error == \
+        "requested model 'nope' is not available"
+    assert "not available for model 'plain'" in h.core.statistics(StatsQuery(0, 1, "plain", 9)).error
+
+
+def test_payload_frames_are_forwarded_untouched(repo):
+    h = Harness(repo).start()
+    h.submit("prio")
+    h.submit("prio"), h.submit("prio")
+    h.finish(only(h, "prio"))
+    _, batch, payloads = h.batches()[-1]
+    assert isinstance(batch, ExecuteBatch) and payloads == [b"payload-2", b"payload-3"]

@@ -1,0 +1,144 @@
+"""Fakes for driving the frontend's service and both protocol layers in-process: an engine client
+without sockets, an HTTP connection and a gRPC context that record what they are told."""
+from __future__ import annotations
+
+import asyncio
+
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from shmserve.engine.model_config import normalize
+from shmserve.frontend.catalog import ModelCatalog
+from shmserve.frontend.grpc_service import InferenceService
+from shmserve.frontend.http_app import KServeHttpApp
+from shmserve.frontend.http_server import HttpRequest
+from shmserve.frontend.service import FrontendService
+from shmserve.frontend.shm_registry import ShmRegistry
+from shmserve.ipc.messages import (
+    ControlReply,
+    ModelInfo,
+    ModelState,
+    ModelStatistics,
+    ModelTable,
+    StatsReply,
+    VersionInfo,
+)
+
+CONFIG = '''
+backend: "python"
+max_batch_size: 8
+input [ { name: "IN0", data_type: TYPE_INT32, dims: [ 16 ] } ]
+output [ { name: "OUT0", data_type: TYPE_INT32, dims: [ 16 ] } ]
+'''
+
+
+def model_info(name: str, versions: list[VersionInfo]) -> ModelInfo:
+    cfg = normalize(text_format.Parse(CONFIG, mc.ModelConfig()), name)
+    return ModelInfo(name, cfg.SerializeToString(), versions)
+
+
+def table() -> ModelTable:
+    """'simple' serves version 1 and is loading version 2; 'never' was never loaded."""
+    return ModelTable([
+        model_info("simple", [VersionInfo(1, ModelState.READY),
+                              VersionInfo(2, ModelState.LOADING)]),
+        ModelInfo("never", b"", []),
+    ], startup_done=True)
+
+
+class FakeClient:
+    """Stands in for EngineClient: answers control and statistics queries with what the test
+    set (or raises ``control_raises`` / ``stats_raises``), and records what was sent."""
+
+    def __init__(self):
+        self.catalog = ModelCatalog()
+        self.catalog.update(table())
+        self.controls: list[tuple] = []
+        self.control_reply = ControlReply(0)
+        self.control_raises: BaseException | None = None
+        self.stats_queries: list[tuple] = []
+        self.stats_raises: BaseException | None = None
+        self.forgotten: list[list[str]] = []
+        self.cancelled: list[int] = []
+
+    async def control(self, action, name, config="", unload_dependents=False):
+        self.controls.append((action, name, config, unload_dependents))
+        if self.control_raises is not None:
+            raise self.control_raises
+        return self.control_reply
+
+    async def statistics(self, model="", version=-1):
+        self.stats_queries.append((model, version))
+        if self.stats_raises is not None:
+            raise self.stats_raises
+        if model and model != "simple":
+            return StatsReply(0, [], {}, f"requested model '{model}' is not available")
+        return StatsReply(0, [ModelStatistics("simple", 1)], {})
+
+    def forget_segments(self, segments):
+        self.forgotten.append(list(segments))
+
+    def cancel(self, req_id):
+        self.cancelled.append(req_id)
+
+
+def make_service(client: FakeClient | None = None, allow_shm: bool = True) -> FrontendService:
+    return FrontendService(client or FakeClient(), None, None, ShmRegistry(allow_shm),
+                           "shmserve-test", "0.1", strict_readiness=True)
+
+
+class FakeConn:
+    """An HttpConnection that keeps responses instead of writing them."""
+
+    def __init__(self):
+        self.responses: list[tuple[int, bytes, dict]] = []
+        self.inflight = 0
+        self.busy = True
+
+    def respond(self, req, status, body=b"", content_type="application/json", headers=(),
+                parts=()):
+        self.responses.append((status, body, dict(headers)))
+
+    def after_sent(self, callback):
+        callback()
+
+
+def http(app: KServeHttpApp, method: str, path: str, body: bytes = b"") -> tuple[int, bytes, dict]:
+    """One request through the app, waiting for answers that come later (control, stats)."""
+    async def run():
+        conn = FakeConn()
+        req = HttpRequest(method, path.encode(), {})
+        req.body = body
+        app.handle(conn, req)
+        while app.tasks:
+            await asyncio.gather(*list(app.tasks))
+        assert len(conn.responses) == 1, conn.responses
+        return conn.responses[0]
+    return asyncio.run(run())
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """A grpc.aio context whose abort records the status and raises, like the real one."""
+
+    def __init__(self):
+        self.code = None
+        self.details = None
+
+    async def abort(self, code, details=""):
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+def rpc(service: InferenceService, method: str, request):
+    """(response, None) or (None, (code, details)) for one unary RPC."""
+    async def run():
+        ctx = FakeContext()
+        try:
+            return await getattr(service, method)(request, ctx), None
+        except Aborted:
+            return None, (ctx.code, ctx.details)
+    return asyncio.run(run())

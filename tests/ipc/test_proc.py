@@ -1,0 +1,64 @@
+"""StopFlag's wake-up and second-signal hooks, and InboxWaker ending a blocking receive."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from shmserve.ipc import channel
+from shmserve.ipc.messages import Ping, Wake
+from shmserve.ipc.proc import InboxWaker, StopFlag
+
+
+@pytest.fixture
+def restore_sigusr1():
+    old = signal.getsignal(signal.SIGUSR1)
+    yield
+    signal.signal(signal.SIGUSR1, old)
+
+
+def test_first_signal_wakes_later_ones_repeat(restore_sigusr1):
+    calls = []
+    stop = StopFlag(signals=(signal.SIGUSR1,), on_signal=lambda s: calls.append(("wake", s)),
+                    on_repeat=lambda s: calls.append(("repeat", s)))
+    assert not stop.set
+    os.kill(os.getpid(), signal.SIGUSR1)    # the handler runs before the next bytecode
+    assert stop.set and stop.signum == signal.SIGUSR1
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert calls == [("wake", signal.SIGUSR1), ("repeat", signal.SIGUSR1),
+                     ("repeat", signal.SIGUSR1)]
+
+
+def test_stop_flag_without_hooks_is_as_before(restore_sigusr1):
+    stop = StopFlag(signals=(signal.SIGUSR1,))
+    os.kill(os.getpid(), signal.SIGUSR1)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    assert stop.set and stop.signum == signal.SIGUSR1
+
+
+def test_signal_ends_a_blocking_receive_with_wake(tmp_path, restore_sigusr1):
+    inbox = channel.Inbox(channel.address(str(tmp_path), "inbox"))
+    waker = InboxWaker("test-proc")
+    inbox.bind_also(waker.address)
+    try:
+        stop = StopFlag(signals=(signal.SIGUSR1,), on_signal=waker)
+        # without the waker this receive would run into its 30 s timeout (zmq.Again)
+        inbox.set_timeout(30_000)
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1))
+        timer.start()
+        msg, frames = inbox.recv()
+        timer.join()
+        assert isinstance(msg, Wake) and frames == [] and stop.set
+        # a message already queued comes first; the wake follows it
+        out = channel.Outbox(inbox.address)
+        out.send(Ping(1))
+        channel_msg, _ = inbox.recv()
+        assert channel_msg == Ping(1)
+        out.close()
+    finally:
+        waker.close()
+        waker()                             # after close: ignored, never raises
+        inbox.close()
