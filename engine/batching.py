@@ -26,7 +26,7 @@ class QueuedRequest:
     received_ns: int = 0        # when the frontend received it (CLOCK_MONOTONIC, system-wide)
     deadline_ns: int = 0        # queue timeout; 0 = none
     dispatched_ns: int = 0
-    retried: bool = False       # already re-run once after its worker died
+    alone: bool = False         # its worker died: it runs again once, in a batch of its own
 
 
 class QueueFull(Exception):

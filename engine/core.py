@@ -285,13 +285,16 @@ class SchedulerCore:
         if found is None:
             return
         ver, inst = found
-        inst.state = InstanceState.STOPPED
         if ver.state == ModelState.LOADING:
+            inst.state = InstanceState.STOPPED
             self.lifecycle.version_failed(ver, msg.reason)
         elif ver.state == ModelState.READY:
-            # a restart that no longer loads: keep the others serving, retry with backoff
+            # a restart that no longer loads: the others keep serving; its exit, which follows,
+            # counts as a death in a row (backoff, and a crash loop if it never loads again)
             log.error("instance %s of '%s' failed to reload: %s", inst.name, ver.name, msg.reason)
-            self.supervisor.restart_later(ver, inst, self.clock() / 1e9)
+            inst.exit_detail = f"failed to load the model again ({msg.reason})"
+        else:
+            inst.state = InstanceState.STOPPED
 
     def process_exited(self, spawn_id: int) -> None:
         """The shell saw the worker process of ``spawn_id`` end."""
@@ -312,9 +315,11 @@ class SchedulerCore:
             self.crash_loop(ver, inst, death.how)
 
     def requests_of_dead_worker(self, death: Death) -> None:
-        """Stateless models get one retry on another (or the restarted) instance, unless we
-        killed the worker for running too long; a request that already had its retry, or a
-        model that turned retries off, gets the error."""
+        """Stateless models get one retry, unless we killed the worker for running too long.
+        Each request of the dead batch is retried alone (one by one, on another or the
+        restarted instance): a poison request then kills at most one more worker and fails by
+        itself, while the others of its batch succeed. A request that already had its retry,
+        or a model that turned retries off, gets the error."""
         ver, inst = death.version, death.instance
         reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
                   f"{death.how} while executing this request")
@@ -322,14 +327,15 @@ class SchedulerCore:
         retry = ver.retry_on_death and ver.state == ModelState.READY and not self.stopping \
             and death.kill_reason == KillReason.NONE
         for r in reversed(death.batch or []):   # requeued at the head, in their order
-            if retry and not r.retried:
-                r.retried = True
+            if retry and not r.alone:
+                r.alone = True
                 ver.queue.requeue(r)
                 self.queued_in[(r.frontend, r.req_id)] = ver
                 continue
             ver.stats.failed("BACKEND", now - r.received_ns)
-            self.reply_error(r.frontend, r.req_id, ver.name, ver.version,
-                             ErrorCode.INTERNAL, reason)
+            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
+                             reason + ("; it had been retried alone after an earlier worker "
+                                       "death, so it is not retried again" if r.alone else ""))
         self.dispatch(ver)
 
     def crash_loop(self, ver: ModelVersion, inst: Instance, how: str) -> None:

@@ -143,10 +143,16 @@ class DynamicBatcher(IdleInstances):
         closed = False      # the batch cannot grow: full, or the next request does not fit
         oldest = 0
         for r in self._pending():
-            if batch and (r.shape_key != batch[0].shape_key or total + r.batch_size > limit):
+            if batch and (r.alone or r.shape_key != batch[0].shape_key
+                          or total + r.batch_size > limit):
                 closed = True
                 break
             batch.append(r)
+            if r.alone:         # a retry after a worker death runs by itself, and at once
+                closed = True
+                total = r.batch_size
+                oldest = r.enqueued_ns
+                break
             total += r.batch_size
             if not oldest or r.enqueued_ns < oldest:
                 oldest = r.enqueued_ns

@@ -15,14 +15,12 @@ from typing import Callable, Iterable
 from shmserve.ipc.messages import InstanceSpec, Ping, Pong, Shutdown
 
 from .models import (
-    BACKOFF_CAP_S,
-    BACKOFF_FIRST_S,
     CRASH_LOOP_DEATHS,
-    HEALTHY_AFTER_S,
     PING_INTERVAL_S,
     PING_TIMEOUT_S,
     Instance,
     ModelVersion,
+    restart_delay,
 )
 from .port import SchedulerPort
 from .states import InstanceState, KillReason, ModelState
@@ -73,7 +71,7 @@ class InstanceSupervisor:
         inst.spawn_id = sid
         inst.state = InstanceState.STARTING
         inst.connected = False
-        inst.kill_reason, inst.kill_detail = KillReason.NONE, ""
+        inst.kill_reason, inst.exit_detail = KillReason.NONE, ""
         inst.ping_seq = 0
         inst.started_at = self.now()
         self.by_spawn[sid] = (ver, inst)
@@ -90,7 +88,7 @@ class InstanceSupervisor:
         return found
 
     def kill(self, ver: ModelVersion, inst: Instance, reason: KillReason, detail: str) -> None:
-        inst.kill_reason, inst.kill_detail = reason, detail
+        inst.kill_reason, inst.exit_detail = reason, detail
         log.error("instance %s of model '%s' %s", inst.name, ver.name, detail)
         self.port.kill(inst.spawn_id)
 
@@ -130,8 +128,8 @@ class InstanceSupervisor:
         self.port.unlink(spawn_id)
         inst.connected = False
         ver.queue.instance_gone(inst)
-        reason, detail = inst.kill_reason, inst.kill_detail
-        inst.kill_reason, inst.kill_detail = KillReason.NONE, ""
+        reason, detail = inst.kill_reason, inst.exit_detail
+        inst.kill_reason, inst.exit_detail = KillReason.NONE, ""
         how = detail or f"exited unexpectedly ({describe_exit(rc)})"
         batch, inst.batch = inst.batch, None
         death = Death(ver, inst, Outcome.STOPPED, how, reason, batch)
@@ -152,20 +150,14 @@ class InstanceSupervisor:
             inst.state = InstanceState.STOPPED
             death.outcome = Outcome.CRASH_LOOP
             return death
-        if now - inst.started_at > HEALTHY_AFTER_S:
-            inst.backoff_s = 0.0
         inst.deaths += 1
-        self.restart_later(ver, inst, now)
+        inst.state = InstanceState.BACKOFF
+        inst.restart_at = now + restart_delay(inst.deaths_in_a_row)
+        self.backoff.add((ver, inst))
         log.warning("instance %s of model '%s' %s; restarting in %.1fs", inst.name, ver.name,
                     how, inst.restart_at - now)
         death.outcome = Outcome.RESTARTING
         return death
-
-    def restart_later(self, ver: ModelVersion, inst: Instance, now: float) -> None:
-        inst.state = InstanceState.BACKOFF
-        inst.restart_at = now + inst.backoff_s
-        inst.backoff_s = min(BACKOFF_CAP_S, max(inst.backoff_s * 2, BACKOFF_FIRST_S))
-        self.backoff.add((ver, inst))
 
     # ---- timers ---------------------------------------------------------------------------------------
     def restart_due(self) -> float:

@@ -15,11 +15,12 @@ from .stats import VersionStats
 # Queued requests per model version before new ones are refused with 503 (Triton's default
 # scheduler has no bound; an unbounded queue turns overload into memory growth).
 DEFAULT_MAX_QUEUE = 4096
-# Restart backoff for a worker that died: doubles from the first value up to the cap.
+# Restart backoff grows only with deaths that had no finished execution between them (the
+# crash-loop detector's rule): a worker that served and then died restarts at once, so one
+# poison request cannot stall a model; the second death in a row waits BACKOFF_FIRST_S, and
+# each further one twice as long, up to the cap.
 BACKOFF_FIRST_S = 0.2
 BACKOFF_CAP_S = 10.0
-# A worker that served this long since its last start has its backoff reset.
-HEALTHY_AFTER_S = 30.0
 # An instance that dies this many times in a row without finishing a single execution in
 # between is in a crash loop: its version goes UNAVAILABLE with the reason, until a reload.
 # (Deaths of an instance that keeps serving between them, e.g. the odd OOM kill, restart it.)
@@ -41,12 +42,11 @@ class Instance:
     batch_id: int = 0
     started_at: float = 0.0
     restart_at: float = 0.0
-    backoff_s: float = BACKOFF_FIRST_S
     deaths: int = 0
     deaths_in_a_row: int = 0    # deaths since the last execution that finished
     busy_since: float = 0.0
     kill_reason: KillReason = KillReason.NONE    # why the scheduler killed its worker
-    kill_detail: str = ""       # the same, for people: goes into the requests' errors
+    exit_detail: str = ""       # why its worker exited, when we know better than its status
     ping_seq: int = 0           # last ping sent; 0 = none outstanding
     ping_sent: float = 0.0
 
@@ -105,3 +105,10 @@ class ModelVersion:
 
     def busy(self) -> bool:
         return any(i.state == InstanceState.BUSY for i in self.instances)
+
+
+def restart_delay(deaths_in_a_row: int) -> float:
+    """Seconds to wait before restarting an instance after this many deaths in a row."""
+    if deaths_in_a_row <= 1:
+        return 0.0
+    return min(BACKOFF_CAP_S, BACKOFF_FIRST_S * 2 ** (deaths_in_a_row - 2))

@@ -107,12 +107,26 @@ class Inbox:
 
 
 class Outbox:
-    def __init__(self, addr: str):
+    def __init__(self, addr: str, wait_connected_s: float = 0.0):
+        """``wait_connected_s``: return only once the connection is up (or that long passed).
+        ZeroMQ connects in its I/O thread and queues messages until then; a process that may
+        die right after sending (a worker running model code next) must not leave its first
+        answers in that queue, where they die with it."""
         self.address = addr
         self.socket = context().socket(zmq.PUSH)
         self.socket.setsockopt(zmq.SNDHWM, HIGH_WATER_MARK)
         self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.connect(addr)
+        if wait_connected_s <= 0:
+            self.socket.connect(addr)
+            return
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED)
+        try:
+            self.socket.connect(addr)
+            if monitor.poll(int(wait_connected_s * 1000)):
+                monitor.recv_multipart()
+        finally:
+            self.socket.disable_monitor()
+            monitor.close(0)
 
     def send(self, msg, payloads=(), flags: int = 0) -> None:
         """Send a message and optional payload frames (bytes, forwarded as they are)."""

@@ -107,6 +107,32 @@ BAD_INIT = textwrap.dedent('''
 ''')
 
 
+# Exits the worker process on the value -1, echoes anything else: one poison request among good
+# ones (issue 13's poison test, also driven by bench/poison.py).
+POISON = textwrap.dedent('''
+    import os
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                x = r.inputs()[0].as_numpy()
+                if (x == -1).any():
+                    os._exit(3)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+            return out
+''')
+POISON_CONFIG = '''
+    backend: "python"
+    max_batch_size: 8
+    input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    instance_group [ { count: 2, kind: KIND_CPU } ]
+    dynamic_batching { max_queue_delay_microseconds: 200 }
+'''
+
+
 def write_model(repo: str, name: str, config: str, code: str | None, version: int = 1) -> None:
     d = os.path.join(repo, name)
     os.makedirs(os.path.join(d, str(version)), exist_ok=True)

@@ -88,7 +88,7 @@ class Worker:
         box = self.frontends.get(fid)
         if box is None:
             box = self.frontends[fid] = channel.Outbox(
-                channel.address(self.args.run_dir, f"frontend-{fid}"))
+                channel.address(self.args.run_dir, f"frontend-{fid}"), wait_connected_s=2.0)
         return box
 
     def load(self) -> bool:

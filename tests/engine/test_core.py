@@ -115,28 +115,80 @@ def test_no_retry_when_the_model_turns_it_off(repo):
     assert "exit code 3" in h.results()[rid].error
 
 
-def test_restart_backoff_doubles_and_resets_after_health(repo):
+def test_backoff_grows_only_with_deaths_in_a_row(repo):
+    """A worker that served and then died restarts at once (one poison request must not stall
+    the model); deaths with no finished execution between them wait 0.2 s, 0.4 s, ..."""
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.submit("plain")
+    h.finish(sid)
+    h.die(sid)                                      # it had served: no wait
+    h.tick(0)
+    (sid,) = h.waiting()
+    h.ready(sid)
+    h.die(sid)                                      # second death in a row
+    h.tick(BACKOFF_FIRST_S * 0.9)
+    assert h.waiting() == []
+    h.tick(BACKOFF_FIRST_S * 0.2)
+    (sid,) = h.waiting()
+    h.ready(sid)
+    h.die(sid)                                      # third: twice the wait
+    h.tick(BACKOFF_FIRST_S * 1.9)
+    assert h.waiting() == []
+    h.tick(BACKOFF_FIRST_S * 0.2)
+    (sid,) = h.waiting()
+    h.ready(sid)
+    h.submit("plain")
+    h.finish(sid)                                   # served again: the count starts over
+    h.die(sid)
+    h.tick(0)
+    assert len(h.waiting()) == 1
+    assert h.states("plain")[1][0] is ModelState.READY
+
+
+def test_a_dead_batch_is_retried_one_by_one_and_the_poison_fails_alone(repo):
+    h = Harness(repo).start()
+    sid = only(h, "prio")
+    first = h.submit("prio")                        # occupies the instance
+    batch = [h.submit("prio") for _ in range(3)]
+    h.finish(sid)
+    assert [r.req_id for r in h.last_batch(sid).routes] == batch
+    h.die(sid)                                      # the batch of three dies
+    batch.append(h.submit("prio"))                  # a newcomer must not join the retries
+    h.tick(0)
+    (sid,) = h.waiting()
+    h.ready(sid)
+    ran = []
+    for expected in batch[:2]:                      # each retry runs alone
+        b = h.last_batch(sid)
+        assert [r.req_id for r in b.routes] == [expected]
+        ran.append(expected)
+        h.finish(sid)
+    assert [r.req_id for r in h.last_batch(sid).routes] == [batch[2]]
+    h.die(sid)                                      # the third one is the poison
+    err = h.results()[batch[2]]
+    assert err.code is ErrorCode.INTERNAL and "retried alone after an earlier worker death" in \
+        err.error
+    assert first not in h.results() and not set(ran) & set(h.results())
+    h.tick(0)                                       # it had served: back at once
+    (sid,) = h.waiting()
+    h.ready(sid)
+    assert [r.req_id for r in h.last_batch(sid).routes] == [batch[3]]
+    assert h.states("prio")[1][0] is ModelState.READY
+
+
+def test_a_restart_that_no_longer_loads_backs_off_then_crash_loops(repo):
     h = Harness(repo).start()
     sid = only(h, "plain")
     h.die(sid)
-    h.tick(BACKOFF_FIRST_S / 2)
-    assert h.waiting() == []                        # still backing off
-    h.tick(BACKOFF_FIRST_S / 2 + 0.01)
-    (sid2,) = h.waiting()
-    h.ready(sid2)
-    h.die(sid2)                                     # second death in a row: twice the wait
-    h.tick(BACKOFF_FIRST_S * 1.5)
-    assert h.waiting() == []
-    h.tick(BACKOFF_FIRST_S)
-    (sid3,) = h.waiting()
-    h.ready(sid3)
-    h.submit("plain")
-    h.finish(sid3)                                  # served: no longer "in a row"
-    h.tick(31)                                      # healthy for longer than 30 s
-    h.die(sid3)
-    h.tick(0)
-    assert len(h.waiting()) == 1                    # restarted at once
-    assert h.states("plain")[1][0] is ModelState.READY
+    for _ in range(CRASH_LOOP_DEATHS - 1):
+        h.tick(15)
+        (sid,) = h.waiting()
+        h.load_failed(sid, "ImportError: gone")
+        h.die(sid, rc=0)
+    state, reason, cause = h.states("plain")[1]
+    assert state is ModelState.UNAVAILABLE and cause is StateCause.CRASH_LOOP
+    assert "failed to load the model again (ImportError: gone)" in reason
 
 
 def test_crash_loop_makes_the_version_unavailable(repo):

@@ -1,0 +1,73 @@
+"""One poison request among good ones: it fails alone, the good ones all succeed and the model
+stays READY (issue 13). bench/poison.py runs the same scenario longer and reports latencies."""
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.http as httpclient
+from repo_builder import POISON, POISON_CONFIG, write_model
+from serverproc import Server
+from tritonclient.utils import InferenceServerException
+
+CLIENTS = 4
+DURATION_S = 6.0
+POISON_EVERY_S = 1.5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("poison"))
+    write_model(repo, "poisonable", POISON_CONFIG, POISON)
+    s = Server(repo)
+    yield s
+    assert s.stop() == 0
+
+
+def _infer(client, value: int):
+    inp = httpclient.InferInput("INPUT0", [1, 1], "INT32")
+    inp.set_data_from_numpy(np.array([[value]], dtype=np.int32))
+    return client.infer("poisonable", [inp])
+
+
+def test_poison_fails_alone_while_good_requests_all_succeed(server):
+    good, failures, poisoned = [], [], []
+    stop = time.monotonic() + DURATION_S
+
+    def client_loop(k):
+        c = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            try:
+                r = _infer(c, k * 100000 + i)
+                assert int(r.as_numpy("OUTPUT0")[0, 0]) == k * 100000 + i
+                good.append(i)
+            except Exception as e:              # noqa: BLE001 - counted and reported below
+                failures.append(repr(e))
+        c.close()
+
+    def poison_loop():
+        c = httpclient.InferenceServerClient(server.url, network_timeout=60)
+        while time.monotonic() < stop - POISON_EVERY_S:
+            with pytest.raises(InferenceServerException) as e:
+                _infer(c, -1)
+            poisoned.append(e.value)
+            # pacing of the scenario itself, not synchronisation
+            time.sleep(POISON_EVERY_S)
+        c.close()
+
+    threads = [threading.Thread(target=client_loop, args=(k,)) for k in range(CLIENTS)]
+    threads.append(threading.Thread(target=poison_loop))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DURATION_S + 120)
+    assert not any(t.is_alive() for t in threads)
+    assert failures == []                       # not one good request was lost or failed
+    assert good and len(poisoned) >= 2
+    for e in poisoned:
+        assert e.status() == "500"
+        assert "exited unexpectedly (exit code 3) while executing this request" in e.message()
+        assert "retried alone after an earlier worker death" in e.message()
+    assert server.model_ready("poisonable")     # never a crash loop: good work came between
