@@ -48,6 +48,10 @@ class Death:
     batch: list | None              # the requests it was executing
 
 
+class SpawnFailed(Exception):
+    """The worker process could not be started at all (e.g. no memory, no process slots)."""
+
+
 class InstanceSupervisor:
     def __init__(self, port: SchedulerPort, clock: Callable[[], int]):
         self.port = port
@@ -75,7 +79,13 @@ class InstanceSupervisor:
         inst.ping_seq = 0
         inst.started_at = self.now()
         self.by_spawn[sid] = (ver, inst)
-        self.port.spawn(sid, spec)
+        try:
+            self.port.spawn(sid, spec)
+        except Exception as e:
+            del self.by_spawn[sid]
+            inst.state = InstanceState.STOPPED
+            raise SpawnFailed(f"could not start the worker process of instance '{inst.name}': "
+                              f"{type(e).__name__}: {e}") from e
 
     def find(self, spawn_id: int) -> tuple[ModelVersion, Instance] | None:
         return self.by_spawn.get(spawn_id)
@@ -169,7 +179,14 @@ class InstanceSupervisor:
                 self.backoff.discard((ver, inst))
             elif inst.restart_at <= now:
                 self.backoff.discard((ver, inst))
-                self.spawn(ver, inst)
+                try:
+                    self.spawn(ver, inst)
+                except SpawnFailed as e:         # try again later, as after a death
+                    log.error("%s", e)
+                    inst.deaths_in_a_row += 1
+                    inst.state = InstanceState.BACKOFF
+                    inst.restart_at = now + max(restart_delay(inst.deaths_in_a_row), 1.0)
+                    self.backoff.add((ver, inst))
             else:
                 wait = min(wait, inst.restart_at - now)
         return wait

@@ -29,7 +29,7 @@ from shmserve.ipc.messages import (
 )
 
 from . import model_config
-from .instances import InstanceSupervisor
+from .instances import InstanceSupervisor, SpawnFailed
 from .model_config import ConfigError
 from .models import Instance, ModelVersion
 from .repository import ModelEntry, ModelRepository
@@ -134,13 +134,13 @@ class ModelLifecycle:
             try:
                 override = model_config.config_from_json(config_json)
             except ConfigError as e:
-                return self.reply(waiter, ErrorCode.INVALID_ARG, str(e))
+                return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(name, str(e)))
         entry = self.repository.read_model(name, dirs, override)
         if entry.error:
             if not self.serving_versions(name):
                 self.entries[name] = entry
                 self.publish()
-            return self.reply(waiter, ErrorCode.INVALID_ARG, entry.error)
+            return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(name, entry.error))
         cfg_json = model_config.config_to_json(entry.config)
         versions = []
         now = self.clock() / 1e9
@@ -153,7 +153,7 @@ class ModelLifecycle:
                 ver.configure_timeout(self.settings.execution_timeout_secs)
             except ValueError:
                 plan.error = (f"parameter execution_timeout_ms of model '{name}' must be a "
-                              f"number of milliseconds")
+                              f"finite, non-negative number of milliseconds")
             versions.append(ver)
             if plan.error:
                 ver.set_state(ModelState.UNAVAILABLE, plan.error, StateCause.LOAD_FAILED)
@@ -163,10 +163,13 @@ class ModelLifecycle:
         if failed:
             return self.finish_load(load, failed[0].reason)
         log.info("loading model '%s' version(s) %s", name, [v.version for v in versions])
-        for ver in versions:
-            ver.instances = list(instances_of(entry.config))
-            for inst in ver.instances:
-                self.supervisor.spawn(ver, inst)
+        try:
+            for ver in versions:
+                ver.instances = list(instances_of(entry.config))
+                for inst in ver.instances:
+                    self.supervisor.spawn(ver, inst)
+        except SpawnFailed as e:
+            return self.finish_load(load, str(e))
         self.publish()
 
     def apply_completed_config(self, ver: ModelVersion, config_json: str) -> bool:
@@ -331,6 +334,11 @@ class ModelLifecycle:
                                     StateCause.LOAD_FAILED)]
             models.append(ModelInfo(name, cfg, vers))
         return ModelTable(models, self.startup_done)
+
+
+def failed_to_load(name: str, error: str) -> str:
+    """Triton's clients look for this prefix in a refused load's message."""
+    return error if error.startswith("failed to load") else f"failed to load '{name}': {error}"
 
 
 def instances_of(config):

@@ -78,6 +78,12 @@ def _check_tensors(cfg: mc.ModelConfig, kind: str, tensors) -> None:
                                   f"dims {list(t.dims)}")
 
 
+# Bounds Triton does not set but a server must: each priority level is a queue of its own in the
+# scheduler, each instance a process. Past these a config is refused with the limit named.
+MAX_PRIORITY_LEVELS = 1024
+MAX_INSTANCES_PER_MODEL = 128
+
+
 def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
     db, name, mbs = cfg.dynamic_batching, cfg.name, cfg.max_batch_size
     for p in db.preferred_batch_size:
@@ -87,6 +93,9 @@ def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
     if not db.preferred_batch_size and mbs > 0:
         db.preferred_batch_size.append(mbs)
     levels = db.priority_levels
+    if levels > MAX_PRIORITY_LEVELS:
+        raise ConfigError(f"model '{name}': dynamic_batching priority_levels {levels} exceeds the "
+                          f"limit of {MAX_PRIORITY_LEVELS}")
     if levels and not 1 <= db.default_priority_level <= levels:
         raise ConfigError(f"model '{name}': dynamic_batching default_priority_level must be in "
                           f"[1, {levels}] when priority_levels is {levels}")
@@ -146,6 +155,11 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
             group.count = 1
         if group.count < 0:
             raise ConfigError(f"instance_group '{group.name}' of model '{name}' has a negative count")
+    total = sum(g.count * (max(1, len(g.gpus)) if g.kind == mc.ModelInstanceGroup.KIND_GPU else 1)
+                for g in cfg.instance_group)
+    if total > MAX_INSTANCES_PER_MODEL:
+        raise ConfigError(f"model '{name}': instance_group asks for {total} instances, more than "
+                          f"the limit of {MAX_INSTANCES_PER_MODEL} (each is a process)")
     cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
     if cfg.model_transaction_policy.decoupled:
         raise ConfigError(f"model '{name}': decoupled models are not supported yet")

@@ -1,6 +1,7 @@
 """Runtime records of loaded model versions and their instances (state only, no sockets)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,7 +83,10 @@ class ModelVersion:
         param = self.config.parameters.get("execution_timeout_ms")
         self.execution_timeout_s = default_s
         if param is not None and param.string_value.strip():
-            self.execution_timeout_s = float(param.string_value) / 1000.0
+            ms = float(param.string_value)
+            if not math.isfinite(ms) or ms < 0:     # "nan" and "inf" parse as floats
+                raise ValueError(param.string_value)
+            self.execution_timeout_s = ms / 1000.0
 
     def build_queue(self) -> None:
         kw: dict[str, Any] = {"clock": self.clock} if self.clock is not None else {}

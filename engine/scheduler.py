@@ -119,20 +119,33 @@ class SchedulerShell:
             try:
                 msg, frames = inbox.recv()
             except zmq.Again:               # the receive timeout: housekeeping is due
-                pass
-            else:
-                if type(msg) is ProcessExited:
+                msg = None
+            except msgspec.DecodeError as e:    # not one of our messages: drop it
+                log.error("dropped an undecodable message: %s", e)
+                continue
+            try:
+                if msg is None:
+                    pass
+                elif type(msg) is ProcessExited:
                     self.process_exited(msg.spawn_id)
                 else:
                     core.handle(msg, frames)
-            if stop.set:
-                break
-            # batch deadlines need sub-millisecond precision, which the alarm thread gives;
-            # restarts, pings, hang checks and repository polls are fine with milliseconds
-            self.alarm.set(core.batching_due())
-            now = time.monotonic()
-            if now >= core.housekeeping_at:
-                core.housekeeping()
+                if stop.set:
+                    break
+                # batch deadlines need sub-millisecond precision, which the alarm thread gives;
+                # restarts, pings, hang checks and repository polls are fine with milliseconds
+                self.alarm.set(core.batching_due())
+                now = time.monotonic()
+                if now >= core.housekeeping_at:
+                    core.housekeeping()
+            except Exception:
+                # a bug must cost the message that found it, never the scheduler (and with it
+                # every model): log it and go on with the next one
+                log.exception("error handling %s; the scheduler carries on",
+                              type(msg).__name__ if msg is not None else "housekeeping")
+                now = time.monotonic()
+                if core.housekeeping_at <= now:
+                    core.housekeeping_at = now + 1.0
             ms = max(1, math.ceil((core.housekeeping_at - now) * 1000))
             if ms != armed_ms:
                 inbox.set_timeout(ms)

@@ -12,7 +12,7 @@ import sys
 
 import msgspec
 
-from shmserve.ipc.messages import InstanceSpec, WorkerArgs
+from shmserve.ipc.messages import InstanceSpec, WorkerArgs, WorkerLabel
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -30,12 +30,30 @@ def describe_exit(returncode: int | None) -> str:
 class WorkerProcess:
     def __init__(self, args: WorkerArgs):
         self.args = args
-        blob = msgspec.json.encode(args).decode()
-        self.popen = subprocess.Popen(
-            [sys.executable, "-m", "shmserve.workers.main", blob],
-            stdin=subprocess.DEVNULL, close_fds=True)
+        spec = args.spec
+        label = WorkerLabel(spec.model_name, spec.version, spec.instance_name, args.spawn_id)
+        # the arguments go through a file in the run directory: a config may be larger than
+        # one command-line argument may be, and a pipe would block us until the child reads
+        self.args_path = os.path.join(args.run_dir, f"w{args.spawn_id}.args.json")
+        with open(self.args_path, "wb") as f:
+            f.write(msgspec.json.encode(args))
+        try:
+            self.popen = subprocess.Popen(
+                [sys.executable, "-m", "shmserve.workers.main",
+                 msgspec.json.encode(label).decode(), self.args_path],
+                stdin=subprocess.DEVNULL, close_fds=True)
+        except BaseException:
+            self.forget_args()
+            raise
         self.pid = self.popen.pid
         self.pidfd = os.pidfd_open(self.pid)
+
+    def forget_args(self) -> None:
+        """The worker removes its arguments file once read; this covers one that died first."""
+        try:
+            os.unlink(self.args_path)
+        except FileNotFoundError:
+            pass
 
     def reap(self) -> int | None:
         """Collect the exit status of this one child (never any other)."""
@@ -52,6 +70,7 @@ class WorkerProcess:
                 pass
 
     def close(self) -> None:
+        self.forget_args()
         if self.pidfd >= 0:
             os.close(self.pidfd)
             self.pidfd = -1

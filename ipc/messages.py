@@ -393,6 +393,16 @@ class InstanceSpec(msgspec.Struct):
     auto_complete: bool = False     # fill in the config from the model before loading it
 
 
+class WorkerLabel(msgspec.Struct):
+    """What a worker's command line shows (ps, /proc/<pid>/cmdline): which model and instance it
+    serves. The full ``WorkerArgs`` travel in a file, since a config can outgrow the kernel's
+    limit on one argument (128 KiB)."""
+    model_name: str
+    version: int
+    instance_name: str
+    spawn_id: int
+
+
 class WorkerArgs(msgspec.Struct):
     spawn_id: int               # unique for the server's life; names the worker's sockets
     parent: int

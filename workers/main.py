@@ -1,7 +1,7 @@
 """Worker process shell: one model instance. Loads the backend, then executes batches until told
 to stop or until its parent (the scheduler) dies.
 
-    python -m shmserve.workers.main '<json WorkerArgs>'
+    python -m shmserve.workers.main '<json WorkerLabel>' <path of a json WorkerArgs file>
 """
 from __future__ import annotations
 
@@ -310,8 +310,16 @@ def _exit_now(signum: int) -> None:
     os._exit(1)
 
 
+def read_args(path: str) -> WorkerArgs:
+    """The arguments file the scheduler wrote (argv[1] is only a label for ps)."""
+    with open(path, "rb") as f:
+        args = msgspec.json.decode(f.read(), type=WorkerArgs)
+    os.unlink(path)
+    return args
+
+
 def main() -> None:
-    args = msgspec.json.decode(sys.argv[1].encode(), type=WorkerArgs)
+    args = read_args(sys.argv[2])
     die_with_parent(args.parent)
     logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
                         format=f"%(asctime)s worker {args.spec.instance_name} %(levelname)s %(message)s")

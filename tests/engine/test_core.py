@@ -445,3 +445,53 @@ def test_payload_frames_are_forwarded_untouched(repo):
     h.finish(only(h, "prio"))
     _, batch, payloads = h.batches()[-1]
     assert isinstance(batch, ExecuteBatch) and payloads == [b"payload-2", b"payload-3"]
+
+
+# ---- what must not take the scheduler down -------------------------------------------------------
+def test_a_worker_that_cannot_be_spawned_fails_its_load_only(repo):
+    h = Harness(repo, model_control_mode="explicit", load_models=["plain"]).start()
+    real_spawn = h.port.spawn
+
+    def spawn(sid, spec):
+        if spec.model_name == "pair":
+            raise OSError(7, "Argument list too long")
+        real_spawn(sid, spec)
+    h.port.spawn = spawn
+    control(h, ControlAction.LOAD, "pair")
+    reply = h.replies()[-1]
+    assert reply.code is ErrorCode.INVALID_ARG
+    assert "could not start the worker process of instance 'pair_0_0': OSError" in reply.error
+    assert h.states("pair")[1][0] is ModelState.UNAVAILABLE
+    h.submit("plain")
+    assert h.batches()[-1][0] == only(h, "plain")   # the rest keeps serving
+
+
+def test_restart_that_cannot_be_spawned_is_tried_again(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.submit("plain")
+    h.finish(sid)
+    real_spawn, fail = h.port.spawn, [True]
+
+    def spawn(s, spec):
+        if fail[0]:
+            raise OSError(12, "Cannot allocate memory")
+        real_spawn(s, spec)
+    h.port.spawn = spawn
+    h.die(sid)
+    h.tick(0)                                       # the restart fails
+    assert h.waiting() == []
+    fail[0] = False
+    h.tick(1.1)
+    assert len(h.waiting()) == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-5", "soon"])
+def test_execution_timeout_must_be_a_finite_number(repo, value):
+    write_model(repo, "odd", f'max_batch_size: 8\n{IO}\n{ONE}\nparameters {{ key: '
+                             f'"execution_timeout_ms" value {{ string_value: "{value}" }} }}')
+    h = Harness(repo).start()
+    state, reason, _ = h.states("odd")[1]
+    assert state is ModelState.UNAVAILABLE
+    assert "execution_timeout_ms of model 'odd' must be a finite, non-negative number" in reason
+    assert h.spawn_ids("odd") == []

@@ -187,9 +187,12 @@ def test_normalize_is_idempotent():
     (BASIC + "sequence_batching { }", "sequence_batching is not supported"),
     (BASIC + "model_transaction_policy { decoupled: true }", "decoupled models are not supported"),
     (BASIC + "instance_group [ { count: -1 } ]", "instance_group 'm_0' of model 'm' has a negative count"),
+    (BASIC + "instance_group [ { count: 100 }, { count: 29 } ]",
+     r"model 'm': instance_group asks for 129 instances, more than the limit of 128"),
+    (BASIC + "instance_group [ { count: 100000000 } ]", "more than the limit of 128"),
 ], ids=["name", "no-backend", "backend", "platform", "ensemble", "max-batch", "no-dtype", "dup-input",
         "no-name", "dim-0", "dim-neg", "no-dims", "reshape", "out-dtype", "out-dim", "sequence",
-        "decoupled", "count"])
+        "decoupled", "count", "too-many-instances", "count-huge"])
 def test_normalize_errors(text, match):
     with pytest.raises(ConfigError, match=match):
         norm(text)
@@ -304,8 +307,11 @@ def test_config_to_json_is_compact_and_round_trips():
      r"priority_queue_policy has level 0, outside \[1, priority_levels=2\]"),
     ("priority_queue_policy { key: 1 value { } }",
      r"priority_queue_policy has level 1, outside \[1, priority_levels=0\]"),
+    ("priority_levels: 3000000 default_priority_level: 1",
+     r"model 'm': dynamic_batching priority_levels 3000000 exceeds the limit of 1024"),
 ], ids=["preferred-0", "preferred-neg", "preferred-above-max", "default-level-0",
-        "default-level-above", "policy-level-above", "policy-level-0", "policy-without-levels"])
+        "default-level-above", "policy-level-above", "policy-level-0", "policy-without-levels",
+        "levels-too-many"])
 def test_normalize_dynamic_batching_errors(db, match):
     with pytest.raises(ConfigError, match=match):
         norm(BASIC + f"dynamic_batching {{ {db} }}")
