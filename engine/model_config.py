@@ -84,6 +84,14 @@ MAX_PRIORITY_LEVELS = 1024
 MAX_INSTANCES_PER_MODEL = 128
 
 
+def _check_file_name(name: str, what: str, value: str) -> None:
+    """A file a config names lives in the model's own directory: a plain name, never a path, so
+    that a load request cannot make a worker import or read any file of the host."""
+    if value in (".", "..") or "/" in value or "\\" in value or "\0" in value:
+        raise ConfigError(f"model '{name}': {what} '{value}' must be a file name inside the model "
+                          f"directory, not a path")
+
+
 def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
     db, name, mbs = cfg.dynamic_batching, cfg.name, cfg.max_batch_size
     for p in db.preferred_batch_size:
@@ -129,6 +137,12 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         cfg.platform = platform
     if not cfg.default_model_filename:
         cfg.default_model_filename = filename
+    _check_file_name(name, "default_model_filename", cfg.default_model_filename)
+    for w in cfg.model_warmup:
+        for input_name, spec in w.inputs.items():
+            if spec.input_data_file:
+                _check_file_name(name, f"model_warmup '{w.name}' input '{input_name}' "
+                                       f"input_data_file", spec.input_data_file)
     if cfg.max_batch_size < 0:
         raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
     _check_tensors(cfg, "input", cfg.input)

@@ -64,6 +64,25 @@ def test_unbounded_config_values_are_refused_with_the_limit(client):
     _serves(client)
 
 
+def test_a_load_cannot_reach_files_outside_the_model(client, tmp_path):
+    """An override once made a worker import (python) or open (onnxruntime) any file of the host
+    through default_model_filename, and warm-up read any file through input_data_file."""
+    planted = tmp_path / "planted.py"
+    planted.write_text(f"open({str(tmp_path / 'ran')!r}, 'w').close()\n")
+    cfg = client.get_model_config("identity_fp32")
+    for change in ({"default_model_filename": str(planted)},
+                   {"default_model_filename": "../../../../../../" + str(planted)},
+                   {"model_warmup": [{"name": "w", "batch_size": 1, "inputs": {"INPUT0": {
+                       "data_type": "TYPE_FP32", "dims": [16],
+                       "input_data_file": "../../../../../etc/passwd"}}}]}):
+        with pytest.raises(InferenceServerException) as e:
+            client.load_model("identity_fp32", config=json.dumps({**cfg, **change}))
+        assert e.value.status() == "400"
+        assert "must be a file name inside the model directory, not a path" in e.value.message()
+    assert not (tmp_path / "ran").exists()
+    _serves(client)
+
+
 def _scheduler_run_dir(server) -> str:
     for pid in descendants(server.proc.pid):
         try:

@@ -190,9 +190,18 @@ def test_normalize_is_idempotent():
     (BASIC + "instance_group [ { count: 100 }, { count: 29 } ]",
      r"model 'm': instance_group asks for 129 instances, more than the limit of 128"),
     (BASIC + "instance_group [ { count: 100000000 } ]", "more than the limit of 128"),
+    (BASIC + 'default_model_filename: "../../../etc/passwd"',
+     r"model 'm': default_model_filename '../../../etc/passwd' must be a file name inside the "
+     r"model directory, not a path"),
+    (BASIC + 'default_model_filename: "/etc/passwd"', "must be a file name inside the model"),
+    (BASIC + 'default_model_filename: ".."', "must be a file name inside the model"),
+    (BASIC + 'model_warmup [ { name: "w" batch_size: 1 inputs { key: "IN" value { '
+             'data_type: TYPE_FP32 dims: [ 4 ] input_data_file: "../../secret" } } } ]',
+     r"model_warmup 'w' input 'IN' input_data_file '../../secret' must be a file name"),
 ], ids=["name", "no-backend", "backend", "platform", "ensemble", "max-batch", "no-dtype", "dup-input",
         "no-name", "dim-0", "dim-neg", "no-dims", "reshape", "out-dtype", "out-dim", "sequence",
-        "decoupled", "count", "too-many-instances", "count-huge"])
+        "decoupled", "count", "too-many-instances", "count-huge", "filename-dotdot",
+        "filename-absolute", "filename-parent", "warmup-file-path"])
 def test_normalize_errors(text, match):
     with pytest.raises(ConfigError, match=match):
         norm(text)
