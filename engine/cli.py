@@ -77,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-client-shm", type=triton_bool, default=D["allow_client_shm"],
                    help="serve clients' system/CUDA shared-memory regions (Triton's default is "
                         "false; shmserve serves same-host clients, so it is on)")
+    p.add_argument("--client-shm-from", default=D["client_shm_from"], type=str.lower,
+                   choices=["local", "any"],
+                   help="who may register shared-memory regions: 'local' accepts only clients "
+                        "on this host (loopback or unix socket peers), 'any' every client")
     p.add_argument("--id", default=D["server_id"], help="server name reported by GET /v2")
     p.add_argument("--log-verbose", type=int, default=D["log_verbose"])
     p.add_argument("--exit-timeout-secs", type=float, default=D["exit_timeout_secs"],
@@ -129,6 +133,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         counter_latencies=mc["counter_latencies"], histogram_latencies=mc["histogram_latencies"],
         summary_latencies=mc["summary_latencies"],
         http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
+        client_shm_from=a.client_shm_from,
         exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
         log_verbose=a.log_verbose, port_file=a.port_file,

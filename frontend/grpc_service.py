@@ -154,7 +154,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @translated
     async def SystemSharedMemoryRegister(self, request, context):
         self.service.register_system(request.name, request.key, request.offset,
-                                     request.byte_size)
+                                     request.byte_size, context.peer())
         return pb.SystemSharedMemoryRegisterResponse()
 
     @translated

@@ -230,7 +230,7 @@ class KServeHttpApp:
                     raise invalid(f"shared memory register request for '{region}' is missing "
                                   f"'{field}'")
             self.service.register_system(region, doc["key"], doc.get("offset", 0),
-                                         doc["byte_size"])
+                                         doc["byte_size"], conn.peer())
         else:
             self.service.register_cuda(region, doc.get("raw_handle"), doc.get("device_id"),
                                        doc.get("byte_size"))

@@ -52,6 +52,11 @@ class HttpConnection(asyncio.Protocol):
         self.inflight = 0                   # request id the app is waiting on, if any
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
+    def peer(self) -> str:
+        """The client's address (host only), or "" for a unix socket."""
+        name = self.transport.get_extra_info("peername") if self.transport else None
+        return name[0] if isinstance(name, tuple) else ""
+
     def connection_made(self, transport):
         self.transport = transport
         # any write that cannot complete at once pauses us, so we know when buffered data (which

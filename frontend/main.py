@@ -43,7 +43,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
-    registry = ShmRegistry(settings.allow_client_shm)
+    registry = ShmRegistry(settings.allow_client_shm,
+                           local_only=settings.client_shm_from != "any")
     service = FrontendService(client, arena, maps, registry, settings.server_id,
                               settings.server_version, settings.strict_readiness)
     servers, ports = [], {}

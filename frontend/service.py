@@ -120,8 +120,8 @@ class FrontendService:
         return reply.models
 
     # ---- client shared memory -------------------------------------------------------------------
-    def register_system(self, name: str, key, offset, byte_size) -> None:
-        region = self.registry.register_system(name, key, offset, byte_size)
+    def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> None:
+        region = self.registry.register_system(name, key, offset, byte_size, peer)
         # the key may name a segment the client unlinked and re-created: workers must drop a
         # mapping of the old one before any request uses the region
         self.client.forget_segments([region.segment])

@@ -8,7 +8,9 @@ segment; unregistering only forgets it.
 from __future__ import annotations
 
 import _posixshmem
+import ipaddress
 import os
+import stat
 from dataclasses import dataclass
 
 from shmserve.ipc.messages import ErrorCode, ShmRef
@@ -34,6 +36,21 @@ def _unsupported() -> InferError:
                                              "(start it with --allow-client-shm=true)")
 
 
+def is_local_peer(peer: str) -> bool:
+    """Whether a client address is on this host: loopback IPv4/IPv6 or a unix socket. Takes
+    gRPC's form ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") and a bare host."""
+    if peer.startswith("unix:") or peer == "":
+        return True
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer.split(":", 1)[1].rsplit(":", 1)[0].strip("[]")
+    host = host.removeprefix("::ffff:")     # an IPv4 peer on a dual-stack socket
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _non_negative_int(value, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise invalid(f"{what} must be a non-negative integer, got {value!r}")
@@ -41,14 +58,21 @@ def _non_negative_int(value, what: str) -> int:
 
 
 class ShmRegistry:
-    def __init__(self, allowed: bool = True):
+    def __init__(self, allowed: bool = True, local_only: bool = True):
         self.allowed = allowed
+        # a region gives its client read and write access to a segment through the server's
+        # own permissions; only a client on this host can have put its tensors there anyway
+        self.local_only = local_only
         self.system: dict[str, SystemRegion] = {}
 
     # ---- system shared memory ----------------------------------------------------------------
-    def register_system(self, name: str, key, offset, byte_size) -> SystemRegion:
+    def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> SystemRegion:
         if not self.allowed:
             raise _unsupported()
+        if self.local_only and not is_local_peer(peer):
+            raise invalid(f"shared memory region '{name}': registration is accepted only from "
+                          f"clients on this host (--client-shm-from=local); this request came "
+                          f"from {peer}")
         if not name:
             raise invalid("shared memory region name must not be empty")
         if not isinstance(key, str) or not key.strip("/"):
@@ -59,7 +83,7 @@ class ShmRegistry:
             raise InferError(ErrorCode.ALREADY_EXISTS,
                              f"shared memory region '{name}' is already registered")
         segment = key[1:] if key.startswith("/") else key
-        if "/" in segment:
+        if "/" in segment or "\0" in segment or segment in (".", ".."):
             raise invalid(f"shared memory key '{key}' is not a valid POSIX shared memory name")
         if segment.startswith(PREFIX):
             raise invalid(f"shared memory key '{key}' names one of the server's own segments; "
@@ -72,10 +96,17 @@ class ShmRegistry:
         except PermissionError:
             raise invalid(f"Unable to open shared memory region '{name}': permission denied for "
                           f"key '{key}'") from None
+        except OSError as e:        # a directory, a symlink (shm_open refuses to follow), ...
+            raise invalid(f"Unable to open shared memory region '{name}': key '{key}' is not a "
+                          f"shared memory segment ({e.strerror})") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
         finally:
             os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise invalid(f"Unable to open shared memory region '{name}': key '{key}' is not a "
+                          f"shared memory segment")
+        size = st.st_size
         if offset + byte_size > size:
             raise invalid(f"shared memory region '{name}': offset {offset} + byte_size "
                           f"{byte_size} exceeds the {size} bytes of segment '{key}'")

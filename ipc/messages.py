@@ -366,6 +366,7 @@ class ServerSettings(msgspec.Struct):
     summary_latencies: bool = False
     http_max_input_size: int = 1 << 26
     allow_client_shm: bool = True
+    client_shm_from: str = "local"         # local (loopback and unix peers only) | any
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
     exit_on_error: bool = False
