@@ -89,10 +89,10 @@ def _view(info) -> ModelView:
 
 def version_number(name: str, version: str) -> int:
     """A version as a request spells it; every protocol and endpoint refuses a bad one alike."""
-    if not (version.isascii() and version.isdigit()):
+    if not (version.isascii() and version.isdigit()) or int(version) >= 1 << 63:
         raise InferError(ErrorCode.INVALID_ARG,
                          f"invalid model version '{version}' for model '{name}': a version "
-                         f"is a non-negative integer")
+                         f"is a non-negative 64-bit integer")
     return int(version)
 
 

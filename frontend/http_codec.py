@@ -87,6 +87,8 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
         doc = _json_decode(mv[:header_len])
     except msgspec.DecodeError as e:
         raise invalid(f"failed to parse the request JSON buffer: {e}") from None
+    except RecursionError:
+        raise invalid(TOO_DEEP) from None
     if not isinstance(doc, dict):
         raise invalid("the request JSON must be an object")
     inputs = doc.get("inputs")
@@ -248,4 +250,13 @@ def render_response(result: InferResult, prepared: PreparedRequest, views: list)
 
 
 encode_json = _json_encode
-decode_json = _json_decode
+TOO_DEEP = "failed to parse the request JSON buffer: it is nested too deeply"
+
+
+def decode_json(data):
+    """JSON of a request body; raises msgspec.DecodeError, or InferError when it nests too
+    deeply to decode (which msgspec reports as a RecursionError)."""
+    try:
+        return _json_decode(data)
+    except RecursionError:
+        raise invalid(TOO_DEEP) from None

@@ -74,9 +74,13 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._fail(400, "protocol upgrades are not supported")
         except httptools.HttpParserError as e:
-            self._fail(400, f"malformed HTTP request: {e}")
-        except _BodyError as e:
-            self._fail(e.status, str(e))
+            # httptools wraps what a callback raises (HttpParserCallbackError, "User callback
+            # error"); a body over the limit must still answer 413 with its own message
+            cause = e.__context__
+            if isinstance(cause, _BodyError):
+                self._fail(cause.status, str(cause))
+            else:
+                self._fail(400, f"malformed HTTP request: {e}")
 
     def pause_writing(self):
         pass

@@ -115,6 +115,7 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         timeout_us = _unsigned(params, "timeout")
         correlation_id, flags = _sequence(params)
         model_params = {k: v for k, v in params.items() if k not in RESERVED_PARAMS}
+        _check_custom(model_params)
     payload = InferPayload(request_id, tensors, [OutputSpec(o.name, o.ref) for o in outputs],
                            model_params, correlation_id, flags)
     for r in regions:
@@ -125,9 +126,24 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
 
 def _unsigned(params: dict, key: str) -> int:
     value = params.get(key, 0)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise invalid(f"request parameter '{key}' must be a non-negative integer, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 64:
+        raise invalid(f"request parameter '{key}' must be an unsigned 64-bit integer, got "
+                      f"{value!r}")
     return value
+
+
+def _check_custom(params: dict) -> None:
+    """Custom parameters are scalars (string, bool, int64/uint64, double), as the protocols
+    define them; anything else is refused here instead of failing later on the wire."""
+    for key, value in params.items():
+        if isinstance(value, (str, bool, float)):
+            continue
+        if isinstance(value, int):
+            if -(1 << 63) <= value < 1 << 64:
+                continue
+            raise invalid(f"request parameter '{key}' is out of the 64-bit integer range")
+        raise invalid(f"request parameter '{key}' must be a string, boolean, integer or number, "
+                      f"got {type(value).__name__}")
 
 
 def _sequence(params: dict) -> tuple[int | str, int]:

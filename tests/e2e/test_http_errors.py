@@ -69,7 +69,37 @@ CASES = [
      {"Inference-Header-Content-Length": "0"}, 400, "exactly one input"),
     ("raw body of the wrong size", "/v2/models/nobatch_fp32/infer", b"\0" * 6,
      {"Inference-Header-Content-Length": "0"}, 400, "do not fit"),
+    # these were 500s (issue 13): recursion in the JSON decoder, ints past 64 bits on the wire
+    ("JSON nested 5,000 deep", "/v2/models/identity_fp32/infer",
+     b'{"inputs": ' + b"[" * 5000 + b"]" * 5000 + b"}", None, 400, "nested too deeply"),
+    ("priority past 64 bits", "/v2/models/identity_fp32/infer",
+     {"inputs": GOOD["inputs"], "parameters": {"priority": 2 ** 70}}, None, 400,
+     "'priority' must be an unsigned 64-bit integer"),
+    ("timeout past 64 bits", "/v2/models/identity_fp32/infer",
+     {"inputs": GOOD["inputs"], "parameters": {"timeout": 2 ** 64}}, None, 400,
+     "'timeout' must be an unsigned 64-bit integer"),
+    ("custom parameter past 64 bits", "/v2/models/identity_fp32/infer",
+     {"inputs": GOOD["inputs"], "parameters": {"x": -2 ** 63 - 1}}, None, 400,
+     "'x' is out of the 64-bit integer range"),
+    ("custom parameter not a scalar", "/v2/models/identity_fp32/infer",
+     {"inputs": GOOD["inputs"], "parameters": {"x": {"y": 1}}}, None, 400,
+     "'x' must be a string, boolean, integer or number"),
 ]
+
+
+def test_stats_of_a_version_past_64_bits_is_a_400(server):
+    """It was a 500 from the scheduler message that could not carry the number."""
+    r = requests.get(f"{server.base}/v2/models/identity_fp32/versions/{2 ** 64}/stats", timeout=30)
+    assert r.status_code == 400 and "non-negative 64-bit integer" in r.json()["error"]
+
+
+def test_body_past_the_limit_is_a_413_that_names_it(server):
+    """It was a 400 "User callback error": httptools wraps what its callbacks raise."""
+    body = b"{" + b" " * ((64 << 20) + 10) + b"}"
+    r = requests.post(f"{server.base}/v2/repository/index", data=body, timeout=60)
+    assert r.status_code == 413
+    assert "exceeds the limit of 67108864 bytes" in r.json()["error"]
+    assert requests.get(f"{server.base}/v2/health/ready", timeout=30).status_code == 200
 
 
 def _binary_body(header: dict, payload: bytes):
