@@ -32,6 +32,9 @@ def read_config(model_dir: str, name: str, config_name: str | None = None) -> mc
             text = f.read()
     except FileNotFoundError:
         raise ConfigError(f"model configuration is not provided: {path} does not exist") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"failed to parse {path}: it is not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
     cfg = mc.ModelConfig()
     try:
         text_format.Parse(text, cfg)

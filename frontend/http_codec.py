@@ -120,7 +120,7 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
             raise invalid("each entry of 'inputs' must be an object with a string 'name'")
         name = item["name"]
         datatype = item.get("datatype")
-        if datatype not in dtypes.ELEMENT_SIZE:
+        if not isinstance(datatype, str) or datatype not in dtypes.ELEMENT_SIZE:
             raise invalid(f"input '{name}' has invalid datatype '{datatype}'")
         shape = _shape(name, item.get("shape"))
         tparams = item.get("parameters") or {}

@@ -343,3 +343,11 @@ def test_normalize_dynamic_batching_preferred_defaults_to_max_batch_size():
                "dynamic_batching { max_queue_delay_microseconds: 100 }")
     assert list(cfg.dynamic_batching.preferred_batch_size) == [5]
     assert cfg.dynamic_batching.max_queue_delay_microseconds == 100
+
+
+def test_a_config_that_is_not_utf8_is_a_config_error(tmp_path):
+    """It was an uncaught UnicodeDecodeError that stopped the server's start."""
+    from shmserve.engine.model_config import read_config
+    (tmp_path / "config.pbtxt").write_bytes(b'name: "m"\nbackend: "\xff\xfepython"\n')
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        read_config(str(tmp_path), "m")
