@@ -6,6 +6,7 @@ import sys
 
 import msgspec
 
+from shmserve.frontend import restricted
 from shmserve.ipc.messages import ServerSettings
 
 from . import launcher
@@ -77,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-client-shm", type=triton_bool, default=D["allow_client_shm"],
                    help="serve clients' system/CUDA shared-memory regions (Triton's default is "
                         "false; shmserve serves same-host clients, so it is on)")
+    p.add_argument("--http-restricted-api", action="append", default=[],
+                   metavar="API[,API]:HEADER=VALUE",
+                   help="answer these API groups over HTTP only with this header (403 "
+                        "otherwise); groups: " + ", ".join(restricted.GROUPS))
+    p.add_argument("--grpc-restricted-protocol", action="append", default=[],
+                   metavar="API[,API]:KEY=VALUE",
+                   help="the same for gRPC; clients send the header triton-grpc-protocol-KEY")
     p.add_argument("--client-shm-from", default=D["client_shm_from"], type=str.lower,
                    choices=["local", "any"],
                    help="who may register shared-memory regions: 'local' accepts only clients "
@@ -121,6 +129,12 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         parser.error("--repository-poll-secs must be >= 0")
     if a.metrics_interval_ms <= 0:
         parser.error("--metrics-interval-ms must be positive")
+    for flag, specs in (("--http-restricted-api", a.http_restricted_api),
+                        ("--grpc-restricted-protocol", a.grpc_restricted_protocol)):
+        try:
+            restricted.parse(specs)
+        except restricted.RestrictionError as e:
+            parser.error(f"{flag} {e}")
     settings = ServerSettings(
         model_repositories=a.model_repository, run_dir="", segment_prefix="", launcher_pid=0,
         server_id=a.id, server_version=VERSION, model_config_name=a.model_config_name,
@@ -133,7 +147,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         counter_latencies=mc["counter_latencies"], histogram_latencies=mc["histogram_latencies"],
         summary_latencies=mc["summary_latencies"],
         http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
-        client_shm_from=a.client_shm_from,
+        client_shm_from=a.client_shm_from, http_restricted_api=a.http_restricted_api,
+        grpc_restricted_protocol=a.grpc_restricted_protocol,
         exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
         log_verbose=a.log_verbose, port_file=a.port_file,

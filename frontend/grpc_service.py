@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from . import grpc_codec, statistics
+from . import grpc_codec, restricted, statistics
 from .errors import InferError, grpc_status
 from .service import FrontendService
 
@@ -36,9 +36,51 @@ def translated(rpc):
     return call
 
 
+# the restricted-API group (frontend/restricted.py) of each RPC
+RPC_GROUPS = {
+    "ServerLive": "health", "ServerReady": "health", "ModelReady": "health",
+    "ServerMetadata": "metadata", "ModelMetadata": "metadata",
+    "ModelInfer": "inference", "ModelStreamInfer": "inference",
+    "ModelConfig": "model-config", "ModelStatistics": "statistics",
+    "RepositoryIndex": "model-repository", "RepositoryModelLoad": "model-repository",
+    "RepositoryModelUnload": "model-repository",
+    "SystemSharedMemoryStatus": "shared-memory", "SystemSharedMemoryRegister": "shared-memory",
+    "SystemSharedMemoryUnregister": "shared-memory", "CudaSharedMemoryStatus": "shared-memory",
+    "CudaSharedMemoryRegister": "shared-memory", "CudaSharedMemoryUnregister": "shared-memory",
+    "TraceSetting": "trace", "LogSettings": "logging",
+}
+
+
+def _guard_unary(rpc, group: str, restrictions):
+    @functools.wraps(rpc)
+    async def call(request, context):
+        refusal = restricted.grpc_refusal(group, restrictions, context.invocation_metadata())
+        if refusal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+        return await rpc(request, context)
+    return call
+
+
+def _guard_stream(rpc, group: str, restrictions):
+    @functools.wraps(rpc)
+    async def call(request_iterator, context):
+        refusal = restricted.grpc_refusal(group, restrictions, context.invocation_metadata())
+        if refusal:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal)
+        async for response in rpc(request_iterator, context):
+            yield response
+    return call
+
+
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, service: FrontendService):
+    def __init__(self, service: FrontendService,
+                 restrictions: dict[str, tuple[str, str]] | None = None):
         self.service = service
+        # restricted RPCs are replaced on the instance before the server registers them
+        for name, group in RPC_GROUPS.items():
+            if restrictions and group in restrictions:
+                guard = _guard_stream if name == "ModelStreamInfer" else _guard_unary
+                setattr(self, name, guard(getattr(self, name), group, restrictions))
 
     # ---- health and metadata -------------------------------------------------------------------
     async def ServerLive(self, request, context):
@@ -198,10 +240,13 @@ class HealthService(health_pb2_grpc.HealthServicer):
             else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-async def serve(service: FrontendService, address: str, port: int) -> tuple[grpc.aio.Server, int]:
+async def serve(service: FrontendService, address: str, port: int,
+                restrictions: dict[str, tuple[str, str]] | None = None,
+                ) -> tuple[grpc.aio.Server, int]:
     server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
                                       ("grpc.max_receive_message_length", MAX_MESSAGE)])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(service), server)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(service, restrictions),
+                                                       server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)
     bound = server.add_insecure_port(f"{address}:{port}")
     if bound == 0:

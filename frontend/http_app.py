@@ -17,7 +17,7 @@ from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult
 from shmserve.ipc.shm import ShmError
 
-from . import http_codec, statistics
+from . import http_codec, restricted, statistics
 from .errors import InferError, http_status, invalid
 from .http_server import HttpConnection, HttpRequest
 from .request import PreparedRequest
@@ -33,14 +33,47 @@ _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
 
 
+def api_group(pattern: str) -> str:
+    """The restricted-API group (frontend/restricted.py) an endpoint belongs to."""
+    if pattern.startswith("/v2/health") or pattern.endswith("/ready"):
+        return "health"
+    if pattern.startswith("/v2/repository"):
+        return "model-repository"
+    if "sharedmemory" in pattern:
+        return "shared-memory"
+    for suffix, group in (("/stats", "statistics"), ("/config", "model-config"),
+                          ("/infer", "inference")):
+        if pattern.endswith(suffix):
+            return group
+    return "metadata"
+
+
 class KServeHttpApp:
-    def __init__(self, service: FrontendService, max_input_size: int):
+    def __init__(self, service: FrontendService, max_input_size: int,
+                 restrictions: dict[str, tuple[str, str]] | None = None):
         self.service = service
         self.arena = service.arena
         self.max_input_size = max_input_size
         self.server_metadata = http_codec.encode_json(service.metadata())
         self.tasks: set[asyncio.Task] = set()     # answers in progress (the loop keeps weak refs)
-        self.router = Router(self.routes())
+        self.restrictions = restrictions or {}
+        self.router = Router([(m, p, self.guarded(h, p)) for m, p, h in self.routes()])
+
+    def guarded(self, handler, pattern: str):
+        """The handler itself, or, when its API group is restricted (--http-restricted-api),
+        one that first checks the request's header."""
+        group = api_group(pattern)
+        if group not in self.restrictions:
+            return handler
+        restrictions = self.restrictions
+
+        def check(conn, req, *captures):
+            refusal = restricted.http_refusal(group, restrictions, req.headers)
+            if refusal:
+                self.release_body(req)
+                return self.error(conn, req, 403, refusal)
+            return handler(conn, req, *captures)
+        return check
 
     def routes(self) -> list[tuple]:
         """Every endpoint: (methods, path pattern, handler(conn, req, *captures))."""

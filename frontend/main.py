@@ -18,7 +18,7 @@ from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
-from . import grpc_service, http_server
+from . import grpc_service, http_server, restricted
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
@@ -51,14 +51,16 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     grpc_server = sampler_task = None
     try:
         if settings.allow_http:
-            app = KServeHttpApp(service, settings.http_max_input_size)
+            app = KServeHttpApp(service, settings.http_max_input_size,
+                                restricted.parse(settings.http_restricted_api))
             srv = await http_server.serve(app, settings.http_address, settings.http_port)
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]
             log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
         if settings.allow_grpc:
             grpc_server, ports["grpc"] = await grpc_service.serve(
-                service, settings.grpc_address, settings.grpc_port)
+                service, settings.grpc_address, settings.grpc_port,
+                restricted.parse(settings.grpc_restricted_protocol))
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
             sampler = None

@@ -367,6 +367,8 @@ class ServerSettings(msgspec.Struct):
     http_max_input_size: int = 1 << 26
     allow_client_shm: bool = True
     client_shm_from: str = "local"         # local (loopback and unix peers only) | any
+    http_restricted_api: list[str] = []    # "<api>[,<api>]:<header>=<value>" (frontend/restricted.py)
+    grpc_restricted_protocol: list[str] = []
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
     exit_on_error: bool = False
