@@ -76,7 +76,8 @@ RESHAPE = textwrap.dedent('''
             out = []
             for r in requests:
                 x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
-                shape = np.array(x.shape, dtype=np.int64)
+                # one row per request in the batch, as the config's [-1, 3] says
+                shape = np.array([x.shape] * x.shape[0], dtype=np.int64)
                 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x),
                                                        pb_utils.Tensor("SEEN_SHAPE", shape)]))
             return out

@@ -71,6 +71,7 @@ class Worker:
         self.maps = ShmMapCache()
         self.spec = args.spec
         self.reshapes = tensors.Reshapes(json.loads(args.spec.config_json))
+        self.checks = tensors.OutputChecks(json.loads(args.spec.config_json))
         self.backend = None
         # messages that request.is_cancelled() read while execute() ran; handled first, in order
         self.backlog: deque = deque()
@@ -99,6 +100,7 @@ class Worker:
                     self.spec.version)
             self.backend = load_backend(self.spec, self.poll_cancelled)
             self.reshapes = tensors.Reshapes(json.loads(self.spec.config_json))
+            self.checks = tensors.OutputChecks(json.loads(self.spec.config_json))
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
             reason = str(e) or type(e).__name__
@@ -265,6 +267,10 @@ class Worker:
         try:
             for name, datatype, arr in resp.outputs:
                 arr = self.reshapes.client_output(name, arr)
+                problem = self.checks.problem(name, datatype, arr.shape)
+                if problem:
+                    self.free_outputs(outs, targets)
+                    return self.error(req_id, problem, ErrorCode.INTERNAL)
                 target = targets.get(name)
                 if target is not None:
                     outs.append(tensors.into_region(name, datatype, arr, target, self.maps))

@@ -80,3 +80,33 @@ class Reshapes:
     def client_output(self, name: str, arr: np.ndarray) -> np.ndarray:
         shape = self.outputs.get(name)
         return arr if shape is None else self._apply(arr, shape)
+
+
+class OutputChecks:
+    """What the config promises about each output (datatype, dims), checked on every answer: a
+    model that returns FP64 for an FP32 output, or the wrong shape, must not reach a client that
+    sized its buffers by the model's metadata."""
+
+    def __init__(self, config: dict):
+        self.model = config.get("name", "")
+        self.batching = config.get("max_batch_size", 0) > 0
+        self.outputs = {t["name"]: (dtypes.CONFIG_TO_WIRE.get(t.get("data_type", ""), ""),
+                                    tuple(int(d) for d in t.get("dims", ())))
+                        for t in config.get("output", [])}
+
+    def problem(self, name: str, datatype: str, shape: tuple) -> str:
+        """Why this output breaks the config, or "" when it does not."""
+        spec = self.outputs.get(name)
+        if spec is None:
+            return ""
+        wire, dims = spec
+        if wire and datatype != wire:
+            return (f"unexpected datatype {datatype} for inference output '{name}' of model "
+                    f"'{self.model}', expecting {wire}")
+        got = shape[1:] if self.batching else shape
+        if (self.batching and not shape) or len(got) != len(dims) or \
+                any(d != -1 and d != g for d, g in zip(dims, got)):
+            want = ([-1] if self.batching else []) + list(dims)
+            return (f"unexpected shape {list(shape)} for inference output '{name}' of model "
+                    f"'{self.model}', expecting {want}")
+        return ""

@@ -192,7 +192,7 @@ def test_reshape_applies_inside_the_model(client):
     inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
     inp.set_data_from_numpy(x)
     res = client.infer("reshaped", [inp])
-    assert list(res.as_numpy("SEEN_SHAPE")) == [2, 2, 2]
+    assert res.as_numpy("SEEN_SHAPE").tolist() == [[2, 2, 2], [2, 2, 2]]
     np.testing.assert_array_equal(res.as_numpy("OUTPUT0"), x)
 
 

@@ -1,0 +1,63 @@
+"""A model's outputs must match its config: datatype and shape (issue 13: FP64 or a wrong shape
+for an FP32 [4] output used to come back with 200)."""
+import textwrap
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from repo_builder import write_model
+from serverproc import Server
+from tritonclient.utils import InferenceServerException
+
+# INPUT0 [4] FP32 selects what comes back: 0 a good answer, 1 FP64, 2 three elements, 3 a 2-D array
+WRONG = textwrap.dedent('''
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                x = r.inputs()[0].as_numpy()
+                how = int(x[0, 0])
+                y = {0: x, 1: x.astype(np.float64), 2: x[:, :3], 3: x.reshape(1, 2, 2)}[how]
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", y)]))
+            return out
+''')
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("outputs"))
+    write_model(repo, "wrong_outputs", '''
+        backend: "python"
+        max_batch_size: 4
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+    ''', WRONG)
+    s = Server(repo)
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.mark.parametrize("client_mod", [httpclient, grpcclient], ids=["http", "grpc"])
+@pytest.mark.parametrize("how, text", [
+    (1, "unexpected datatype FP64 for inference output 'OUTPUT0' of model 'wrong_outputs', "
+        "expecting FP32"),
+    (2, "unexpected shape [1, 3] for inference output 'OUTPUT0' of model 'wrong_outputs', "
+        "expecting [-1, 4]"),
+    (3, "unexpected shape [1, 2, 2] for inference output 'OUTPUT0'"),
+])
+def test_an_output_that_breaks_the_config_is_an_error(server, client_mod, how, text):
+    url = server.url if client_mod is httpclient else server.grpc_url
+    c = client_mod.InferenceServerClient(url)
+    x = np.full((1, 4), how, dtype=np.float32)
+    inp = client_mod.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(x)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("wrong_outputs", [inp])
+    assert text in e.value.message()
+    inp.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
+    np.testing.assert_array_equal(c.infer("wrong_outputs", [inp]).as_numpy("OUTPUT0"),
+                                  np.zeros((1, 4), dtype=np.float32))
