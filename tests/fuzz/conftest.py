@@ -1,7 +1,7 @@
 """Property-based fuzzing (hypothesis) of everything that parses what a client or a repository
 sends. The "ci" profile runs in about a minute as part of the test suite; a long run is
 
-    HYPOTHESIS_PROFILE=long python3 -m pytest tests/fuzz      # about 100x the examples
+    HYPOTHESIS_PROFILE=long python3 -m pytest tests/fuzz --timeout=0   # 100x the examples
 
 The property is always the same: any input is either accepted or refused with the module's own
 error type (a 4xx with a message), never another exception, a hang or a 5xx.
