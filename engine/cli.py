@@ -75,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default false)")
     p.add_argument("--http-max-input-size", type=int, default=D["http_max_input_size"],
                    help="largest JSON part of an HTTP request in bytes")
+    p.add_argument("--http-max-header-size", type=int, default=D["http_max_header_size"],
+                   help="bytes of request line and headers (431 past it)")
+    p.add_argument("--http-max-connections", type=int, default=D["http_max_connections"],
+                   help="open HTTP connections per frontend (a new one past it gets 503)")
+    p.add_argument("--http-request-timeout-secs", type=float,
+                   default=D["http_request_timeout_secs"],
+                   help="a request must arrive whole this long after its first byte (408)")
+    p.add_argument("--http-idle-timeout-secs", type=float, default=D["http_idle_timeout_secs"],
+                   help="an idle keep-alive connection is closed after this long")
     p.add_argument("--allow-client-shm", type=triton_bool, default=D["allow_client_shm"],
                    help="serve clients' system/CUDA shared-memory regions (Triton's default is "
                         "false; shmserve serves same-host clients, so it is on)")
@@ -129,6 +138,10 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         parser.error("--repository-poll-secs must be >= 0")
     if a.metrics_interval_ms <= 0:
         parser.error("--metrics-interval-ms must be positive")
+    for flag in ("http_max_header_size", "http_max_connections", "http_request_timeout_secs",
+                 "http_idle_timeout_secs"):
+        if getattr(a, flag) <= 0:
+            parser.error(f"--{flag.replace('_', '-')} must be positive")
     for flag, specs in (("--http-restricted-api", a.http_restricted_api),
                         ("--grpc-restricted-protocol", a.grpc_restricted_protocol)):
         try:
@@ -147,6 +160,9 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         counter_latencies=mc["counter_latencies"], histogram_latencies=mc["histogram_latencies"],
         summary_latencies=mc["summary_latencies"],
         http_max_input_size=a.http_max_input_size, allow_client_shm=a.allow_client_shm,
+        http_max_header_size=a.http_max_header_size, http_max_connections=a.http_max_connections,
+        http_request_timeout_secs=a.http_request_timeout_secs,
+        http_idle_timeout_secs=a.http_idle_timeout_secs,
         client_shm_from=a.client_shm_from, http_restricted_api=a.http_restricted_api,
         grpc_restricted_protocol=a.grpc_restricted_protocol,
         exit_timeout_secs=a.exit_timeout_secs,

@@ -7,7 +7,9 @@ Knows nothing about inference: an *app* gets each complete request and answers t
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Callable
 
@@ -17,6 +19,17 @@ _REASONS = {s.value: s.phrase for s in HTTPStatus}
 # Responses up to this size are joined into one buffer and one write; a copy this small costs
 # less than the extra send() syscall.
 SMALL_RESPONSE = 64 * 1024
+
+
+@dataclass
+class Limits:
+    """What one client may hold (README, "Security"); each has a flag."""
+    max_header_bytes: int = 64 * 1024       # request line plus header lines
+    max_headers: int = 256
+    max_connections: int = 4096
+    request_timeout_s: float = 60.0         # from a request's first byte to its last
+    idle_timeout_s: float = 300.0           # a keep-alive connection with nothing to do
+    connections: set = field(default_factory=set)   # the live ones, for the sweeper
 
 
 class HttpRequest:
@@ -36,8 +49,13 @@ class HttpRequest:
 class HttpConnection(asyncio.Protocol):
     """One client connection. Requests are answered strictly in arrival order."""
 
-    def __init__(self, app):
+    def __init__(self, app, limits: Limits | None = None):
         self.app = app
+        self.limits = limits or Limits()
+        self.header_bytes = 0
+        self.header_count = 0
+        self.started = 0.0              # when the request being received began; 0 = none
+        self.last_active = time.monotonic()
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -59,16 +77,24 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport):
         self.transport = transport
+        live = self.limits.connections
+        if len(live) >= self.limits.max_connections:
+            self._fail(503, f"too many connections ({self.limits.max_connections}, "
+                            f"--http-max-connections); try again later")
+            return
+        live.add(self)
         # any write that cannot complete at once pauses us, so we know when buffered data (which
         # may point into shared memory) has really left
         transport.set_write_buffer_limits(high=0)
 
     def connection_lost(self, exc):
+        self.limits.connections.discard(self)
         self.closed = True
         self._drained()
         self.app.connection_lost(self)
 
     def data_received(self, data: bytes):
+        self.last_active = time.monotonic()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -94,12 +120,27 @@ class HttpConnection(asyncio.Protocol):
         self.headers = {}
         self.chunks = []
         self.received = 0
+        self.header_bytes = self.header_count = 0
+        self.started = self.last_active
 
     def on_url(self, url: bytes):
         self.url += url
+        self._count_header_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes):
+        self.header_count += 1
+        if self.header_count > self.limits.max_headers:
+            raise _BodyError(431, f"request has more than {self.limits.max_headers} header "
+                                  f"fields")
+        self._count_header_bytes(len(name) + len(value))
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def _count_header_bytes(self, n: int) -> None:
+        self.header_bytes += n
+        if self.header_bytes > self.limits.max_header_bytes:
+            raise _BodyError(431, f"request line and headers exceed "
+                                  f"{self.limits.max_header_bytes} bytes "
+                                  f"(--http-max-header-size)")
 
     def on_headers_complete(self):
         req = HttpRequest(self.parser.get_method().decode(), self.url, self.headers)
@@ -133,6 +174,7 @@ class HttpConnection(asyncio.Protocol):
             self.chunks.append(body)
 
     def on_message_complete(self):
+        self.started = 0.0
         req = self.request
         self.request = None
         if req.body_slot is not None:
@@ -213,7 +255,38 @@ class _BodyError(Exception):
         self.status = status
 
 
-async def serve(app, host: str, port: int, reuse_port: bool = False) -> asyncio.AbstractServer:
+def sweep(limits: Limits, now: float) -> None:
+    """Close what holds a connection without using it: a request that has not arrived whole in
+    time (a slow or stalled client), or a keep-alive connection idle too long."""
+    for conn in list(limits.connections):
+        if conn.closed:
+            limits.connections.discard(conn)
+        elif conn.started and now - conn.started > limits.request_timeout_s:
+            conn._fail(408, f"the request did not arrive within {limits.request_timeout_s:g} s "
+                            f"(--http-request-timeout-secs)")
+        elif not conn.started and not conn.busy and not conn.queue and \
+                now - conn.last_active > limits.idle_timeout_s:
+            conn.transport.close()
+            conn.closed = True
+
+
+async def _sweeper(limits: Limits) -> None:
+    period = max(0.05, min(1.0, limits.request_timeout_s / 4, limits.idle_timeout_s / 4))
+    while True:
+        await asyncio.sleep(period)
+        sweep(limits, time.monotonic())
+
+
+async def serve(app, host: str, port: int, reuse_port: bool = False,
+                limits: Limits | None = None) -> asyncio.AbstractServer:
     loop = asyncio.get_running_loop()
-    return await loop.create_server(lambda: HttpConnection(app), host, port,
-                                    reuse_port=reuse_port or None, backlog=1024)
+    limits = limits or Limits()
+    server = await loop.create_server(lambda: HttpConnection(app, limits), host, port,
+                                      reuse_port=reuse_port or None, backlog=1024)
+    task = loop.create_task(_sweeper(limits))
+    _SWEEPERS.add(task)                 # the loop keeps only weak references to tasks
+    task.add_done_callback(_SWEEPERS.discard)
+    return server
+
+
+_SWEEPERS: set[asyncio.Task] = set()

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import os
+import resource
 import signal
 import sys
 
@@ -53,7 +54,14 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         if settings.allow_http:
             app = KServeHttpApp(service, settings.http_max_input_size,
                                 restricted.parse(settings.http_restricted_api))
-            srv = await http_server.serve(app, settings.http_address, settings.http_port)
+            _allow_fds(settings.http_max_connections + 1024)
+            limits = http_server.Limits(
+                max_header_bytes=settings.http_max_header_size,
+                max_connections=settings.http_max_connections,
+                request_timeout_s=settings.http_request_timeout_secs,
+                idle_timeout_s=settings.http_idle_timeout_secs)
+            srv = await http_server.serve(app, settings.http_address, settings.http_port,
+                                          limits=limits)
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]
             log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
@@ -98,6 +106,15 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         client.close()
         arena.close()
         maps.close()
+
+
+def _allow_fds(wanted: int) -> None:
+    """Raise the soft limit on open files toward ``wanted`` (up to the hard limit), so that
+    --http-max-connections, not EMFILE, is what refuses a connection."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
 
 
 def main() -> None:

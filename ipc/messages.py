@@ -365,6 +365,10 @@ class ServerSettings(msgspec.Struct):
     histogram_latencies: bool = False
     summary_latencies: bool = False
     http_max_input_size: int = 1 << 26
+    http_max_header_size: int = 64 * 1024
+    http_max_connections: int = 4096
+    http_request_timeout_secs: float = 60.0
+    http_idle_timeout_secs: float = 300.0
     allow_client_shm: bool = True
     client_shm_from: str = "local"         # local (loopback and unix peers only) | any
     http_restricted_api: list[str] = []    # "<api>[,<api>]:<header>=<value>" (frontend/restricted.py)

@@ -1,0 +1,99 @@
+"""What one HTTP client may hold: header bytes and fields, time to send a request, idle time,
+connections. Raw sockets, since a well-behaved client never hits these (issue 13)."""
+import socket
+import time
+
+import pytest
+import requests
+from serverproc import Server, wait_for
+
+LIMITS = ("--http-max-header-size", "4096", "--http-request-timeout-secs", "1",
+          "--http-idle-timeout-secs", "2", "--http-max-connections", "8")
+
+
+@pytest.fixture(scope="module")
+def server(example_repo):
+    s = Server(example_repo, *LIMITS)
+    yield s
+    assert s.stop() == 0
+
+
+def _connect(server) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", server.http_port), timeout=30)
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            return out
+        out += chunk
+
+
+def _serves(server) -> None:
+    assert requests.get(f"{server.base}/v2/health/ready", timeout=30).status_code == 200
+
+
+def test_header_bytes_past_the_limit_are_a_431(server):
+    s = _connect(server)
+    s.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000 + b"\r\n\r\n")
+    answer = _read_all(s)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"--http-max-header-size" in answer
+    s.close()
+    s = _connect(server)
+    s.sendall(b"GET /v2/" + b"a" * 5000 + b" HTTP/1.1\r\n\r\n")     # a 5 KB URL
+    assert _read_all(s).startswith(b"HTTP/1.1 431 ")
+    s.close()
+    _serves(server)
+
+
+def test_too_many_header_fields_are_a_431(server):
+    s = _connect(server)
+    s.sendall(b"GET /v2 HTTP/1.1\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(300)) + b"\r\n")
+    answer = _read_all(s)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"more than 256 header fields" in answer
+    s.close()
+
+
+def test_a_slow_client_cannot_hold_a_connection(server):
+    """Half a request, then silence: 408 once the request timeout passes, while everyone else
+    is served."""
+    s = _connect(server)
+    s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+    _serves(server)
+    answer = _read_all(s)              # the server closes it; recv's timeout is the deadline
+    assert answer.startswith(b"HTTP/1.1 408 ") and b"--http-request-timeout-secs" in answer
+    s.close()
+
+
+def test_an_idle_connection_is_closed(server):
+    s = _connect(server)
+    s.sendall(b"GET /v2/health/live HTTP/1.1\r\n\r\n")
+    first = s.recv(65536)
+    assert first.startswith(b"HTTP/1.1 200 ")
+    t = time.monotonic()
+    assert s.recv(65536) == b""         # closed by the server, not by us
+    assert time.monotonic() - t < 30
+    s.close()
+
+
+def test_connections_past_the_limit_are_refused_then_served_again(server):
+    held = [_connect(server) for _ in range(9)]      # one more than --http-max-connections
+    try:
+        refused = []
+        for s in held:
+            s.settimeout(0.1)          # all nine read well within the 2 s idle timeout
+            try:
+                data = s.recv(65536)
+            except TimeoutError:
+                continue                # accepted, waiting for a request
+            refused.append(data)
+        assert len(refused) == 1, refused
+        assert refused[0].startswith(b"HTTP/1.1 503 ") and b"--http-max-connections" in refused[0]
+    finally:
+        for s in held:
+            s.close()
+    wait_for(lambda: requests.get(f"{server.base}/v2/health/live", timeout=30).status_code == 200,
+             30, "new connections to be served once the others closed")
