@@ -35,6 +35,37 @@ def _spawn(module: str, settings: ServerSettings, *extra: str) -> subprocess.Pop
 ORPHANED_FRONTEND_S = 5.0
 
 
+RUN_DIR_PREFIX = "shmserve-"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def remove_stale_run_dirs() -> int:
+    """Remove the run directories (sockets, worker argument files) of servers whose launcher
+    was killed: their names carry the launcher's pid."""
+    removed = 0
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        if not name.startswith(RUN_DIR_PREFIX):
+            continue
+        pid_text = name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
+        if not (pid_text.isascii() and pid_text.isdigit()) or _pid_alive(int(pid_text)):
+            continue
+        path = os.path.join(tmp, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    return removed
+
+
 def _stop(children: dict[str, subprocess.Popen], timeout: float) -> None:
     """Stop children one after another, in the given order, each within ``timeout``. A second
     signal meanwhile kills them all (``_kill_now``), which ends these waits at once."""
@@ -75,7 +106,10 @@ def run(settings: ServerSettings) -> int:
     if removed:
         log.info("removed %d shared-memory segment(s) left by a server that was killed", removed)
     settings.model_repositories = [os.path.abspath(p) for p in settings.model_repositories]
-    settings.run_dir = tempfile.mkdtemp(prefix="shmserve-")
+    stale = remove_stale_run_dirs()
+    if stale:
+        log.info("removed %d run director(ies) left by a server that was killed", stale)
+    settings.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
     settings.segment_prefix = shm.new_server_prefix()
     settings.launcher_pid = os.getpid()
     if settings.port_file and os.path.exists(settings.port_file):

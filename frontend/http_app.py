@@ -27,6 +27,8 @@ from .service import FrontendService
 log = logging.getLogger("shmserve.http")
 
 MAX_BODY = 1 << 32
+# a compressed /infer body may expand to this much (the raw limit applies to what was sent)
+MAX_INFLATED = 1 << 30
 _NOT_FOUND = b'{"error":"Not Found"}'
 _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
 _MODEL = "/v2/models/{model}"
@@ -308,10 +310,18 @@ class KServeHttpApp:
             view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
 
     def _decompress(self, body, encoding: str) -> bytes:
+        """At most MAX_INFLATED bytes: a small bomb must not become gigabytes in the frontend,
+        and a body cut short must be an error, never a silently shorter request."""
         try:
             wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
             d = zlib.decompressobj(wbits)
-            out = d.decompress(bytes(body), self.max_input_size + MAX_BODY // 4)
+            out = d.decompress(bytes(body), MAX_INFLATED)
+            if d.unconsumed_tail:
+                raise invalid(f"the {encoding} request body decompresses to more than "
+                              f"{MAX_INFLATED} bytes")
+            out += d.flush()
+            if not d.eof:
+                raise invalid(f"the {encoding} request body is truncated")
         except zlib.error as e:
             raise invalid(f"failed to decompress the {encoding} request body: {e}") from None
         return out

@@ -155,6 +155,10 @@ class HttpConnection(asyncio.Protocol):
             if err:
                 raise _BodyError(413, err)
             req.body_slot = self.app.body_buffer(req, n)
+        if self.headers.get("expect", "").lower() == "100-continue" and not self.closed:
+            # the client (curl for bodies over 1 KiB) waits for this before sending its body;
+            # a body over the limit was refused above instead
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.request = req
 
     def on_body(self, body: bytes):

@@ -61,6 +61,21 @@ def _ignore(msg) -> None:
     pass
 
 
+def _bad_parameter(params: dict) -> str:
+    """Response parameters are scalars the protocols can carry: a string, a bool, a 64-bit int
+    or a double. Anything else would fail while the answer is encoded, taking the worker with
+    it; this says which one and why, or "" when all are fine."""
+    for key, value in params.items():
+        if isinstance(value, (str, bool, float)):
+            continue
+        if isinstance(value, int):
+            if -(1 << 63) <= value < 1 << 64:
+                continue
+            return f"'{key}' is out of the 64-bit integer range"
+        return f"'{key}' must be a string, bool, int or float, not {type(value).__name__}"
+    return ""
+
+
 class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
@@ -284,6 +299,10 @@ class Worker:
         except (ShmError, ValueError, TypeError) as e:
             self.free_outputs(outs, targets)
             return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
+        bad = _bad_parameter(resp.parameters)
+        if bad:
+            self.free_outputs(outs, targets)
+            return self.error(req_id, f"response parameter {bad}", ErrorCode.INTERNAL)
         return InferResult(req_id, self.spec.model_name, self.spec.version, outs,
                            worker=self.inbox.address if uses_shm else "",
                            parameters=resp.parameters)

@@ -185,3 +185,24 @@ def test_repository_index_lists_every_version(server):
     assert entries["simple"] == {"name": "simple", "version": "1", "state": "READY", "reason": ""}
     r = requests.post(f"{server.base}/v2/repository/index", json={"ready": "yes"}, timeout=10)
     assert r.status_code == 400
+
+
+def test_gzip_bomb_and_truncated_gzip_are_refused(server):
+    """1 MB of gzip that inflates past 1 GiB was decompressed whole (and cut silently at about
+    1 GiB); a truncated stream passed as a shorter body."""
+    import gzip
+    import zlib
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    zero = b"\0" * (1 << 20)
+    bomb = b"".join(z.compress(zero) for _ in range((1 << 10) + 1)) + z.flush()
+    assert len(bomb) < 2 << 20
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=bomb,
+                      headers={"Content-Encoding": "gzip"}, timeout=120)
+    assert r.status_code == 400 and "decompresses to more than 1073741824 bytes" in r.json()["error"]
+    good = gzip.compress(json.dumps(GOOD).encode())
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=good[:-12],
+                      headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 400 and "truncated" in r.json()["error"]
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=good,
+                      headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 200

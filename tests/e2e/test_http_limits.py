@@ -97,3 +97,17 @@ def test_connections_past_the_limit_are_refused_then_served_again(server):
             s.close()
     wait_for(lambda: requests.get(f"{server.base}/v2/health/live", timeout=30).status_code == 200,
              30, "new connections to be served once the others closed")
+
+
+def test_expect_100_continue_is_answered_at_once(server):
+    """curl sends it for bodies over 1 KiB and waited a second for an answer that never came."""
+    s = _connect(server)
+    body = b'{"ready": true}'
+    s.sendall(b"POST /v2/repository/index HTTP/1.1\r\nExpect: 100-continue\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body))
+    s.settimeout(10)                    # without the answer, this recv times out
+    assert s.recv(65536) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    s.settimeout(30)
+    s.sendall(body)
+    assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
+    s.close()

@@ -123,6 +123,35 @@ def test_stale_segments_of_a_killed_server_are_removed(example_repo):
         srv.stop()
 
 
+def test_run_dir_of_a_killed_server_is_removed(example_repo):
+    """A launcher killed with SIGKILL leaves its run directory (sockets, worker argument files)
+    in the temp dir; the next start removes it, and only such directories."""
+    import signal
+    import tempfile
+    tmp = tempfile.gettempdir()
+    fake = os.path.join(tmp, "shmserve-4194999-abc")        # no pid is that large
+    os.makedirs(os.path.join(fake, "sub"), exist_ok=True)
+    mine = os.path.join(tmp, "shmserve-notapid-abc")        # not a name the launcher makes
+    os.makedirs(mine, exist_ok=True)
+    first = Server(example_repo)
+    run_dir = [d for d in os.listdir(tmp) if d.startswith(f"shmserve-{first.proc.pid}-")]
+    assert len(run_dir) == 1
+    procs = descendants(first.proc.pid)
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait(timeout=30)
+    for pid in procs:
+        wait_for(lambda: not alive(pid), 20, f"process {pid} of the killed server to exit")
+    assert os.path.isdir(os.path.join(tmp, run_dir[0]))
+    second = Server(example_repo)
+    try:
+        assert not os.path.exists(fake) and not os.path.exists(os.path.join(tmp, run_dir[0]))
+        assert os.path.isdir(mine)
+    finally:
+        second.stop()
+        first.log.close()
+        os.rmdir(mine)
+
+
 def _cli(*args):
     return subprocess.run([sys.executable, "-m", "shmserve.engine.cli", *args], capture_output=True,
                           text=True, timeout=60)

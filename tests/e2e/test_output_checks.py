@@ -10,7 +10,8 @@ from repo_builder import write_model
 from serverproc import Server
 from tritonclient.utils import InferenceServerException
 
-# INPUT0 [4] FP32 selects what comes back: 0 a good answer, 1 FP64, 2 three elements, 3 a 2-D array
+# INPUT0 [4] FP32 selects what comes back: 0 a good answer, 1 FP64, 2 three elements, 3 a 2-D
+# array, 4 a response parameter past 64 bits
 WRONG = textwrap.dedent('''
     import numpy as np
     import triton_python_backend_utils as pb_utils
@@ -21,6 +22,10 @@ WRONG = textwrap.dedent('''
             for r in requests:
                 x = r.inputs()[0].as_numpy()
                 how = int(x[0, 0])
+                if how == 4:            # a response parameter no protocol can carry
+                    out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)],
+                                                          parameters={"big": 2 ** 70}))
+                    continue
                 y = {0: x, 1: x.astype(np.float64), 2: x[:, :3], 3: x.reshape(1, 2, 2)}[how]
                 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", y)]))
             return out
@@ -48,6 +53,7 @@ def server(tmp_path_factory):
     (2, "unexpected shape [1, 3] for inference output 'OUTPUT0' of model 'wrong_outputs', "
         "expecting [-1, 4]"),
     (3, "unexpected shape [1, 2, 2] for inference output 'OUTPUT0'"),
+    (4, "response parameter 'big' is out of the 64-bit integer range"),     # killed the worker
 ])
 def test_an_output_that_breaks_the_config_is_an_error(server, client_mod, how, text):
     url = server.url if client_mod is httpclient else server.grpc_url
