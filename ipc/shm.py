@@ -14,6 +14,7 @@ import _posixshmem
 import mmap
 import os
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 
@@ -56,8 +57,11 @@ def create_segment(name: str, size: int) -> mmap.mmap:
 def attach_segment(name: str, writable: bool = True) -> mmap.mmap:
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR if writable else os.O_RDONLY, 0)
     try:
-        size = os.fstat(fd).st_size
-        return mmap.mmap(fd, size, access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ShmError(f"'{name}' is not a shared memory segment")
+        return mmap.mmap(fd, st.st_size,
+                         access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
     finally:
         os.close(fd)
 
@@ -229,12 +233,19 @@ class ShmArena:
 
 
 class ShmMapCache:
-    """Reader side: maps segments by name once and hands out views; drops mappings left unused."""
+    """Reader side: maps segments by name once and hands out views; drops mappings left unused.
 
-    def __init__(self, idle_unmap_s: float = 30.0):
+    Every mapping holds a file descriptor (Python's mmap keeps a dup of it), so at most
+    ``max_maps`` are cached, least recently used going first: a client with 20,000 regions
+    must not exhaust the process's descriptors. A client's segment can shrink after it was
+    mapped, and touching a page past its end is SIGBUS: its size is checked on every use
+    (one fstat); the server's own segments never shrink and skip the check."""
+
+    def __init__(self, idle_unmap_s: float = 30.0, max_maps: int = 512):
         self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
         self._last_used: dict[str, float] = {}
         self.idle_unmap_s = idle_unmap_s
+        self.max_maps = max_maps
         self._last_sweep = time.monotonic()
 
     def view(self, ref: ShmRef) -> memoryview:
@@ -244,11 +255,27 @@ class ShmMapCache:
                 m = attach_segment(ref.segment)
             except FileNotFoundError:
                 raise ShmError(f"shared memory segment '{ref.segment}' does not exist") from None
+            except OSError as e:        # a directory, a symlink, no permission, EMFILE, ...
+                raise ShmError(f"cannot map shared memory segment '{ref.segment}': "
+                               f"{e.strerror or e}") from None
+            if len(self._maps) >= self.max_maps:
+                self._drop(min(self._last_used, key=self._last_used.__getitem__))
             entry = (m, memoryview(m))
             self._maps[ref.segment] = entry
-        if ref.offset < 0 or ref.nbytes < 0 or ref.offset + ref.nbytes > len(entry[1]):
-            raise ShmError(f"range [{ref.offset}, {ref.offset + ref.nbytes}) is outside segment "
+        end = ref.offset + ref.nbytes
+        if ref.offset < 0 or ref.nbytes < 0 or end > len(entry[1]):
+            raise ShmError(f"range [{ref.offset}, {end}) is outside segment "
                            f"'{ref.segment}' of {len(entry[1])} bytes")
+        if not ref.segment.startswith(PREFIX):
+            try:
+                size = entry[0].size()      # fstat: what the segment holds now
+            except OSError as e:
+                raise ShmError(f"shared memory segment '{ref.segment}': {e}") from None
+            if end > size:
+                self._drop(ref.segment)
+                raise ShmError(f"shared memory segment '{ref.segment}' shrank to {size} bytes "
+                               f"after it was registered; the range [{ref.offset}, {end}) is "
+                               f"no longer inside it")
         now = time.monotonic()
         self._last_used[ref.segment] = now
         if now - self._last_sweep > 5.0:

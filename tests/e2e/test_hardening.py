@@ -116,3 +116,30 @@ def test_the_scheduler_survives_any_message(server, client):
         wait_for(lambda: line in server.log_text(), 20, f"the scheduler to log '{line}'")
     _serves(client)
     assert server.ready()
+
+
+def test_a_client_segment_that_shrinks_is_an_error_not_a_dead_worker(server, client):
+    """Shrinking a registered segment made the worker fault (SIGBUS) on the next request that
+    read past the new end; three such requests made the model UNAVAILABLE."""
+    import tritonclient.utils.shared_memory as shm
+    key = f"/shmtest_shrink_{os.getpid()}"
+    handle = shm.create_shared_memory_region("shrink_in", key, 64 * 4)
+    try:
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        shm.set_shared_memory_region(handle, [x])
+        client.register_system_shared_memory("shrink_in", key, 64 * 4)
+        inp = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+        inp.set_shared_memory("shrink_in", 64, offset=128)
+        client.infer("identity_fp32", [inp])
+        os.truncate(f"/dev/shm{key}", 16)
+        for _ in range(4):
+            with pytest.raises(InferenceServerException) as e:
+                client.infer("identity_fp32", [inp])
+            # a worker that had it mapped sees it shrink; one that maps it now sees it short
+            assert "shrank to 16 bytes" in e.value.message() or \
+                "is outside segment" in e.value.message() and "of 16 bytes" in e.value.message()
+        assert client.is_model_ready("identity_fp32")
+        _serves(client)
+    finally:
+        client.unregister_system_shared_memory("shrink_in")
+        shm.destroy_shared_memory_region(handle)

@@ -335,3 +335,59 @@ def test_arena_close_unlinks_everything(prefix):
         arena.close()
     assert shm_names(prefix) == []
     assert arena.bytes_mapped == 0
+
+
+# ---- what a client can do to its own segments after registering them (issue 13) ----------------
+def _client_segment(size: int) -> str:
+    import uuid
+    name = f"shmtest_{uuid.uuid4().hex}"
+    with open(f"/dev/shm/{name}", "wb") as f:
+        f.write(b"\1" * size)
+    return name
+
+
+def test_a_segment_that_shrank_is_an_error_not_a_sigbus():
+    name = _client_segment(8192)
+    maps = shm.ShmMapCache()
+    try:
+        assert bytes(maps.view(ShmRef(name, 4096, 16))) == b"\1" * 16
+        os.truncate(f"/dev/shm/{name}", 100)
+        with pytest.raises(shm.ShmError, match="shrank to 100 bytes"):
+            maps.view(ShmRef(name, 4096, 16))
+        assert bytes(maps.view(ShmRef(name, 0, 16))) == b"\1" * 16     # what is left still reads
+    finally:
+        maps.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_directory_or_symlink_in_place_of_a_segment_is_an_error():
+    import uuid
+    d = f"shmtest_dir_{uuid.uuid4().hex}"
+    target = _client_segment(64)
+    link = f"shmtest_link_{uuid.uuid4().hex}"
+    os.mkdir(f"/dev/shm/{d}")
+    os.symlink(f"/dev/shm/{target}", f"/dev/shm/{link}")
+    maps = shm.ShmMapCache()
+    try:
+        for name in (d, link):
+            with pytest.raises(shm.ShmError, match="cannot map shared memory segment|is not a"):
+                maps.view(ShmRef(name, 0, 8))
+    finally:
+        maps.close()
+        os.rmdir(f"/dev/shm/{d}")
+        os.unlink(f"/dev/shm/{link}")
+        os.unlink(f"/dev/shm/{target}")
+
+
+def test_mappings_are_capped_so_descriptors_are_too():
+    names = [_client_segment(64) for _ in range(6)]
+    maps = shm.ShmMapCache(max_maps=3)
+    try:
+        for n in names:
+            assert bytes(maps.view(ShmRef(n, 0, 4))) == b"\1" * 4
+            assert len(maps._maps) <= 3
+        assert set(maps._maps) == set(names[-3:])       # the least recently used went first
+    finally:
+        maps.close()
+        for n in names:
+            os.unlink(f"/dev/shm/{n}")
