@@ -38,6 +38,7 @@ from shmserve.ipc.messages import (
     StatsReply,
     SubmitRequest,
     Wake,
+    WorkerGone,
     WorkerLoadFailed,
     WorkerReady,
 )
@@ -241,7 +242,9 @@ class SchedulerCore:
         ver, inst = found
         if inst.batch_id != msg.batch_id or inst.state != InstanceState.BUSY:
             return
-        self.account(ver, inst.batch or [], msg)
+        batch = inst.batch or []
+        self.account(ver, batch, msg)
+        inst.answered.extend((r.frontend, r.req_id) for r in batch)
         inst.deaths_in_a_row = 0
         inst.batch = None
         inst.state = InstanceState.IDLE
@@ -304,6 +307,13 @@ class SchedulerCore:
         self.housekeeping_at = 0.0             # a restart may be due at once
         self.custom_metrics.pop(spawn_id, None)
         ver, inst = death.version, death.instance
+        if inst.answered:
+            by_frontend: dict[int, list[int]] = {}
+            for fid, rid in inst.answered:
+                by_frontend.setdefault(fid, []).append(rid)
+            inst.answered.clear()
+            for fid, rids in by_frontend.items():
+                self.port.send_frontend(fid, WorkerGone(spawn_id, rids))
         if death.batch:
             self.requests_of_dead_worker(death)
         if death.outcome == Outcome.LOAD_FAILED:

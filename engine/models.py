@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +29,8 @@ BACKOFF_CAP_S = 10.0
 CRASH_LOOP_DEATHS = 5
 # Idle workers are pinged this often; one that has not answered within PING_TIMEOUT_S is killed.
 PING_INTERVAL_S = 2.0
+# How many answered requests an instance remembers for WorkerGone (a few batches' worth).
+ANSWERED_KEPT = 256
 PING_TIMEOUT_S = 5.0
 
 
@@ -40,6 +43,9 @@ class Instance:
     spawn_id: int = -1          # of the worker process now serving it; -1 = none yet
     connected: bool = False     # the worker said where its inbox is (WorkerReady)
     batch: list[QueuedRequest] | None = None
+    # (frontend, request) of its last answered batches: their answers may still sit in the
+    # worker's ZeroMQ queue when it dies, so the frontends are told (WorkerGone)
+    answered: deque = field(default_factory=lambda: deque(maxlen=ANSWERED_KEPT))
     batch_id: int = 0
     started_at: float = 0.0
     restart_at: float = 0.0

@@ -32,6 +32,7 @@ from shmserve.ipc.messages import (
     StatsQuery,
     StatsReply,
     SubmitRequest,
+    WorkerGone,
 )
 from shmserve.ipc.messages import encode as encode_message
 
@@ -54,6 +55,9 @@ class EngineClient:
         self.workers: dict[str, channel.Outbox] = {}
         self.catalog = ModelCatalog()
         self.pending: dict[int, ResultCallback] = {}
+        # what each pending request was sent as, to submit it again if its answer dies with
+        # its worker (WorkerGone); a reference to bytes made anyway, no copy
+        self.sent: dict[int, tuple[SubmitRequest, bytes]] = {}
         self.order: dict[tuple[str, int], deque[int]] = {}     # preserve_ordering models
         self.ordered_key: dict[int, tuple[str, int]] = {}
         self.held: dict[int, InferResult] = {}
@@ -62,6 +66,7 @@ class EngineClient:
         self.table_event = asyncio.Event()
         self.handlers: dict[type, Callable] = {
             InferResult: self._deliver, InferResults: self._deliver_many,
+            WorkerGone: self._worker_gone,
             ModelTable: self._update_table, StatsReply: self._answer_query,
             ControlReply: self._answer_query,
         }
@@ -83,12 +88,14 @@ class EngineClient:
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
                              prepared.shape_key)
         try:
-            self.scheduler.send(head, (encode_message(prepared.payload),), channel.NOBLOCK)
+            payload = encode_message(prepared.payload)
+            self.scheduler.send(head, (payload,), channel.NOBLOCK)
         except zmq.Again:
             on_result(InferResult(req_id, model, version, error="the scheduler queue is full",
                                   code=ErrorCode.UNAVAILABLE))
             return req_id
         self.pending[req_id] = on_result
+        self.sent[req_id] = (head, payload)
         if ordered:
             key = (model, version)
             self.order.setdefault(key, deque()).append(req_id)
@@ -96,16 +103,17 @@ class EngineClient:
         return req_id
 
     def _deliver(self, msg: InferResult) -> None:
+        self.sent.pop(msg.req_id, None)
         key = self.ordered_key.get(msg.req_id)
         if key is None:
             cb = self.pending.pop(msg.req_id, None)
             if cb is not None:
                 cb(msg)
-            elif msg.worker:
-                # a late answer (its request already failed): give its slots back
-                refs = [t.shm for t in msg.outputs if t.shm is not None]
-                if refs:
-                    self.release(msg.worker, refs)
+            else:
+                self._drop_late(msg)
+            return
+        if msg.req_id in self.held:         # a second answer (it was submitted again)
+            self._drop_late(msg)
             return
         self.held[msg.req_id] = msg
         queue = self.order[key]
@@ -119,6 +127,32 @@ class EngineClient:
                     cb(result)
                 except Exception:       # the answers held behind this one must still go out
                     log.exception("error answering request %d", rid)
+
+    def _drop_late(self, msg: InferResult) -> None:
+        """An answer nobody waits for (its request already failed, or was answered by its
+        resubmission): give its slots back."""
+        if msg.worker:
+            refs = [t.shm for t in msg.outputs if t.shm is not None]
+            if refs:
+                self.release(msg.worker, refs)
+
+    def _worker_gone(self, msg: WorkerGone) -> None:
+        """A dead worker had answered these; an answer we have not seen died in its queue.
+        Each is submitted again, once: its inputs are still held, and a late original answer,
+        should one still arrive, is dropped like any answer nobody waits for."""
+        for rid in msg.requests:
+            sent = self.sent.pop(rid, None)
+            if sent is None or rid not in self.pending:
+                continue
+            head, payload = sent
+            log.warning("request %d was answered by worker %d, which died; the answer did not "
+                        "arrive, so it is submitted again", rid, msg.spawn_id)
+            try:
+                self.scheduler.send(head, (payload,), channel.NOBLOCK)
+            except zmq.Again:
+                self._deliver(InferResult(rid, head.model, head.version,
+                                          error="the scheduler queue is full",
+                                          code=ErrorCode.UNAVAILABLE))
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
         box = self.workers.get(worker)
@@ -200,6 +234,7 @@ class EngineClient:
 
     def fail_all(self, message: str) -> None:
         pending, self.pending = self.pending, {}
+        self.sent.clear()
         self.order.clear()
         self.ordered_key.clear()
         self.held.clear()

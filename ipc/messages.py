@@ -185,6 +185,14 @@ class ModelStatistics(msgspec.Struct, array_like=True):
     summaries: dict[str, list[float]] = {}
 
 
+class WorkerGone(msgspec.Struct, array_like=True, tag=13):
+    """A worker died. ``requests`` (of the frontend this goes to) are ones it answered in its
+    last batches: an answer still in its ZeroMQ queue died with it, so each of them that the
+    frontend still waits for is submitted again."""
+    spawn_id: int
+    requests: list[int]
+
+
 class ControlReply(msgspec.Struct, array_like=True, tag=12):
     query_id: int
     error: str = ""
@@ -322,7 +330,7 @@ Message = Union[
     StatsReply,
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
-    BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited,
+    BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -495,3 +495,24 @@ def test_execution_timeout_must_be_a_finite_number(repo, value):
     assert state is ModelState.UNAVAILABLE
     assert "execution_timeout_ms of model 'odd' must be a finite, non-negative number" in reason
     assert h.spawn_ids("odd") == []
+
+
+
+def test_a_dead_worker_names_what_it_answered_to_each_frontend(repo):
+    """Answers still in a dead worker's queue die with it; the frontends hear which requests
+    it had answered, so that any they still wait for can be submitted again."""
+    from shmserve.ipc.messages import WorkerGone
+    h = Harness(repo).start()
+    sid = only(h, "prio")
+    a = h.submit("prio")
+    b, c = h.submit("prio"), h.submit("prio")
+    h.finish(sid)
+    h.finish(sid)
+    h.die(sid)
+    gone = [m for _, m in h.port.to_frontend if isinstance(m, WorkerGone)]
+    assert gone == [WorkerGone(sid, [a, b, c])]
+    h.tick(0)
+    (sid,) = h.waiting()
+    h.ready(sid)
+    h.die(sid)                                      # answered nothing: nothing to say
+    assert len([m for _, m in h.port.to_frontend if isinstance(m, WorkerGone)]) == 1

@@ -22,6 +22,7 @@ MESSAGES = [
     m.ControlRequest(1, 11, "load", "mlp", config='{"max_batch_size": 8}'),
     m.ControlRequest(1, 12, "unload", "mlp", unload_dependents=True),
     m.ControlReply(11),
+    m.WorkerGone(4, [1, 2, 3]),
     m.CancelRequest(1, 99),
     m.Ping(3),
     m.Pong(4, 3),
