@@ -43,7 +43,8 @@ def test_perf_analyzer_reports_throughput(server, perf_analyzer, tmp_path, case)
         assert "queue" in out.stdout and "compute infer" in out.stdout, out.stdout
     with open(report) as f:
         rows = list(csv.DictReader(f))
-    assert [r["Concurrency"] for r in rows] == ["1", "2"]
+    # perf_analyzer orders the report's rows by throughput, which a busy machine can invert
+    assert sorted(r["Concurrency"] for r in rows) == ["1", "2"]
     for r in rows:
         assert float(r["Inferences/Second"]) > 0
         assert float(r["p99 latency"]) > 0
