@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor
+from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor, parameter_problem
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 from . import validation
@@ -133,17 +133,9 @@ def _unsigned(params: dict, key: str) -> int:
 
 
 def _check_custom(params: dict) -> None:
-    """Custom parameters are scalars (string, bool, int64/uint64, double), as the protocols
-    define them; anything else is refused here instead of failing later on the wire."""
-    for key, value in params.items():
-        if isinstance(value, (str, bool, float)):
-            continue
-        if isinstance(value, int):
-            if -(1 << 63) <= value < 1 << 64:
-                continue
-            raise invalid(f"request parameter '{key}' is out of the 64-bit integer range")
-        raise invalid(f"request parameter '{key}' must be a string, boolean, integer or number, "
-                      f"got {type(value).__name__}")
+    problem = parameter_problem(params)
+    if problem:
+        raise invalid(f"request parameter {problem}")
 
 
 def _sequence(params: dict) -> tuple[int | str, int]:

@@ -74,6 +74,21 @@ class OutputSpec(msgspec.Struct, array_like=True):
     shm: ShmRef | None = None   # write the output here (a client's region) instead of returning it
 
 
+def parameter_problem(params: dict) -> str:
+    """Request and response parameters are scalars the protocols can carry: a string, a bool,
+    a 64-bit integer or a double. Says which one is not and why ("" when all are): anything
+    else would fail later, while a message is encoded."""
+    for key, value in params.items():
+        if isinstance(value, (str, bool, float)):
+            continue
+        if isinstance(value, int):
+            if -(1 << 63) <= value < 1 << 64:
+                continue
+            return f"'{key}' is out of the 64-bit integer range"
+        return f"'{key}' must be a string, boolean, integer or number, got {type(value).__name__}"
+    return ""
+
+
 class InferPayload(msgspec.Struct, array_like=True):
     """What a worker needs to execute one request; opaque to the scheduler."""
     request_id: str

@@ -37,6 +37,7 @@ from shmserve.ipc.messages import (
     WorkerLoadFailed,
     WorkerReady,
     decode_payload,
+    parameter_problem,
 )
 from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
@@ -59,21 +60,6 @@ _EVENTS = int(zmq.EVENTS)
 
 def _ignore(msg) -> None:
     pass
-
-
-def _bad_parameter(params: dict) -> str:
-    """Response parameters are scalars the protocols can carry: a string, a bool, a 64-bit int
-    or a double. Anything else would fail while the answer is encoded, taking the worker with
-    it; this says which one and why, or "" when all are fine."""
-    for key, value in params.items():
-        if isinstance(value, (str, bool, float)):
-            continue
-        if isinstance(value, int):
-            if -(1 << 63) <= value < 1 << 64:
-                continue
-            return f"'{key}' is out of the 64-bit integer range"
-        return f"'{key}' must be a string, bool, int or float, not {type(value).__name__}"
-    return ""
 
 
 class Worker:
@@ -299,7 +285,7 @@ class Worker:
         except (ShmError, ValueError, TypeError) as e:
             self.free_outputs(outs, targets)
             return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
-        bad = _bad_parameter(resp.parameters)
+        bad = parameter_problem(resp.parameters)
         if bad:
             self.free_outputs(outs, targets)
             return self.error(req_id, f"response parameter {bad}", ErrorCode.INTERNAL)
