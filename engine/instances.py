@@ -77,7 +77,6 @@ class InstanceSupervisor:
         inst.connected = False
         inst.kill_reason, inst.exit_detail = KillReason.NONE, ""
         inst.ping_seq = 0
-        inst.started_at = self.now()
         self.by_spawn[sid] = (ver, inst)
         try:
             self.port.spawn(sid, spec)
@@ -160,7 +159,6 @@ class InstanceSupervisor:
             inst.state = InstanceState.STOPPED
             death.outcome = Outcome.CRASH_LOOP
             return death
-        inst.deaths += 1
         inst.state = InstanceState.BACKOFF
         inst.restart_at = now + restart_delay(inst.deaths_in_a_row)
         self.backoff.add((ver, inst))

@@ -38,16 +38,6 @@ ORPHANED_FRONTEND_S = 5.0
 RUN_DIR_PREFIX = "shmserve-"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError):
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 def remove_stale_run_dirs() -> int:
     """Remove the run directories (sockets, worker argument files) of servers whose launcher
     was killed: their names carry the launcher's pid."""
@@ -57,7 +47,7 @@ def remove_stale_run_dirs() -> int:
         if not name.startswith(RUN_DIR_PREFIX):
             continue
         pid_text = name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not (pid_text.isascii() and pid_text.isdigit()) or _pid_alive(int(pid_text)):
+        if not (pid_text.isascii() and pid_text.isdigit()) or shm.pid_alive(int(pid_text)):
             continue
         path = os.path.join(tmp, name)
         if os.path.isdir(path) and not os.path.islink(path):

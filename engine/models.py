@@ -47,9 +47,7 @@ class Instance:
     # worker's ZeroMQ queue when it dies, so the frontends are told (WorkerGone)
     answered: deque = field(default_factory=lambda: deque(maxlen=ANSWERED_KEPT))
     batch_id: int = 0
-    started_at: float = 0.0
     restart_at: float = 0.0
-    deaths: int = 0
     deaths_in_a_row: int = 0    # deaths since the last execution that finished
     busy_since: float = 0.0
     kill_reason: KillReason = KillReason.NONE    # why the scheduler killed its worker

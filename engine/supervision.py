@@ -76,9 +76,9 @@ class WorkerProcess:
             self.pidfd = -1
 
 
-def spawn_worker(instance: int, run_dir: str, scheduler_addr: str, segment_prefix: str,
+def spawn_worker(spawn_id: int, run_dir: str, scheduler_addr: str, segment_prefix: str,
                  spec: InstanceSpec, log_verbose: int) -> WorkerProcess:
-    args = WorkerArgs(spawn_id=instance, parent=os.getpid(), run_dir=run_dir,
+    args = WorkerArgs(spawn_id=spawn_id, parent=os.getpid(), run_dir=run_dir,
                       scheduler=scheduler_addr, segment_prefix=segment_prefix, spec=spec,
                       log_verbose=log_verbose)
     return WorkerProcess(args)

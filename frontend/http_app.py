@@ -19,7 +19,7 @@ from shmserve.ipc.shm import ShmError
 
 from . import http_codec, restricted, statistics
 from .errors import InferError, http_status, invalid
-from .http_server import HttpConnection, HttpRequest
+from .http_server import HttpApp, HttpConnection, HttpRequest
 from .request import PreparedRequest
 from .routes import Router
 from .service import FrontendService
@@ -50,7 +50,7 @@ def api_group(pattern: str) -> str:
     return "metadata"
 
 
-class KServeHttpApp:
+class KServeHttpApp(HttpApp):
     def __init__(self, service: FrontendService, max_input_size: int,
                  restrictions: dict[str, tuple[str, str]] | None = None):
         self.service = service

@@ -32,6 +32,28 @@ class Limits:
     connections: set = field(default_factory=set)   # the live ones, for the sweeper
 
 
+class HttpApp:
+    """What HttpConnection asks of the application behind it. The defaults suit an app that
+    takes small bodies in memory; KServeHttpApp overrides them to receive into shared memory."""
+
+    def check_body_size(self, req: "HttpRequest", n: int) -> str:
+        """Why a body of ``n`` bytes is refused (a 413), or "" to accept it."""
+        return ""
+
+    def body_buffer(self, req: "HttpRequest", n: int):
+        """Memory to receive the body into, or None for bytes in memory."""
+        return None
+
+    def release_body(self, req: "HttpRequest") -> None:
+        pass
+
+    def connection_lost(self, conn: "HttpConnection") -> None:
+        pass
+
+    def handle(self, conn: "HttpConnection", req: "HttpRequest") -> None:
+        raise NotImplementedError
+
+
 class HttpRequest:
     __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive")
 

@@ -23,7 +23,7 @@ from shmserve.ipc import channel
 from shmserve.ipc.messages import CustomMetrics, MetricKind, ModelStatistics
 
 from .engine_client import EngineClient
-from .http_server import HttpConnection, HttpRequest
+from .http_server import HttpApp, HttpConnection, HttpRequest
 from .system_metrics import SystemSampler
 
 log = logging.getLogger("shmserve.metrics")
@@ -303,7 +303,7 @@ class _Page:
         yield from self.custom.collect(taken)
 
 
-class MetricsApp:
+class MetricsApp(HttpApp):
     def __init__(self, client: EngineClient, sampler: SystemSampler | None,
                  counter_latencies: bool = True, histogram_latencies: bool = False):
         self.client = client
@@ -312,18 +312,6 @@ class MetricsApp:
         self.custom = CustomCollector()
         builtin = [self.inference] if sampler is None else [self.inference, sampler]
         self.registry.register(_Page(builtin, self.custom))
-
-    def check_body_size(self, req, n):
-        return ""
-
-    def body_buffer(self, req, n):
-        return None
-
-    def release_body(self, req):
-        pass
-
-    def connection_lost(self, conn):
-        pass
 
     def handle(self, conn: HttpConnection, req: HttpRequest) -> None:
         if req.path != "/metrics":

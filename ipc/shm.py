@@ -88,17 +88,22 @@ def unlink_prefixed(prefix: str) -> int:
     return len(names)
 
 
-def _launcher_alive(name: str) -> bool:
-    pid_text = name[len(PREFIX):].split("_", 1)[0]
-    if not (pid_text.isascii() and pid_text.isdigit()):
-        return True                 # not a name we made: leave it alone
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts)."""
     try:
-        os.kill(int(pid_text), 0)
+        os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):  # OverflowError: no pid is that large
         return False
     except PermissionError:
         pass
     return True
+
+
+def _launcher_alive(name: str) -> bool:
+    pid_text = name[len(PREFIX):].split("_", 1)[0]
+    if not (pid_text.isascii() and pid_text.isdigit()):
+        return True                 # not a name we made: leave it alone
+    return pid_alive(int(pid_text))
 
 
 def remove_stale_segments() -> int:

@@ -71,8 +71,7 @@ class Worker:
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
         self.spec = args.spec
-        self.reshapes = tensors.Reshapes(json.loads(args.spec.config_json))
-        self.checks = tensors.OutputChecks(json.loads(args.spec.config_json))
+        self.use_config(args.spec.config_json)
         self.backend = None
         # messages that request.is_cancelled() read while execute() ran; handled first, in order
         self.backlog: deque = deque()
@@ -85,6 +84,12 @@ class Worker:
         # longer running needs nothing
         self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
                          Ping: self.pong, Wake: _ignore, CancelRequest: _ignore}
+
+    def use_config(self, config_json: str) -> None:
+        """What the config decides about every answer: reshapes and the output checks."""
+        config = json.loads(config_json)
+        self.reshapes = tensors.Reshapes(config)
+        self.checks = tensors.OutputChecks(config)
 
     def frontend(self, fid: int) -> channel.Outbox:
         box = self.frontends.get(fid)
@@ -100,8 +105,7 @@ class Worker:
                     self.spec.config_json, self.spec.backend, self.spec.model_dir,
                     self.spec.version)
             self.backend = load_backend(self.spec, self.poll_cancelled)
-            self.reshapes = tensors.Reshapes(json.loads(self.spec.config_json))
-            self.checks = tensors.OutputChecks(json.loads(self.spec.config_json))
+            self.use_config(self.spec.config_json)
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
             reason = str(e) or type(e).__name__

@@ -10,7 +10,7 @@ from test_http_codec import CONFIGS, _info
 from shmserve.frontend import http_codec, request
 from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
-from shmserve.frontend.http_server import HttpConnection
+from shmserve.frontend.http_server import HttpApp, HttpConnection
 from shmserve.frontend.shm_registry import ShmRegistry
 from shmserve.ipc import shm
 from shmserve.ipc.messages import ModelTable
@@ -108,7 +108,7 @@ class Transport:
         return ("127.0.0.1", 5000) if name == "peername" else default
 
 
-class EchoApp:
+class EchoApp(HttpApp):
     """Answers every complete request 200, and says how long a body may be."""
 
     def __init__(self):
@@ -116,15 +116,6 @@ class EchoApp:
 
     def check_body_size(self, req, n):
         return f"request body of {n} bytes exceeds the limit of 256 bytes" if n > 256 else ""
-
-    def body_buffer(self, req, n):
-        return None
-
-    def release_body(self, req):
-        pass
-
-    def connection_lost(self, conn):
-        pass
 
     def handle(self, conn, req):
         self.requests += 1
