@@ -352,9 +352,10 @@ class SchedulerCore:
         """Stop restarting: the version is UNAVAILABLE with the reason until it is reloaded."""
         reason = (f"crash loop: instance '{inst.name}' {how}; it died {inst.deaths_in_a_row} "
                   f"times in a row without finishing an execution")
+        # the table goes first: a client told "crash loop" must find the model not ready
+        self.lifecycle.fail_version(ver, reason, StateCause.CRASH_LOOP)
         self.fail_queued(ver, ErrorCode.UNAVAILABLE, "OTHER",
                          f"model '{ver.name}' version {ver.version} is unavailable: {reason}")
-        self.lifecycle.fail_version(ver, reason, StateCause.CRASH_LOOP)
 
     def fail_queued(self, ver: ModelVersion, code: ErrorCode, stat: str, message: str) -> None:
         now = self.clock()

@@ -208,6 +208,8 @@ def test_crash_loop_makes_the_version_unavailable(repo):
     for rid in (running, queued):     # the running one was requeued, then failed with the rest
         err = h.results()[rid]
         assert err.code is ErrorCode.UNAVAILABLE and "crash loop" in err.error
+    kinds = [type(m).__name__ for _, m in h.port.to_frontend]
+    assert kinds[-3:] == ["ModelTable", "InferResult", "InferResult"]   # the table goes first
     h.tick(60)
     assert h.waiting() == []                        # no more restarts
     late = h.submit("plain")
