@@ -84,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a request must arrive whole this long after its first byte (408)")
     p.add_argument("--http-idle-timeout-secs", type=float, default=D["http_idle_timeout_secs"],
                    help="an idle keep-alive connection is closed after this long")
+    p.add_argument("--http-max-json-elements", type=int, default=D["http_max_json_elements"],
+                   help="tensor elements one JSON request may carry, and one output may be "
+                        "returned as JSON (past it: 400; ask for binary data instead)")
+    p.add_argument("--grpc-max-message-size", type=int, default=D["grpc_max_message_size"],
+                   help="bytes of one gRPC message, request or response (RESOURCE_EXHAUSTED past it)")
+    p.add_argument("--max-request-tensor-bytes", type=int, default=D["max_request_tensor_bytes"],
+                   help="bytes of all input tensors of one request, by their shapes and "
+                        "datatypes, checked before anything is allocated (400 past it)")
+    p.add_argument("--request-deadline-secs", type=float, default=D["request_deadline_secs"],
+                   help="the frontend answers every accepted request within this time, with "
+                        "an error if nothing else answered it (the last line of defence)")
+    p.add_argument("--model-load-timeout-secs", type=float, default=D["model_load_timeout_secs"],
+                   help="an instance that is not ready this long after it started (a hung "
+                        "initialize) is killed and its load fails")
     p.add_argument("--allow-client-shm", type=triton_bool, default=D["allow_client_shm"],
                    help="serve clients' system/CUDA shared-memory regions (Triton's default is "
                         "false; shmserve serves same-host clients, so it is on)")
@@ -139,7 +153,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
     if a.metrics_interval_ms <= 0:
         parser.error("--metrics-interval-ms must be positive")
     for flag in ("http_max_header_size", "http_max_connections", "http_request_timeout_secs",
-                 "http_idle_timeout_secs"):
+                 "http_idle_timeout_secs", "http_max_json_elements", "grpc_max_message_size",
+                 "max_request_tensor_bytes", "request_deadline_secs", "model_load_timeout_secs"):
         if getattr(a, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
     for flag, specs in (("--http-restricted-api", a.http_restricted_api),
@@ -163,6 +178,11 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         http_max_header_size=a.http_max_header_size, http_max_connections=a.http_max_connections,
         http_request_timeout_secs=a.http_request_timeout_secs,
         http_idle_timeout_secs=a.http_idle_timeout_secs,
+        http_max_json_elements=a.http_max_json_elements,
+        grpc_max_message_size=a.grpc_max_message_size,
+        max_request_tensor_bytes=a.max_request_tensor_bytes,
+        request_deadline_secs=a.request_deadline_secs,
+        model_load_timeout_secs=a.model_load_timeout_secs,
         client_shm_from=a.client_shm_from, http_restricted_api=a.http_restricted_api,
         grpc_restricted_protocol=a.grpc_restricted_protocol,
         exit_timeout_secs=a.exit_timeout_secs,

@@ -392,6 +392,11 @@ class ServerSettings(msgspec.Struct):
     http_max_connections: int = 4096
     http_request_timeout_secs: float = 60.0
     http_idle_timeout_secs: float = 300.0
+    http_max_json_elements: int = 1 << 23     # tensor elements in a JSON request or JSON output
+    grpc_max_message_size: int = 2 ** 31 - 1  # bytes of one gRPC message, either way
+    max_request_tensor_bytes: int = 1 << 32   # all input tensors of one request together
+    request_deadline_secs: float = 3600.0     # the frontend answers every request by then
+    model_load_timeout_secs: float = 600.0    # a worker that is not ready by then is killed
     allow_client_shm: bool = True
     client_shm_from: str = "local"         # local (loopback and unix peers only) | any
     http_restricted_api: list[str] = []    # "<api>[,<api>]:<header>=<value>" (frontend/restricted.py)
