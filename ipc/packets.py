@@ -1,0 +1,296 @@
+"""A thread-free transport: AF_UNIX SOCK_SEQPACKET, read and written by the process's own thread.
+
+A ZeroMQ hop moves every message through an I/O thread on each side, so one hop wakes three
+threads; here the sender's ``sendmsg`` puts the message straight into the receiver's socket
+buffer and the receiver's own thread reads it (bench/transport_hops.py measures both). The
+interface is the one of ``channel.Inbox`` / ``channel.Outbox``: addresses are ``unix://<path>``,
+and ``channel.inbox_for`` / ``channel.outbox_for`` pick the transport by the address.
+
+Wire format, one message per packet (SEQPACKET keeps boundaries and order per connection):
+``flags:u8 nframes:u16 len:u32 * nframes`` then the frames, the first being the encoded message.
+A message larger than ``MAX_PACKET`` (several inline tensors together) goes as fragments: every
+packet but the last carries ``MORE`` in its flags, and the receiver joins them.
+
+Back-pressure: the receiver's socket buffer is the queue. A non-blocking send to a full peer
+raises ``zmq.Again`` (the exception callers of ``channel.Outbox`` already handle); a blocking send
+waits at most ``SEND_TIMEOUT_S`` for room and then raises ``PeerStalled``, so a stopped peer costs
+bounded memory and a clear error instead of a sender blocked for ever. A peer that has gone
+(its process died) makes sends raise ``PeerGone``; nothing is queued for it.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import select
+import socket
+import struct
+import time
+from collections import deque
+
+import zmq
+
+from . import messages
+
+SCHEME = "unix://"
+MAX_PACKET = 128 * 1024          # fits the default AF_UNIX send buffer with room to spare
+SEND_TIMEOUT_S = 10.0
+SOCKET_BUFFER = 4 << 20          # asked for; the kernel caps it (net.core.[rw]mem_max)
+MORE = 1
+_PREFIX = struct.Struct("<BH")
+_NOBLOCK = int(zmq.NOBLOCK)
+_RECV_SIZE = MAX_PACKET + 64
+
+
+class PeerGone(ConnectionError):
+    """The receiving process has closed its inbox or exited."""
+
+
+class PeerStalled(zmq.Again):
+    """The receiver has not read for ``SEND_TIMEOUT_S`` while its buffer was full."""
+
+    def __init__(self, msg: str):
+        super().__init__(zmq.EAGAIN)
+        self.strerror = msg
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def is_packet_address(addr: str) -> bool:
+    return addr.startswith(SCHEME)
+
+
+def _path(addr: str) -> str:
+    if not addr.startswith(SCHEME):
+        raise ValueError(f"not a {SCHEME} address: {addr!r}")
+    return addr[len(SCHEME):]
+
+
+def _encode_frames(head: bytes, payloads) -> list:
+    lens = [len(head)] + [len(p) for p in payloads]
+    prefix = _PREFIX.pack(0, len(lens)) + struct.pack(f"<{len(lens)}I", *lens)
+    return [prefix, head, *payloads]
+
+
+def _decode_frames(body) -> tuple[bytes, list[bytes]]:
+    """``body`` starts after the flags byte: ``nframes`` then lengths then frames."""
+    mv = memoryview(body)
+    (n,) = struct.unpack_from("<H", mv, 0)
+    lens = struct.unpack_from(f"<{n}I", mv, 2)
+    pos = 2 + 4 * n
+    frames = []
+    for ln in lens:
+        frames.append(bytes(mv[pos:pos + ln]))
+        pos += ln
+    return frames[0], frames[1:]
+
+
+class PacketInbox:
+    """Binds a SEQPACKET listener; any number of peers connect to it. One epoll set holds the
+    listener and every connection, and its fd (``fileno``) is readable whenever a message may be
+    waiting, so an event loop (uvloop's add_reader) or a poller can wait on it."""
+
+    def __init__(self, addr: str):
+        self.address = addr
+        path = _path(addr)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(path)
+        self.listener.listen(256)
+        self.listener.setblocking(False)
+        self.epoll = select.epoll()
+        self.epoll.register(self.listener.fileno(), select.EPOLLIN)
+        self.conns: dict[int, socket.socket] = {}
+        self.partial: dict[int, list[bytes]] = {}
+        self.ready: deque = deque()
+        self.timeout_s = -1.0
+        self.buf = bytearray(_RECV_SIZE)
+        self.received_messages = 0
+
+    def fileno(self) -> int:
+        return self.epoll.fileno()
+
+    def set_timeout(self, ms: int) -> None:
+        """Make a blocking ``recv`` raise zmq.Again after ``ms`` milliseconds (-1: never)."""
+        self.timeout_s = -1.0 if ms < 0 else ms / 1000.0
+
+    def has_message(self) -> bool:
+        """Whether ``recv(NOBLOCK)`` would return a message now (collects what is readable)."""
+        while not self.ready and self._collect(0.0):
+            pass
+        return bool(self.ready)
+
+    def recv(self, flags: int = 0):
+        """Returns (message, payload frames as bytes); raises zmq.Again when nothing arrives
+        (at once with NOBLOCK, else after the timeout)."""
+        ready = self.ready
+        if not ready:
+            self._collect(0.0 if flags & _NOBLOCK else self.timeout_s)
+            while not ready:
+                if flags & _NOBLOCK or not self._collect(self.timeout_s):
+                    raise zmq.Again()
+        head, frames = ready.popleft()
+        self.received_messages += 1
+        return messages.decode(head), frames
+
+    def _collect(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds (-1: for ever) for readiness and read everything that
+        is readable; False when the wait timed out with nothing new."""
+        events = self.epoll.poll(timeout)
+        if not events:
+            return False
+        listen_fd = self.listener.fileno()
+        for fd, ev in events:
+            if fd == listen_fd:
+                self._accept()
+            else:
+                self._read(fd, ev)
+        return True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.setblocking(False)
+            try:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
+            except OSError:
+                pass
+            self.conns[conn.fileno()] = conn
+            self.epoll.register(conn.fileno(), select.EPOLLIN)
+
+    def _read(self, fd: int, ev: int) -> None:
+        conn = self.conns.get(fd)
+        if conn is None:
+            return
+        buf = self.buf
+        recv_into = conn.recv_into
+        while True:
+            try:
+                n = recv_into(buf)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                n = 0
+            if n == 0:                  # the peer closed its end
+                self._drop(fd)
+                return
+            if buf[0] & MORE:
+                self.partial.setdefault(fd, []).append(bytes(buf[1:n]))
+                continue
+            parts = self.partial.pop(fd, None)
+            if parts is None:
+                self.ready.append(_decode_frames(memoryview(buf)[1:n]))
+            else:
+                parts.append(bytes(buf[1:n]))
+                self.ready.append(_decode_frames(b"".join(parts)))
+
+    def _drop(self, fd: int) -> None:
+        conn = self.conns.pop(fd, None)
+        self.partial.pop(fd, None)
+        if conn is not None:
+            try:
+                self.epoll.unregister(fd)
+            except (OSError, ValueError):
+                pass
+            conn.close()
+
+    def close(self) -> None:
+        for fd in list(self.conns):
+            self._drop(fd)
+        path = _path(self.address)
+        self.listener.close()
+        self.epoll.close()
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class PacketOutbox:
+    """A connection to one ``PacketInbox``. Connects at construction; with ``wait_connected_s``
+    it keeps trying that long for an inbox that is not bound yet."""
+
+    def __init__(self, addr: str, wait_connected_s: float = 0.0):
+        self.address = addr
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
+        except OSError:
+            pass
+        self._connect(_path(addr), wait_connected_s)
+        self.sock.setblocking(False)
+        self.sent_messages = 0
+        self.gone = False
+
+    def _connect(self, path: str, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        delay = 0.001
+        while True:
+            try:
+                self.sock.connect(path)
+                return
+            except (FileNotFoundError, ConnectionRefusedError) as e:
+                if time.monotonic() + delay > deadline:
+                    self.sock.close()
+                    raise PeerGone(f"nothing listens at {path}: {e.strerror}") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
+    def send(self, msg, payloads=(), flags: int = 0) -> None:
+        """Send a message and optional payload frames (bytes-like, not copied on the way)."""
+        head = messages.encode(msg)
+        parts = _encode_frames(head, payloads)
+        size = sum(len(p) for p in parts)
+        if size <= MAX_PACKET:
+            self._send_packet(parts, flags)
+        else:
+            # Rare (several inline tensors together): one join, then fragments. Once the first
+            # fragment is out the rest must follow, so only the first may fail with Again.
+            whole = memoryview(b"".join(parts))[1:]
+            step = MAX_PACKET - 1
+            for start in range(0, len(whole), step):
+                last = start + step >= len(whole)
+                try:
+                    self._send_packet([b"\x00" if last else b"\x01", whole[start:start + step]],
+                                      flags if start == 0 else flags & ~_NOBLOCK)
+                except PeerStalled:
+                    if start:       # half a message is out: the connection cannot be used again
+                        self.gone = True
+                        self.sock.close()
+                    raise
+        self.sent_messages += 1
+
+    def _send_packet(self, parts: list, flags: int) -> None:
+        if self.gone:
+            raise PeerGone(f"the inbox at {self.address} has gone")
+        sock = self.sock
+        while True:
+            try:
+                sock.sendmsg(parts)
+                return
+            except (BlockingIOError, InterruptedError):
+                if flags & _NOBLOCK:
+                    raise zmq.Again() from None
+                if not _wait_writable(sock, SEND_TIMEOUT_S):
+                    raise PeerStalled(f"the inbox at {self.address} has not read for "
+                                      f"{SEND_TIMEOUT_S:g} s") from None
+            except OSError as e:
+                if e.errno in (errno.EPIPE, errno.ECONNRESET, errno.ECONNREFUSED, errno.ENOTCONN):
+                    self.gone = True
+                    raise PeerGone(f"the inbox at {self.address} has gone") from None
+                raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _wait_writable(sock: socket.socket, timeout_s: float) -> bool:
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLOUT)
+    return bool(poller.poll(timeout_s * 1000))

@@ -1,0 +1,142 @@
+"""The SOCK_SEQPACKET transport: boundaries, fragments, many peers, back-pressure, peers that go."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import zmq
+
+from shmserve.ipc import packets
+from shmserve.ipc.messages import Ping, Pong
+
+
+@pytest.fixture
+def addr(tmp_path):
+    return f"{packets.SCHEME}{tmp_path}/inbox"
+
+
+def test_messages_keep_their_boundaries_and_order(addr):
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    for i in range(500):
+        out.send(Ping(i), (bytes([i % 256]) * (i * 7),) if i % 3 else ())
+    inbox.set_timeout(2000)
+    for i in range(500):
+        msg, frames = inbox.recv()
+        assert msg == Ping(i)
+        assert frames == ([bytes([i % 256]) * (i * 7)] if i % 3 else [])
+    with pytest.raises(zmq.Again):
+        inbox.recv(zmq.NOBLOCK)
+    out.close()
+    inbox.close()
+
+
+def test_large_messages_go_as_fragments_and_arrive_whole(addr):
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    big = [os.urandom(100_000), os.urandom(packets.MAX_PACKET * 3 + 17), b""]
+    out.send(Ping(1), big)
+    out.send(Ping(2), (b"x",))
+    inbox.set_timeout(2000)
+    # the reader may run while fragments are still arriving: it must wait for the rest
+    assert inbox.recv() == (Ping(1), big)
+    assert inbox.recv() == (Ping(2), [b"x"])
+
+
+def test_memoryview_payloads_are_sent_as_they_are(addr):
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    data = bytearray(range(256)) * 4
+    out.send(Ping(3), (memoryview(data)[10:900],))
+    inbox.set_timeout(2000)
+    assert inbox.recv() == (Ping(3), [bytes(data[10:900])])
+
+
+def test_many_peers_feed_one_inbox(addr):
+    inbox = packets.PacketInbox(addr)
+    outs = [packets.PacketOutbox(addr) for _ in range(20)]
+    for k, out in enumerate(outs):
+        for i in range(10):
+            out.send(Pong(k, i))
+    inbox.set_timeout(2000)
+    got: dict[int, list[int]] = {}
+    for _ in range(200):
+        msg, _ = inbox.recv()
+        got.setdefault(msg.spawn_id, []).append(msg.seq)
+    assert got == {k: list(range(10)) for k in range(20)}   # in order per peer
+
+
+def test_recv_times_out_and_fileno_signals_readiness(addr):
+    import select
+    inbox = packets.PacketInbox(addr)
+    inbox.set_timeout(50)
+    t0 = time.monotonic()
+    with pytest.raises(zmq.Again):
+        inbox.recv()
+    assert time.monotonic() - t0 < 5
+    out = packets.PacketOutbox(addr)
+    out.send(Ping(9))
+    readable, _, _ = select.select([inbox.fileno()], [], [], 2.0)
+    assert readable == [inbox.fileno()]
+    assert inbox.has_message()
+    assert inbox.recv(zmq.NOBLOCK)[0] == Ping(9)
+
+
+def test_a_stalled_reader_bounds_memory_and_gives_a_clear_error(addr, monkeypatch):
+    inbox = packets.PacketInbox(addr)   # never read
+    out = packets.PacketOutbox(addr)
+    inbox.has_message()                 # accept the connection
+    sent = 0
+    payload = b"p" * 4096
+    with pytest.raises(zmq.Again):
+        for _ in range(1_000_000):
+            out.send(Ping(sent), (payload,), zmq.NOBLOCK)
+            sent += 1
+    # the kernel's socket buffers are the only queue: a few MiB at most, not a million messages
+    assert 0 < sent * len(payload) < 64 << 20
+    monkeypatch.setattr(packets, "SEND_TIMEOUT_S", 0.2)
+    with pytest.raises(packets.PeerStalled, match="has not read"):
+        out.send(Ping(-1), (payload,))
+    # nothing sent before the stall is lost
+    inbox.set_timeout(2000)
+    for i in range(sent):
+        assert inbox.recv()[0] == Ping(i)
+
+
+def test_sending_to_a_closed_inbox_raises_peer_gone(addr):
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    inbox.has_message()
+    inbox.close()
+    with pytest.raises(packets.PeerGone):
+        for i in range(10):        # the first send may still land in a buffer being torn down
+            out.send(Ping(i))
+    with pytest.raises(packets.PeerGone):
+        packets.PacketOutbox(addr)
+
+
+def test_connect_waits_for_an_inbox_bound_later(addr):
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=_bind_late_and_echo, args=(addr, 0.3))
+    proc.start()
+    try:
+        out = packets.PacketOutbox(addr, wait_connected_s=10.0)
+        reply_addr = addr + ".reply"
+        replies = packets.PacketInbox(reply_addr)
+        out.send(Ping(5), (reply_addr.encode(),))
+        replies.set_timeout(10_000)
+        assert replies.recv()[0] == Pong(0, 5)
+    finally:
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _bind_late_and_echo(addr: str, delay: float) -> None:
+    time.sleep(delay)       # the point of the test: the sender starts before this inbox exists
+    inbox = packets.PacketInbox(addr)
+    inbox.set_timeout(10_000)
+    msg, frames = inbox.recv()
+    packets.PacketOutbox(frames[0].decode()).send(Pong(0, msg.seq))
