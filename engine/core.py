@@ -49,7 +49,7 @@ from .lifecycle import ModelLifecycle, Waiter
 from .models import Instance, ModelVersion
 from .port import SchedulerPort
 from .repository import ModelRepository
-from .states import InstanceState, KillReason, ModelState
+from .states import InstanceState, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
 
@@ -62,7 +62,7 @@ class SchedulerCore:
         self.port = port
         self.clock = clock                      # monotonic ns, the clock frontends stamp with
         self.counters = counters                # the shell's IPC byte counters, for /metrics
-        self.supervisor = InstanceSupervisor(port, clock)
+        self.supervisor = InstanceSupervisor(port, clock, settings.model_load_timeout_secs)
         repository = ModelRepository(settings.model_repositories,
                                      settings.model_config_name or None,
                                      auto_complete=settings.auto_complete)
@@ -317,8 +317,8 @@ class SchedulerCore:
         if death.batch:
             self.requests_of_dead_worker(death)
         if death.outcome == Outcome.LOAD_FAILED:
-            self.lifecycle.version_failed(ver, f"worker process of instance '{inst.name}' "
-                                               f"{death.how} while loading the model")
+            self.lifecycle.version_failed(ver, death.load_error or (
+                f"worker process of instance '{inst.name}' {death.how} while loading the model"))
         elif death.outcome == Outcome.NOT_SERVING:
             self.lifecycle.drain_progress(ver)
         elif death.outcome == Outcome.CRASH_LOOP:
@@ -335,7 +335,7 @@ class SchedulerCore:
                   f"{death.how} while executing this request")
         now = self.clock()
         retry = ver.retry_on_death and ver.state == ModelState.READY and not self.stopping \
-            and death.kill_reason == KillReason.NONE
+            and death.kill_reason.retries
         for r in reversed(death.batch or []):   # requeued at the head, in their order
             if retry and not r.alone:
                 r.alone = True

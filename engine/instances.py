@@ -1,5 +1,6 @@
 """Instance supervision: spawning workers, noticing deaths, restarts with backoff, crash loops,
-pings to idle workers and kills of hung ones.
+pings to idle workers and kills of stuck ones (a batch past the execution timeout, a load past
+the load timeout, a process the kernel reports stopped).
 
 Pure: it acts through the port and reads the injected clock. It owns every instance's process
 state; what a death means for the model version and for the requests the worker held is decided
@@ -18,6 +19,8 @@ from .models import (
     CRASH_LOOP_DEATHS,
     PING_INTERVAL_S,
     PING_TIMEOUT_S,
+    STOP_CHECK_INTERVAL_S,
+    STOPPED_KILL_S,
     Instance,
     ModelVersion,
     restart_delay,
@@ -46,6 +49,7 @@ class Death:
     how: str                        # e.g. "exited unexpectedly (killed by SIGSEGV)"
     kill_reason: KillReason         # why we killed it, NONE if nobody did
     batch: list | None              # the requests it was executing
+    load_error: str = ""            # what a worker that failed to load wrote before it exited
 
 
 class SpawnFailed(Exception):
@@ -53,9 +57,12 @@ class SpawnFailed(Exception):
 
 
 class InstanceSupervisor:
-    def __init__(self, port: SchedulerPort, clock: Callable[[], int]):
+    def __init__(self, port: SchedulerPort, clock: Callable[[], int],
+                 load_timeout_s: float = 0.0):
         self.port = port
         self.clock = clock                  # monotonic ns
+        self.load_timeout_s = load_timeout_s    # 0 = none; a worker not ready by then is killed
+        self.next_stop_check = 0.0
         self.by_spawn: dict[int, tuple[ModelVersion, Instance]] = {}
         self.spawn_counter = 0
         self.backoff: set[tuple[ModelVersion, Instance]] = set()    # waiting to restart
@@ -77,6 +84,7 @@ class InstanceSupervisor:
         inst.connected = False
         inst.kill_reason, inst.exit_detail = KillReason.NONE, ""
         inst.ping_seq = 0
+        inst.spawned_at, inst.stopped_since = self.now(), 0.0
         self.by_spawn[sid] = (ver, inst)
         try:
             self.port.spawn(sid, spec)
@@ -90,10 +98,13 @@ class InstanceSupervisor:
         return self.by_spawn.get(spawn_id)
 
     def connected(self, spawn_id: int, address: str) -> tuple[ModelVersion, Instance] | None:
+        """A worker said it is ready; None when it is unknown or already being killed (its
+        ready message crossed our kill: it must not get work)."""
         found = self.by_spawn.get(spawn_id)
-        if found is not None:
-            found[1].connected = True
-            self.port.connect_worker(spawn_id, address)
+        if found is None or found[1].kill_reason != KillReason.NONE:
+            return None
+        found[1].connected = True
+        self.port.connect_worker(spawn_id, address)
         return found
 
     def kill(self, ver: ModelVersion, inst: Instance, reason: KillReason, detail: str) -> None:
@@ -133,6 +144,7 @@ class InstanceSupervisor:
         if found is None:
             return None                     # a stale report
         ver, inst = found
+        last_words = self.port.last_words(spawn_id)
         rc = self.port.reap(spawn_id)
         self.port.unlink(spawn_id)
         inst.connected = False
@@ -148,6 +160,7 @@ class InstanceSupervisor:
         if inst.state == InstanceState.STARTING and ver.state == ModelState.LOADING:
             inst.state = InstanceState.STOPPED
             death.outcome = Outcome.LOAD_FAILED
+            death.load_error = last_words
             return death
         if ver.state != ModelState.READY:
             inst.state = InstanceState.STOPPED
@@ -218,9 +231,10 @@ class InstanceSupervisor:
             found[1].ping_seq = 0
 
     def hang_due(self, versions: Iterable[ModelVersion]) -> float:
-        """Kill workers whose batch has run past the execution timeout; seconds to next check."""
+        """Kill stuck workers: a batch past the execution timeout, a load past the load
+        timeout, a process stopped for STOPPED_KILL_S. Seconds to the next check."""
         now = self.now()
-        wait = 1.0
+        wait = min(self.load_due(now), self.stopped_due(now))
         for ver in versions:
             limit = ver.execution_timeout_s
             if limit <= 0:
@@ -235,3 +249,41 @@ class InstanceSupervisor:
                 self.kill(ver, inst, KillReason.EXECUTION_TIMEOUT,
                           f"exceeded the execution timeout of {limit:g} s and was killed")
         return wait
+
+    def load_due(self, now: float) -> float:
+        """Kill workers still loading (a hung initialize()) past the load timeout. The death
+        that follows fails the load, or counts as a death in a row for a restart."""
+        limit = self.load_timeout_s
+        wait = 1.0
+        if limit <= 0:
+            return wait
+        for ver, inst in self.by_spawn.values():
+            if inst.state != InstanceState.STARTING or inst.kill_reason != KillReason.NONE:
+                continue
+            left = inst.spawned_at + limit - now
+            if left > 0:
+                wait = min(wait, left)
+                continue
+            self.kill(ver, inst, KillReason.LOAD_TIMEOUT,
+                      f"did not become ready within {limit:g} s (initialize() hung?) and was "
+                      f"killed")
+        return wait
+
+    def stopped_due(self, now: float) -> float:
+        """Kill workers the port reports stopped for STOPPED_KILL_S, whatever they were doing;
+        their requests get a retry like those of any other death."""
+        if now < self.next_stop_check:
+            return self.next_stop_check - now
+        self.next_stop_check = now + STOP_CHECK_INTERVAL_S
+        for sid, (ver, inst) in self.by_spawn.items():
+            if inst.kill_reason != KillReason.NONE:
+                continue
+            if not self.port.stopped(sid):
+                inst.stopped_since = 0.0
+            elif not inst.stopped_since:
+                inst.stopped_since = now
+            elif now - inst.stopped_since >= STOPPED_KILL_S:
+                self.kill(ver, inst, KillReason.STOPPED,
+                          f"was stopped (SIGSTOP or a debugger) for "
+                          f"{now - inst.stopped_since:.0f} s and was killed")
+        return STOP_CHECK_INTERVAL_S

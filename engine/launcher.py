@@ -14,11 +14,11 @@ import tempfile
 
 import msgspec
 
-from shmserve.ipc import shm
+from shmserve.ipc import logs, shm
 from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import StopFlag
 
-from .supervision import describe_exit
+from .supervision import become_subreaper, describe_exit, kill_orphans
 
 log = logging.getLogger("shmserve")
 
@@ -76,7 +76,8 @@ def _stop(children: dict[str, subprocess.Popen], timeout: float) -> None:
 
 def _kill_now(children: dict[str, subprocess.Popen]) -> None:
     """SIGKILL every child's session: the scheduler and the frontend lead their own process
-    groups, and the workers are in the scheduler's (and die with it anyway)."""
+    groups; the workers lead theirs and die with the scheduler (PR_SET_PDEATHSIG), and what is
+    left of them comes to the launcher, a subreaper, which kills it before it exits."""
     for p in children.values():
         if p.returncode is None:            # not reaped, so the pid is still this child's
             try:
@@ -86,8 +87,9 @@ def _kill_now(children: dict[str, subprocess.Popen]) -> None:
 
 
 def run(settings: ServerSettings) -> int:
-    logging.basicConfig(level=logging.DEBUG if settings.log_verbose else logging.INFO,
-                        format="%(asctime)s launcher %(levelname)s %(message)s")
+    logs.setup("launcher", settings.log_verbose)
+    # orphans of a scheduler that died (its workers, their children) come to us, not to init
+    become_subreaper()
     for path in settings.model_repositories:
         if not os.path.isdir(path):
             log.error("model repository path '%s' is not a directory", path)
@@ -153,6 +155,10 @@ def run(settings: ServerSettings) -> int:
         # drains and stops its workers
         _stop({k: children[k] for k in ("frontend", "scheduler") if k in children},
               settings.exit_timeout_secs + 5)
+        orphans = kill_orphans(())
+        if orphans:
+            log.warning("killed or reaped %d process(es) left by the scheduler's workers",
+                        orphans)
         n = shm.unlink_prefixed(settings.segment_prefix)
         if n:
             log.info("unlinked %d shared-memory segment(s)", n)

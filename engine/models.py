@@ -32,6 +32,11 @@ PING_INTERVAL_S = 2.0
 # How many answered requests an instance remembers for WorkerGone (a few batches' worth).
 ANSWERED_KEPT = 256
 PING_TIMEOUT_S = 5.0
+# Workers are checked this often for a stopped process (SIGSTOP, SIGTSTP, a tracer); one seen
+# stopped for STOPPED_KILL_S is killed, busy or idle: a stopped busy worker would otherwise hold
+# its requests until the execution timeout. (A debugger that stops a worker longer loses it.)
+STOP_CHECK_INTERVAL_S = 1.0
+STOPPED_KILL_S = 3.0
 
 
 @dataclass(eq=False)
@@ -54,6 +59,8 @@ class Instance:
     exit_detail: str = ""       # why its worker exited, when we know better than its status
     ping_seq: int = 0           # last ping sent; 0 = none outstanding
     ping_sent: float = 0.0
+    spawned_at: float = 0.0     # when its worker was started (the load timeout counts from it)
+    stopped_since: float = 0.0  # when its worker was first seen stopped; 0 = running
 
 
 @dataclass(eq=False)

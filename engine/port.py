@@ -29,11 +29,22 @@ class SchedulerPort(Protocol):
         """Start a worker process; its exit comes back as ``SchedulerCore.process_exited``."""
 
     def kill(self, spawn_id: int) -> None:
-        """SIGKILL a worker (no-op if it has exited); its exit is reported as usual."""
+        """SIGKILL a worker and its process group (no-op if it has exited); its exit is
+        reported as usual."""
+
+    def stopped(self, spawn_id: int) -> bool:
+        """Whether the worker's process is stopped (SIGSTOP, SIGTSTP or a tracer): it runs
+        nothing, answers nothing and would hold its batch until the execution timeout."""
+
+    def last_words(self, spawn_id: int) -> str:
+        """Why a worker that failed to load said it failed (it writes that to a file before it
+        exits), or "". Its WorkerLoadFailed message says the same, but may come after the
+        report of its exit: the two travel different ways."""
 
     def reap(self, spawn_id: int) -> int | None:
-        """The worker has exited: collect its status, close what pointed at it (socket,
-        descriptors). Returns the exit status as ``Popen.returncode`` gives it."""
+        """The worker has exited: kill what is left of its process group (what the model
+        started), collect its status, close what pointed at it (socket, descriptors). Returns
+        the exit status as ``Popen.returncode`` gives it."""
 
     def unlink(self, spawn_id: int) -> None:
         """Remove the shared-memory segments a worker created."""

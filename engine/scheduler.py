@@ -19,10 +19,11 @@ import time
 import msgspec
 import zmq
 
-from shmserve.ipc import channel, shm
+from shmserve.ipc import channel, logs, shm
 from shmserve.ipc.messages import ProcessExited, ServerSettings
 from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
 
+from . import supervision
 from .alarm import Alarm
 from .core import SchedulerCore
 from .exits import ExitWatcher
@@ -47,6 +48,7 @@ class SchedulerShell:
         self.core = SchedulerCore(settings, self, counters=channel.COUNTERS.as_dict)
         self.stop: StopFlag | None = None       # once install_signals ran
         self.waker: InboxWaker | None = None
+        self.next_orphan_reap = 0.0
 
     # ---- the port ---------------------------------------------------------------------------------
     def connect_frontend(self, frontend: int, address: str) -> None:
@@ -74,6 +76,14 @@ class SchedulerShell:
         proc = self.procs.get(spawn_id)
         if proc is not None:
             proc.kill()
+
+    def stopped(self, spawn_id: int) -> bool:
+        proc = self.procs.get(spawn_id)
+        return proc is not None and supervision.process_stopped(proc.pid)
+
+    def last_words(self, spawn_id: int) -> str:
+        proc = self.procs.get(spawn_id)
+        return "" if proc is None else proc.last_words()
 
     def reap(self, spawn_id: int) -> int | None:
         proc = self.procs.pop(spawn_id)
@@ -106,6 +116,7 @@ class SchedulerShell:
         log.warning("second SIGTERM: killing the workers and exiting")
         for proc in self.procs.values():
             proc.kill()
+        logs.flush(0.5)
         os._exit(1)
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -138,6 +149,7 @@ class SchedulerShell:
                 now = time.monotonic()
                 if now >= core.housekeeping_at:
                     core.housekeeping()
+                    self.reap_orphans(now)
             except Exception:
                 # a bug must cost the message that found it, never the scheduler (and with it
                 # every model): log it and go on with the next one
@@ -155,10 +167,17 @@ class SchedulerShell:
         proc = self.procs.get(spawn_id)
         if proc is None:
             return                          # already handled (a stale report)
-        if proc.popen.poll() is None:       # a reused pidfd number; see ExitWatcher.rearm
+        if not proc.exited():               # a reused pidfd number; see ExitWatcher.rearm
             self.exits.rearm(proc.pidfd)
             return
         self.core.process_exited(spawn_id)
+
+    def reap_orphans(self, now: float) -> None:
+        """Collect the exit status of orphans that came to us as subreaper (what the models'
+        processes left behind), at most once a second, so none stays a zombie."""
+        if now >= self.next_orphan_reap:
+            self.next_orphan_reap = now + 1.0
+            supervision.reap_orphans({p.pid for p in self.procs.values()})
 
     def shutdown(self, timeout_s: float) -> None:
         """Queued requests get 503; each worker finishes its batch and exits, or is killed
@@ -167,13 +186,15 @@ class SchedulerShell:
         log.info("stopping: waiting up to %gs for %d worker(s) to finish", timeout_s, len(waits))
         deadline = time.monotonic() + timeout_s
         for sid, proc in list(self.procs.items()):
-            try:
-                proc.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except Exception:
+            if not proc.exited(max(0.0, deadline - time.monotonic())):
                 proc.kill()
-                proc.popen.wait()
+                proc.exited(None)
             self.reap(sid)
             self.unlink(sid)
+        # what escaped the workers' process groups (a child that called setsid) came to us
+        n = supervision.kill_orphans(())
+        if n:
+            log.info("killed or reaped %d process(es) left by the models", n)
         self.exits.close()
         self.alarm.close()
         if self.waker is not None:
@@ -183,14 +204,15 @@ class SchedulerShell:
 def main() -> None:
     settings = msgspec.json.decode(sys.argv[1].encode(), type=ServerSettings)
     die_with_parent(settings.launcher_pid)
-    logging.basicConfig(level=logging.DEBUG if settings.log_verbose else logging.INFO,
-                        format="%(asctime)s scheduler %(levelname)s %(message)s")
+    logs.setup("scheduler", settings.log_verbose)
+    supervision.become_subreaper()
     shell = SchedulerShell(settings)
     shell.install_signals()
     try:
         shell.run()
     finally:
         shell.shutdown(settings.exit_timeout_secs)
+        logs.flush()
     os._exit(1 if shell.core.exit_requested else 0)
 
 

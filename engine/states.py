@@ -23,3 +23,12 @@ class KillReason(enum.Enum):
     EXECUTION_TIMEOUT = "execution_timeout"     # a hung batch: its requests fail, no retry
     PING_TIMEOUT = "ping_timeout"               # idle and unresponsive: nothing to retry
     LOAD_ABORTED = "load_aborted"               # its load failed or was cancelled
+    LOAD_TIMEOUT = "load_timeout"               # not ready within --model-load-timeout-secs
+    STOPPED = "stopped"                         # the kernel reported it stopped (SIGSTOP)
+
+    @property
+    def retries(self) -> bool:
+        """Whether the requests of a worker that died this way get their one retry: not when
+        their own execution ran too long (a poison request would kill again), only when the
+        worker died of something else, or sat stopped, which says nothing about them."""
+        return self in (KillReason.NONE, KillReason.STOPPED)

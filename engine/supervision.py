@@ -2,17 +2,30 @@
 
 Each worker is watched through a pidfd (engine/exits.py), so a death is seen within one
 poll wake-up, without a SIGCHLD handler that would reap children it does not own.
+
+Each worker leads a process group of its own, and the group is SIGKILLed when the worker is
+killed and again when it has exited, so what a model started (a subprocess, a pool) does not
+outlive its worker. The group is signalled only while the worker is our unreaped child: its pid,
+and with it the group id, cannot have been reused by then. A child that leaves the group
+(setsid, setpgid) escapes this; the scheduler is a child subreaper (``become_subreaper``), so
+such a process becomes the scheduler's child once its parent dies: it is reaped
+(``reap_orphans``), and killed when the server stops (``kill_orphans``).
 """
 from __future__ import annotations
 
+import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
+from typing import Collection
 
 import msgspec
 
 from shmserve.ipc.messages import InstanceSpec, WorkerArgs, WorkerLabel
+from shmserve.ipc.proc import failure_path
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -41,7 +54,8 @@ class WorkerProcess:
             self.popen = subprocess.Popen(
                 [sys.executable, "-m", "shmserve.workers.main",
                  msgspec.json.encode(label).decode(), self.args_path],
-                stdin=subprocess.DEVNULL, close_fds=True)
+                # a session (so a group) of its own: process_group=0 needs Python 3.11
+                stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
         except BaseException:
             self.forget_args()
             raise
@@ -55,18 +69,42 @@ class WorkerProcess:
         except FileNotFoundError:
             pass
 
+    def last_words(self) -> str:
+        """The load failure the worker wrote before it exited (workers/main.py), or ""."""
+        path = failure_path(self.args_path)
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read(64 * 1024)
+            os.unlink(path)
+        except OSError:
+            return ""
+        return text
+
+    def exited(self, timeout: float | None = 0.0) -> bool:
+        """Whether the worker has exited, waiting up to ``timeout`` seconds (None: for ever).
+        Reads its pidfd and never reaps it, so its group can still be signalled safely."""
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else int(timeout * 1000)))
+
     def reap(self) -> int | None:
-        """Collect the exit status of this one child (never any other)."""
+        """Kill what is left of the worker's process group, then collect the exit status of
+        this one child (never any other)."""
+        self.kill_group()
         try:
             return self.popen.wait(timeout=1)
         except subprocess.TimeoutExpired:
             return None
 
     def kill(self) -> None:
-        if self.popen.poll() is None:
+        """SIGKILL the worker and its process group."""
+        self.kill_group()
+
+    def kill_group(self) -> None:
+        if self.popen.returncode is None:       # not reaped: the group id is still ours
             try:
-                self.popen.kill()
-            except ProcessLookupError:
+                os.killpg(self.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
                 pass
 
     def close(self) -> None:
@@ -82,3 +120,93 @@ def spawn_worker(spawn_id: int, run_dir: str, scheduler_addr: str, segment_prefi
                       scheduler=scheduler_addr, segment_prefix=segment_prefix, spec=spec,
                       log_verbose=log_verbose)
     return WorkerProcess(args)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether the kernel reports ``pid`` stopped: state T (SIGSTOP, SIGTSTP) or t (a tracer
+    stopped it), from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    return state in (b"T", b"t")
+
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Ask Linux to make this process the parent of its orphaned descendants (instead of
+    init), so that what a worker's children leave behind can be reaped and killed here."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except OSError:
+        return False
+
+
+def children() -> list[int]:
+    """Pids of this process's children (/proc/<pid>/task/<tid>/children)."""
+    me = os.getpid()
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{me}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{me}/task/{tid}/children") as f:
+                out.extend(int(p) for p in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def reap_orphans(known: Collection[int]) -> int:
+    """Collect the exit status of every child that exited and is not ``known`` (orphans that
+    came to us as a subreaper). Never waits, never touches a known child."""
+    n = 0
+    for pid in children():
+        if pid in known:
+            continue
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue
+        n += bool(done)
+    return n
+
+
+def kill_orphans(known: Collection[int], timeout_s: float = 2.0) -> int:
+    """SIGKILL every child that is not ``known``, with its process group when it leads one,
+    and reap it. What those leave behind comes to us in turn, so this repeats until no such
+    child is left or ``timeout_s`` has passed. Returns how many there were (zombies that only
+    needed reaping included)."""
+    killed = 0
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        orphans = [p for p in children() if p not in known]
+        if not orphans:
+            break
+        for pid in orphans:
+            try:
+                if os.getpgid(pid) == pid:      # an unreaped child: the id cannot be reused
+                    os.killpg(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+        for pid in orphans:
+            while time.monotonic() < deadline:
+                try:
+                    done, _ = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    break
+                if done:
+                    break
+                time.sleep(0.01)
+    return killed

@@ -3,6 +3,10 @@
 Requests go to the scheduler as a routing header plus an opaque payload frame; results come back
 straight from the worker that ran them (one hop fewer than relaying through the scheduler), or
 from the scheduler when a request never reached a worker.
+
+Every accepted request is answered by its deadline (frontend/deadlines.py), whatever happens to
+it elsewhere: one timer on the loop answers those past it with "Request timeout expired" and
+cancels them in the scheduler. The last line of defence against an answer lost anywhere.
 """
 from __future__ import annotations
 
@@ -37,17 +41,23 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.messages import encode as encode_message
 
 from .catalog import ModelCatalog
+from .deadlines import Deadlines
 from .request import PreparedRequest
 
 log = logging.getLogger("shmserve.frontend")
 
 ResultCallback = Callable[[InferResult], None]
 
+# How often the deadline sweep runs while requests are held (sooner when a deadline is nearer).
+SWEEP_S = 0.5
+
 
 class EngineClient:
     def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop,
-                 max_inflight: int = 0):
+                 max_inflight: int = 0, request_deadline_secs: float = 3600.0):
         self.max_inflight = max_inflight
+        self.deadlines = Deadlines(request_deadline_secs)
+        self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
         self.loop = loop
         self.inbox = channel.Inbox(channel.address(run_dir, f"frontend-{frontend_id}"))
@@ -96,6 +106,9 @@ class EngineClient:
             return req_id
         self.pending[req_id] = on_result
         self.sent[req_id] = (head, payload)
+        deadline = self.deadlines.add(req_id, head.received_ns, head.timeout_us)
+        if self.sweeper is None:
+            self._arm(deadline - head.received_ns)
         if ordered:
             key = (model, version)
             self.order.setdefault(key, deque()).append(req_id)
@@ -127,6 +140,36 @@ class EngineClient:
                     cb(result)
                 except Exception:       # the answers held behind this one must still go out
                     log.exception("error answering request %d", rid)
+
+    # ---- deadlines ----------------------------------------------------------------------------
+    def _arm(self, until_next_ns: int) -> None:
+        delay = min(SWEEP_S, max(0.0, until_next_ns / 1e9))
+        self.sweeper = self.loop.call_later(delay, self._sweep)
+
+    def _sweep(self) -> None:
+        """Answer the requests whose deadline passed; runs while any is held."""
+        self.sweeper = None
+        deadlines = self.deadlines
+        now = time.monotonic_ns()
+        for rid, own_timeout in deadlines.expired(now, self.pending):
+            self._expire(rid, deadlines.message(own_timeout))
+        deadlines.compact(self.pending)
+        nxt = deadlines.next_ns()
+        if nxt is not None:
+            self._arm(nxt - now)
+
+    def _expire(self, rid: int, message: str) -> None:
+        if rid in self.held:        # answered; waits for an earlier one (preserve_ordering)
+            return
+        sent = self.sent.get(rid)
+        model, version = (sent[0].model, sent[0].version) if sent else ("", 0)
+        log.warning("request %d for '%s' got no answer in time: %s", rid, model, message)
+        self.cancel(rid)            # still queued: dropped; running: the worker is told
+        try:
+            self._deliver(InferResult(rid, model, version, error=message,
+                                      code=ErrorCode.UNAVAILABLE))
+        except Exception:           # the other expired requests must still be answered
+            log.exception("error answering request %d", rid)
 
     def _drop_late(self, msg: InferResult) -> None:
         """An answer nobody waits for (its request already failed, or was answered by its
@@ -235,6 +278,7 @@ class EngineClient:
     def fail_all(self, message: str) -> None:
         pending, self.pending = self.pending, {}
         self.sent.clear()
+        self.deadlines.clear()
         self.order.clear()
         self.ordered_key.clear()
         self.held.clear()
@@ -242,6 +286,9 @@ class EngineClient:
             cb(InferResult(req_id, "", 0, error=message, code=ErrorCode.UNAVAILABLE))
 
     def close(self) -> None:
+        if self.sweeper is not None:
+            self.sweeper.cancel()
+            self.sweeper = None
         self.loop.remove_reader(self.inbox.fileno())
         self.inbox.close()
         self.scheduler.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import grpc
 
 from shmserve.ipc.messages import ErrorCode
+from shmserve.ipc.shm import ShmError, ShmFull
 
 # Triton's HTTP frontend answers UNKNOWN, INVALID_ARG, ALREADY_EXISTS and CANCELLED with 400
 # (docs/triton-compat.md §1.1). Every member is listed so a new code cannot fall through unnoticed
@@ -22,6 +23,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNKNOWN: 400,
     ErrorCode.ALREADY_EXISTS: 400,
     ErrorCode.CANCELLED: 400,
+    # 507 Insufficient Storage, not 503: the server is up and serves what fits, and a tensor
+    # larger than /dev/shm never will, so this must not read as "retry" or "not ready"
+    ErrorCode.RESOURCE_EXHAUSTED: 507,
 }
 
 GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
@@ -33,6 +37,7 @@ GRPC_STATUS: dict[ErrorCode, grpc.StatusCode] = {
     ErrorCode.UNKNOWN: grpc.StatusCode.UNKNOWN,
     ErrorCode.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
     ErrorCode.CANCELLED: grpc.StatusCode.CANCELLED,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -54,3 +59,9 @@ class InferError(Exception):
 
 def invalid(message: str) -> InferError:
     return InferError(ErrorCode.INVALID_ARG, message)
+
+
+def shm_error(e: ShmError) -> InferError:
+    """An arena allocation that failed: a full /dev/shm is the host's limit, not a bug."""
+    return InferError(ErrorCode.RESOURCE_EXHAUSTED if isinstance(e, ShmFull)
+                      else ErrorCode.INTERNAL, str(e))

@@ -14,7 +14,7 @@ from shmserve.ipc.shm import ShmArena
 from . import request, validation
 from .catalog import ModelView
 from .errors import invalid
-from .request import PreparedRequest
+from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits, TensorBudget
 from .shm_registry import ShmRegistry
 
 # typed contents field per datatype (FP16/BF16 only travel raw, docs/triton-compat.md §2.2)
@@ -46,13 +46,12 @@ def set_parameter(target, key: str, value) -> None:
         p.string_param = str(value)
 
 
-def _typed_contents(model: ModelView, t: Tensor, contents) -> bytes:
+def _typed_contents(model: ModelView, t: Tensor, contents, count: int) -> bytes:
     field = _CONTENTS_FIELD.get(t.datatype)
     if field is None:
         raise invalid(f"input '{t.name}' of datatype {t.datatype} must be sent in "
                       f"raw_input_contents")
     values = getattr(contents, field)
-    count = dtypes.element_count(t.shape)
     if len(values) != count:
         raise invalid(f"unexpected number of elements for input '{t.name}' for model "
                       f"'{model.name}': shape {t.shape} needs {count}, got {len(values)}")
@@ -69,10 +68,10 @@ def _has_contents(contents) -> bool:
 
 
 def parse_infer(model: ModelView, req: pb.ModelInferRequest, arena: ShmArena,
-                registry: ShmRegistry) -> PreparedRequest:
+                registry: ShmRegistry, limits: RequestLimits = DEFAULT_LIMITS) -> PreparedRequest:
     scratch: list[ShmRef] = []
     try:
-        return _parse(model, req, arena, registry, scratch)
+        return _parse(model, req, arena, registry, scratch, TensorBudget(limits))
     except BaseException:
         for ref in scratch:
             arena.free(ref)
@@ -80,7 +79,7 @@ def parse_infer(model: ModelView, req: pb.ModelInferRequest, arena: ShmArena,
 
 
 def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
-           scratch: list[ShmRef]) -> PreparedRequest:
+           scratch: list[ShmRef], budget: TensorBudget) -> PreparedRequest:
     raw = req.raw_input_contents
     next_raw = 0
     tensors, regions = [], []
@@ -92,6 +91,7 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
         if any(d < 0 for d in shape):
             raise invalid(f"input '{name}': 'shape' must be a list of non-negative integers")
         t = Tensor(name, inp.datatype, shape)
+        count = budget.declare(t)
         tparams = parameters_to_dict(inp.parameters)
         typed = inp.HasField("contents") and _has_contents(inp.contents)
         if "shared_memory_region" in tparams:
@@ -99,13 +99,14 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
                 raise invalid(f"input '{name}' must set only one of contents and the "
                               f"'shared_memory_region' parameter")
             request.input_from_region(registry, model, t, tparams, regions)
+            budget.data(t, t.shm.nbytes if t.shm is not None else 0)
             tensors.append(t)
             continue
         if typed:
             if raw:
                 raise invalid(f"contents field must not be specified when using "
                               f"raw_input_contents for '{name}' for model '{model.name}'")
-            data = _typed_contents(model, t, inp.contents)
+            data = _typed_contents(model, t, inp.contents, count)
         else:
             if next_raw >= len(raw):
                 raise invalid(f"input '{name}' for model '{model.name}' has no data: give "
@@ -113,6 +114,7 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
             data = raw[next_raw]
             next_raw += 1
             validation.check_byte_size(model, t, len(data), data)
+        budget.data(t, len(data))
         request.place_data(t, data, arena, scratch)
         tensors.append(t)
     if next_raw != len(raw):
@@ -123,7 +125,7 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
         wanted = [request.output_wanted(registry, o.name, parameters_to_dict(o.parameters),
                                         True, regions) for o in req.outputs]
     return request.prepare(model, tensors, wanted, parameters_to_dict(req.parameters), req.id,
-                           scratch, regions, binary_default=True)
+                           scratch, regions, True, budget.limits, json_outputs=False)
 
 
 def build_response(result: InferResult, prepared: PreparedRequest, views: list) -> pb.ModelInferResponse:

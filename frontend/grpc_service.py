@@ -16,6 +16,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from shmserve.ipc.messages import ErrorCode
+
 from . import grpc_codec, restricted, statistics
 from .errors import InferError, grpc_status
 from .service import FrontendService
@@ -23,6 +25,8 @@ from .service import FrontendService
 log = logging.getLogger("shmserve.grpc")
 
 MAX_MESSAGE = 2 ** 31 - 1
+# requests of one ModelStreamInfer stream running or waiting to be written (back-pressure)
+STREAM_MAX_INFLIGHT = 16
 
 
 def translated(rpc):
@@ -74,8 +78,10 @@ def _guard_stream(rpc, group: str, restrictions):
 
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, service: FrontendService,
-                 restrictions: dict[str, tuple[str, str]] | None = None):
+                 restrictions: dict[str, tuple[str, str]] | None = None,
+                 max_message: int = MAX_MESSAGE):
         self.service = service
+        self.max_message = max_message
         # restricted RPCs are replaced on the instance before the server registers them
         for name, group in RPC_GROUPS.items():
             if restrictions and group in restrictions:
@@ -123,11 +129,20 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         """One request through the service; raises InferError."""
         svc = self.service
         view, v = svc.infer_target(req.model_name, req.model_version)
-        prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry)
+        prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
         result = await svc.infer(view, v, prepared)
         refs = svc.release_inputs(prepared, result)
         try:
-            return grpc_codec.build_response(result, prepared, svc.outputs(result, prepared))
+            views = svc.outputs(result, prepared)
+            size = sum(len(b) for b in views if b is not None)
+            if size > self.max_message:
+                # refused before the message is built (a copy of every output byte), with the
+                # code grpc gives a request past the limit
+                raise InferError(ErrorCode.RESOURCE_EXHAUSTED, (
+                    f"the response of model '{result.model}' holds {size} bytes of outputs, "
+                    f"more than a gRPC message may carry ({self.max_message} bytes, "
+                    f"--grpc-max-message-size); ask for fewer outputs or use shared memory"))
+            return grpc_codec.build_response(result, prepared, views)
         finally:
             svc.release_outputs(result, refs)       # build_response copied the bytes out
 
@@ -139,11 +154,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc_status(e.code), e.message)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Answers in request order; an error is a message on the stream, which stays open."""
+        """Answers in request order; an error is a message on the stream, which stays open.
+
+        At most STREAM_MAX_INFLIGHT requests of a stream run or wait to be written at once: a
+        client that sends without reading its answers stops being read from (HTTP/2 flow
+        control then holds it), instead of growing the server by every answer it leaves."""
         pending: asyncio.Queue = asyncio.Queue()
+        slots = asyncio.Semaphore(STREAM_MAX_INFLIGHT)
 
         async def read():
             async for req in request_iterator:
+                await slots.acquire()
                 pending.put_nowait((req.id, asyncio.ensure_future(self._infer(req))))
             pending.put_nowait(None)
 
@@ -155,13 +176,24 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                     break
                 req_id, task = item
                 try:
-                    yield pb.ModelStreamInferResponse(infer_response=await task)
+                    response = pb.ModelStreamInferResponse(infer_response=await task)
                 except InferError as e:
-                    yield pb.ModelStreamInferResponse(
+                    response = pb.ModelStreamInferResponse(
                         error_message=e.message, infer_response=pb.ModelInferResponse(id=req_id))
+                except Exception as e:      # a bug must cost one request, not the stream
+                    log.exception("error answering a ModelStreamInfer request")
+                    response = pb.ModelStreamInferResponse(
+                        error_message=f"internal error: {type(e).__name__}: {e}",
+                        infer_response=pb.ModelInferResponse(id=req_id))
+                yield response
+                slots.release()         # written (or at least handed to the transport)
             await reader
         finally:
             reader.cancel()
+            while not pending.empty():  # the stream ended early: drop what it still holds
+                item = pending.get_nowait()
+                if item is not None:
+                    item[1].cancel()
 
     # ---- repository -----------------------------------------------------------------------------
     async def RepositoryIndex(self, request, context):
@@ -242,11 +274,13 @@ class HealthService(health_pb2_grpc.HealthServicer):
 
 async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
-                ) -> tuple[grpc.aio.Server, int]:
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", MAX_MESSAGE),
-                                      ("grpc.max_receive_message_length", MAX_MESSAGE)])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceService(service, restrictions),
-                                                       server)
+                max_message: int = MAX_MESSAGE) -> tuple[grpc.aio.Server, int]:
+    """``max_message`` (--grpc-max-message-size) bounds each message, either way: grpc answers
+    a larger request RESOURCE_EXHAUSTED before it reaches us, and so do we a larger answer."""
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
+                                      ("grpc.max_receive_message_length", max_message)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
+        InferenceService(service, restrictions, max_message), server)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)
     bound = server.add_insecure_port(f"{address}:{port}")
     if bound == 0:

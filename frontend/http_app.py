@@ -14,11 +14,11 @@ from functools import partial
 from typing import Any, Awaitable, Callable
 
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import InferResult
+from shmserve.ipc.messages import InferResult, ShmRef
 from shmserve.ipc.shm import ShmError
 
 from . import http_codec, restricted, statistics
-from .errors import InferError, http_status, invalid
+from .errors import InferError, http_status, invalid, shm_error
 from .http_server import HttpApp, HttpConnection, HttpRequest
 from .request import PreparedRequest
 from .routes import Router
@@ -48,6 +48,36 @@ def api_group(pattern: str) -> str:
         if pattern.endswith(suffix):
             return group
     return "metadata"
+
+
+class _DroppedBody:
+    """Stands in for the shared-memory slot of a body that none could be had for (/dev/shm is
+    full): the body is read and dropped, then the request is answered with ``error``. Refusing
+    it at once would close the connection while the client is still sending, and the client
+    would see a reset instead of the reason."""
+    __slots__ = ("ref", "view", "error")
+
+    def __init__(self, n: int, error: InferError):
+        self.ref = ShmRef("", 0, 0)         # not the arena's: freeing it does nothing
+        self.view = _Void(n)
+        self.error = error
+
+
+class _Void:
+    """A buffer of ``n`` bytes that keeps nothing written into it."""
+    __slots__ = ("n",)
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def __getitem__(self, key) -> bytes:
+        return b""
 
 
 class KServeHttpApp(HttpApp):
@@ -108,9 +138,15 @@ class KServeHttpApp(HttpApp):
 
     # ---- body buffers ---------------------------------------------------------------------------
     def check_body_size(self, req: HttpRequest, n: int) -> str:
-        limit = MAX_BODY if req.path.endswith("/infer") else self.max_input_size
+        if not req.path.endswith("/infer"):
+            limit, why = self.max_input_size, "--http-max-input-size"
+        else:
+            # its JSON part and its tensors' bytes are bounded each: refused before the body is
+            # received (into a slot of its size) when it cannot fit both
+            limit = min(MAX_BODY, self.max_input_size + self.service.limits.max_tensor_bytes)
+            why = "--http-max-input-size plus --max-request-tensor-bytes"
         if n > limit:
-            return f"request body of {n} bytes exceeds the limit of {limit} bytes"
+            return f"request body of {n} bytes exceeds the limit of {limit} bytes ({why})"
         return ""
 
     def body_buffer(self, req: HttpRequest, n: int):
@@ -120,6 +156,7 @@ class KServeHttpApp(HttpApp):
                 return self.arena.alloc(n)
             except ShmError as e:
                 log.error("cannot receive a %d byte body into shared memory: %s", n, e)
+                return _DroppedBody(n, shm_error(e))
         return None
 
     def release_body(self, req: HttpRequest) -> None:
@@ -274,6 +311,8 @@ class KServeHttpApp(HttpApp):
     # ---- inference ------------------------------------------------------------------------------
     def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str = "") -> None:
         view, v = self.service.infer_target(model, version)
+        if isinstance(req.body_slot, _DroppedBody):
+            raise req.body_slot.error
         body = req.body
         encoding = req.headers.get("content-encoding", "identity").lower()
         if encoding in ("gzip", "deflate"):
@@ -299,13 +338,16 @@ class KServeHttpApp(HttpApp):
         if req.body_slot is None and len(body) > INLINE_LIMIT:
             # chunked or compressed bodies arrive in memory: large tensors still must not ride
             # in a message, so move the body into shared memory (the one extra copy of this path)
-            slot = self.arena.alloc(len(body))
+            try:
+                slot = self.arena.alloc(len(body))
+            except ShmError as e:
+                raise shm_error(e) from None
             slot.view[:] = body
             req.body_slot = slot
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena,
-                                        self.service.registry)
+                                        self.service.registry, self.service.limits)
         conn.inflight = self.service.submit(
             view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
 
@@ -334,7 +376,8 @@ class KServeHttpApp(HttpApp):
         refs = svc.release_inputs(parsed, result)
         try:
             views = svc.outputs(result, parsed)
-            header, parts, hlen = http_codec.render_response(result, parsed, views)
+            header, parts, hlen = http_codec.render_response(
+                result, parsed, views, svc.limits.max_json_elements)
         except InferError as e:
             self.error(conn, req, http_status(e.code), e.message)
         else:

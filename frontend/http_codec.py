@@ -20,7 +20,7 @@ from shmserve.ipc.shm import ShmArena
 from . import request, validation
 from .catalog import ModelView
 from .errors import invalid
-from .request import PreparedRequest
+from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits, TensorBudget
 from .shm_registry import ShmRegistry
 
 _json_decode = msgspec.json.Decoder().decode
@@ -37,12 +37,14 @@ def _flatten(data: Any) -> list:
     return data
 
 
-def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], data: Any) -> bytes:
+def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], data: Any,
+                 count: int) -> bytes:
+    """The bytes of an input sent as JSON ``data``; ``count`` is its shape's element count,
+    already within the request's limits."""
     if datatype in ("FP16", "BF16"):
         raise invalid(f"receiving input '{name}' of datatype {datatype} via JSON is not "
                       f"supported. Please use the binary data format for input data")
     flat = _flatten(data)
-    count = dtypes.element_count(shape)
     if len(flat) != count:
         raise invalid(f"unexpected number of elements for input '{name}' for model "
                       f"'{model.name}': shape {shape} needs {count}, got {len(flat)}")
@@ -73,11 +75,13 @@ def _shape(name: str, value: Any) -> list[int]:
 
 
 def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef | None,
-                arena: ShmArena, registry: ShmRegistry) -> PreparedRequest:
+                arena: ShmArena, registry: ShmRegistry,
+                limits: RequestLimits = DEFAULT_LIMITS) -> PreparedRequest:
     """Parse and validate; raises InferError with a message that names the problem."""
     mv = memoryview(body)
+    budget = TensorBudget(limits)
     if header_len == 0:
-        return _parse_raw(model, mv, body_ref)
+        return _parse_raw(model, mv, body_ref, budget)
     if header_len is None:
         header_len = len(mv)
     elif header_len < 0 or header_len > len(mv):
@@ -103,7 +107,7 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
     scratch: list[ShmRef] = []
     try:
         return _parse(model, mv, header_len, body_ref, arena, registry, doc, inputs, params,
-                      request_id, scratch)
+                      request_id, scratch, budget)
     except BaseException:
         for ref in scratch:     # the request fails: nobody else will free what it copied in
             arena.free(ref)
@@ -112,7 +116,7 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
 
 def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef | None,
            arena: ShmArena, registry: ShmRegistry, doc: dict, inputs: list, params: dict,
-           request_id: str, scratch: list[ShmRef]) -> PreparedRequest:
+           request_id: str, scratch: list[ShmRef], budget: TensorBudget) -> PreparedRequest:
     cursor = header_len
     tensors, regions = [], []
     for item in inputs:
@@ -127,6 +131,7 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
         if not isinstance(tparams, dict):
             raise invalid(f"input '{name}': 'parameters' must be a JSON object")
         t = Tensor(name, datatype, shape)
+        count = budget.declare(t)
         sources = ("data" in item) + ("binary_data_size" in tparams) + \
             ("shared_memory_region" in tparams)
         if sources != 1:
@@ -134,6 +139,7 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
                           f"parameter and the 'shared_memory_region' parameter")
         if "shared_memory_region" in tparams:
             request.input_from_region(registry, model, t, tparams, regions)
+            budget.data(t, t.shm.nbytes if t.shm is not None else 0)
         elif "binary_data_size" in tparams:
             bsize = tparams["binary_data_size"]
             if not isinstance(bsize, int) or isinstance(bsize, bool) or bsize < 0:
@@ -143,6 +149,7 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
                               f"bytes for model '{model.name}' but the body has only "
                               f"{len(mv) - cursor} left")
             chunk = mv[cursor:cursor + bsize]
+            budget.data(t, bsize)
             validation.check_byte_size(model, t, bsize, chunk)
             if body_ref is not None and bsize > INLINE_LIMIT:
                 t.shm = ShmRef(body_ref.segment, body_ref.offset + cursor, bsize)
@@ -150,8 +157,10 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
                 t.data = bytes(chunk)
             cursor += bsize
         else:
-            request.place_data(t, _json_tensor(model, name, datatype, shape, item["data"]),
-                               arena, scratch)
+            budget.json(name, count)
+            data = _json_tensor(model, name, datatype, shape, item["data"], count)
+            budget.data(t, len(data))
+            request.place_data(t, data, arena, scratch)
         tensors.append(t)
     if cursor != len(mv):
         raise invalid(f"unexpected additional input data for model '{model.name}': "
@@ -172,10 +181,11 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
             wanted.append(request.output_wanted(registry, o["name"], oparams, binary_default,
                                                 regions))
     return request.prepare(model, tensors, wanted, params, request_id, scratch, regions,
-                           binary_default)
+                           binary_default, budget.limits)
 
 
-def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None) -> PreparedRequest:
+def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,
+               budget: TensorBudget) -> PreparedRequest:
     """Inference-Header-Content-Length: 0 — the whole body is the data of the only input."""
     if len(model.inputs) != 1:
         raise invalid(f"raw binary request (Inference-Header-Content-Length: 0) needs a model with "
@@ -201,12 +211,18 @@ def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None) -> Pre
     if model.max_batch_size > 0:
         shape = [1] + shape
     t = Tensor(spec.name, spec.datatype, shape)
+    budget.declare(t)
+    budget.data(t, len(mv))
     validation.check_byte_size(model, t, len(mv), mv)
     if body_ref is not None and len(mv) > INLINE_LIMIT:
         t.shm = body_ref
     else:
         t.data = bytes(mv)
-    return request.prepare(model, [t], None, {}, "", [], [], binary_default=True)
+    return request.prepare(model, [t], None, {}, "", [], [], True, budget.limits)
+
+
+def _as_json(wanted) -> bool:
+    return wanted is None or not (wanted.region or wanted.binary)
 
 
 def _json_data(t: Tensor, buf) -> list:
@@ -218,12 +234,18 @@ def _json_data(t: Tensor, buf) -> list:
     return np.frombuffer(buf, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).tolist()
 
 
-def render_response(result: InferResult, prepared: PreparedRequest, views: list) -> tuple[bytes, list, int]:
+def render_response(result: InferResult, prepared: PreparedRequest, views: list,
+                    max_json_elements: int = DEFAULT_LIMITS.max_json_elements,
+                    ) -> tuple[bytes, list, int]:
     """JSON header, binary parts in output order, and the JSON length (for the header field).
 
     ``views`` holds each output's bytes (inline bytes or a shared-memory view), or None for an
-    output that was written into a client's region.
+    output that was written into a client's region. Outputs to be returned as JSON are checked
+    against ``max_json_elements`` before any is encoded (a 400 that asks for binary data).
     """
+    request.check_json_outputs(result.model, [
+        (t.name, t.shape) for t in result.outputs if _as_json(prepared.outputs.get(t.name))],
+        max_json_elements)
     outputs, parts = [], []
     for t, buf in zip(result.outputs, views):
         out: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}

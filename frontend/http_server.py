@@ -29,6 +29,11 @@ class Limits:
     max_connections: int = 4096
     request_timeout_s: float = 60.0         # from a request's first byte to its last
     idle_timeout_s: float = 300.0           # a keep-alive connection with nothing to do
+    # back-pressure: a client that pipelines requests without reading the answers. Past either
+    # bound the connection is not read from (and, past the first, no further request of it is
+    # started) until the client catches up
+    write_high_water: int = 1 << 20         # answer bytes buffered for the client
+    max_pipelined: int = 32                 # received requests waiting for their turn
     connections: set = field(default_factory=set)   # the live ones, for the sweeper
 
 
@@ -90,6 +95,8 @@ class HttpConnection(asyncio.Protocol):
         self.closed = False
         self.on_drained: list[Callable[[], None]] = []
         self.inflight = 0                   # request id the app is waiting on, if any
+        self.reading = True                 # False while back-pressure holds the client
+        self.dispatching = False            # inside _next: answers given meanwhile do not recurse
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
     def peer(self) -> str:
@@ -131,10 +138,12 @@ class HttpConnection(asyncio.Protocol):
                 self._fail(400, f"malformed HTTP request: {e}")
 
     def pause_writing(self):
-        pass
+        pass        # every write that does not complete at once lands here (high-water mark 0)
 
     def resume_writing(self):
+        self.last_active = time.monotonic()     # the client took its answers
         self._drained()
+        self._next()
 
     # ---- httptools callbacks -------------------------------------------------------------------
     def on_message_begin(self):
@@ -208,15 +217,41 @@ class HttpConnection(asyncio.Protocol):
         elif self.chunks:
             req.body = self.chunks[0] if len(self.chunks) == 1 else b"".join(self.chunks)
         self.queue.append(req)
-        if not self.busy:
-            self._next()
+        self._next()
 
     # ---- answering -----------------------------------------------------------------------------
     def _next(self):
-        while self.queue and not self.busy and not self.closed:
-            req = self.queue.popleft()
-            self.busy = True
-            self.app.handle(self, req)
+        """Start the queued requests, one at a time, while the client takes its answers."""
+        if self.dispatching:
+            return      # an answer given inside app.handle: the loop below goes on
+        self.dispatching = True
+        try:
+            while self.queue and not self.busy and not self.closed and not self._behind():
+                req = self.queue.popleft()
+                self.busy = True
+                self.app.handle(self, req)
+        finally:
+            self.dispatching = False
+        self._flow()
+
+    def _behind(self) -> bool:
+        """The client has not taken enough of its answers for another to be made."""
+        return self.transport.get_write_buffer_size() > self.limits.write_high_water
+
+    def _flow(self) -> None:
+        """Read from the client only while it keeps up: few requests waiting, few answer bytes
+        unsent. Otherwise the kernel's buffers fill and TCP slows the client down."""
+        if self.closed or self.transport is None:
+            return
+        hold = len(self.queue) >= self.limits.max_pipelined or self._behind()
+        if hold and self.reading:
+            self.transport.pause_reading()
+            self.reading = False
+        elif not hold and not self.reading:
+            self.transport.resume_reading()
+            self.reading = True
+            if self.started:    # a request cut off by the pause: its time runs from now
+                self.started = time.monotonic()
 
     def respond(self, req: HttpRequest, status: int, body: bytes = b"",
                 content_type: str = "application/json", headers: tuple = (),
@@ -246,8 +281,8 @@ class HttpConnection(asyncio.Protocol):
                 t.close()
                 self.closed = True
         self.busy = False
-        if self.queue:
-            self._next()
+        self.last_active = time.monotonic()
+        self._next()
 
     def after_sent(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once everything written so far has left the process."""
@@ -287,6 +322,12 @@ def sweep(limits: Limits, now: float) -> None:
     for conn in list(limits.connections):
         if conn.closed:
             limits.connections.discard(conn)
+        elif not conn.reading:
+            # held by back-pressure. With no request of it running, the client has not taken
+            # its answers for that long: abort, as close would wait for them to be sent
+            if not conn.busy and now - conn.last_active > limits.idle_timeout_s:
+                conn.transport.abort()
+                conn.closed = True
         elif conn.started and now - conn.started > limits.request_timeout_s:
             conn._fail(408, f"the request did not arrive within {limits.request_timeout_s:g} s "
                             f"(--http-request-timeout-secs)")

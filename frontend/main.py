@@ -15,6 +15,7 @@ import sys
 import msgspec
 import uvloop
 
+from shmserve.ipc import logs
 from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import die_with_parent
 from shmserve.ipc.shm import ShmArena, ShmMapCache
@@ -23,6 +24,7 @@ from . import grpc_service, http_server, restricted
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
+from .request import RequestLimits
 from .service import FrontendService
 from .shm_registry import ShmRegistry
 from .system_metrics import SystemSampler
@@ -37,17 +39,22 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     def on_sigterm() -> None:
         if stop.is_set():   # the drain is taking too long for whoever sent it: go now
             log.warning("second SIGTERM: exiting at once, without answering what is held")
+            logs.flush(0.5)
             os._exit(1)
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
-    client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests)
+    client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
+                          settings.request_deadline_secs)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
+    shm_timer = _ShmTimer(loop, arena, maps)
     registry = ShmRegistry(settings.allow_client_shm,
                            local_only=settings.client_shm_from != "any")
+    limits = RequestLimits(max_tensor_bytes=settings.max_request_tensor_bytes,
+                           max_json_elements=settings.http_max_json_elements)
     service = FrontendService(client, arena, maps, registry, settings.server_id,
-                              settings.server_version, settings.strict_readiness)
+                              settings.server_version, settings.strict_readiness, limits)
     servers, ports = [], {}
     grpc_server = sampler_task = None
     try:
@@ -55,20 +62,21 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
             app = KServeHttpApp(service, settings.http_max_input_size,
                                 restricted.parse(settings.http_restricted_api))
             _allow_fds(settings.http_max_connections + 1024)
-            limits = http_server.Limits(
+            http_limits = http_server.Limits(
                 max_header_bytes=settings.http_max_header_size,
                 max_connections=settings.http_max_connections,
                 request_timeout_s=settings.http_request_timeout_secs,
                 idle_timeout_s=settings.http_idle_timeout_secs)
             srv = await http_server.serve(app, settings.http_address, settings.http_port,
-                                          limits=limits)
+                                          limits=http_limits)
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]
             log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
         if settings.allow_grpc:
             grpc_server, ports["grpc"] = await grpc_service.serve(
                 service, settings.grpc_address, settings.grpc_port,
-                restricted.parse(settings.grpc_restricted_protocol))
+                restricted.parse(settings.grpc_restricted_protocol),
+                settings.grpc_max_message_size)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         if settings.allow_metrics:
             sampler = None
@@ -103,9 +111,28 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
     finally:
+        shm_timer.cancel()
         client.close()
         arena.close()
         maps.close()
+
+
+class _ShmTimer:
+    """Gives idle arena chunks back, and drops mappings of segments their owner unlinked, without
+    waiting for a request: a burst of large tensors followed by silence must not pin /dev/shm."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, arena: ShmArena, maps: ShmMapCache):
+        self.loop, self.arena, self.maps = loop, arena, maps
+        self.period = max(0.05, min(1.0, arena.idle_release_s / 2))
+        self.handle = loop.call_later(self.period, self.tick)
+
+    def tick(self) -> None:
+        self.handle = self.loop.call_later(self.period, self.tick)
+        self.arena.trim()
+        self.maps.sweep()
+
+    def cancel(self) -> None:
+        self.handle.cancel()
 
 
 def _allow_fds(wanted: int) -> None:
@@ -122,9 +149,9 @@ def main() -> None:
     frontend_id = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     die_with_parent(settings.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.DEBUG if settings.log_verbose else logging.INFO,
-                        format="%(asctime)s frontend %(levelname)s %(message)s")
+    logs.setup("frontend", settings.log_verbose)     # a log call never blocks the loop
     uvloop.run(run(settings, frontend_id))
+    logs.flush()
     os._exit(0)
 
 

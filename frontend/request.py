@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor, parameter_problem
-from shmserve.ipc.shm import ShmArena, ShmMapCache
+from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
 from . import validation
 from .catalog import ModelView
-from .errors import invalid
+from .errors import invalid, shm_error
 from .shm_registry import ShmRegistry, SystemRegion
 
 # request parameters that steer the protocol layer (the only 'triton_' keys a request may send)
@@ -24,6 +25,90 @@ RESERVED_PARAMS = frozenset(("sequence_id", "sequence_start", "sequence_end", "p
                              "timeout", "headers", *PROTOCOL_PARAMS))
 # TRITONSERVER_REQUEST_FLAG_SEQUENCE_START / _END, what request.flags() returns
 SEQUENCE_START, SEQUENCE_END = 1, 2
+INT64_MAX = (1 << 63) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """Bounds on one request's tensors (README, "Security"), each from a flag."""
+    max_tensor_bytes: int = 1 << 32         # --max-request-tensor-bytes
+    max_json_elements: int = 1 << 23        # --http-max-json-elements
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+class TensorBudget:
+    """What one request's inputs add up to, counted from each input's shape as soon as it is
+    read, so that a request past a limit is refused before anything is made for it."""
+
+    def __init__(self, limits: RequestLimits):
+        self.limits = limits
+        self.bytes = 0
+        self.json_elements = 0
+
+    def declare(self, t: Tensor) -> int:
+        """Count an input by its shape and datatype; returns its element count. Raises a 400
+        naming it when a dim or the count does not fit int64, or when the request's inputs pass
+        --max-request-tensor-bytes. A BYTES element counts its 4-byte length prefix."""
+        count = shape_elements(t.shape, f"input '{t.name}'")
+        self._add(t, count * (dtypes.ELEMENT_SIZE[t.datatype] or 4))
+        return count
+
+    def data(self, t: Tensor, nbytes: int) -> None:
+        """The bytes a BYTES input really holds, once known (its shape counted 4 per element)."""
+        if dtypes.ELEMENT_SIZE.get(t.datatype) == 0:
+            self._add(t, max(0, nbytes - 4 * dtypes.element_count(t.shape)))
+
+    def _add(self, t: Tensor, nbytes: int) -> None:
+        self.bytes += nbytes
+        limit = self.limits.max_tensor_bytes
+        if self.bytes > limit:
+            raise invalid(f"input '{t.name}' with shape {t.shape} and datatype {t.datatype} "
+                          f"brings the request's input tensors to {self.bytes} bytes, more than "
+                          f"the limit of {limit} bytes (--max-request-tensor-bytes)")
+
+    def json(self, name: str, count: int) -> None:
+        """An input whose ``count`` elements came as JSON (HTTP)."""
+        self.json_elements += count
+        limit = self.limits.max_json_elements
+        if self.json_elements > limit:
+            raise invalid(f"input '{name}' brings the request's JSON tensor data to "
+                          f"{self.json_elements} elements, more than the limit of {limit} "
+                          f"(--http-max-json-elements); send it as binary data instead (the "
+                          f"'binary_data_size' parameter)")
+
+
+def shape_elements(shape: list[int], what: str) -> int:
+    """The element count of ``shape``; a 400 naming ``what`` if it does not fit int64."""
+    if any(d > INT64_MAX for d in shape):
+        raise invalid(f"{what}: shape {shape} has a dim larger than a 64-bit integer holds")
+    if 0 in shape:
+        return 0
+    count = 1
+    for d in shape:
+        count *= d
+        if count > INT64_MAX:
+            raise invalid(f"{what}: shape {shape} has more elements than a 64-bit integer "
+                          f"counts")
+    return count
+
+
+def check_json_outputs(model_name: str, shapes: list[tuple[str, list[int]]],
+                       limit: int) -> None:
+    """Outputs to be returned as JSON hold at most ``limit`` elements in all: a 400 naming the
+    output that passes it, which asks for binary data instead."""
+    total = 0
+    for name, shape in shapes:
+        count = shape_elements(shape, f"output '{name}'")
+        total += count
+        if total > limit:
+            others = f" ({total} with the other JSON outputs)" if total != count else ""
+            raise invalid(f"output '{name}' of model '{model_name}' has {count} elements"
+                          f"{others}, more than can be returned as JSON (the limit is {limit}, "
+                          f"--http-max-json-elements); request it as binary data: set its "
+                          f"parameter 'binary_data' (or the request parameter "
+                          f"'binary_data_output') to true")
 
 
 @dataclass(slots=True)
@@ -51,7 +136,10 @@ def place_data(t: Tensor, data: bytes, arena: ShmArena, scratch: list[ShmRef]) -
     """Small tensor bytes ride in the message; larger ones are copied into the frontend's arena
     (the slot is freed with the request)."""
     if len(data) > INLINE_LIMIT:
-        slot = arena.alloc(len(data))
+        try:
+            slot = arena.alloc(len(data))
+        except ShmError as e:       # /dev/shm full: 507 / RESOURCE_EXHAUSTED, not a crash
+            raise shm_error(e) from None
         slot.view[:] = data
         scratch.append(slot.ref)
         t.shm = slot.ref
@@ -92,7 +180,9 @@ def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default
 
 def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted] | None,
             params: dict[str, Any], request_id: str, scratch: list[ShmRef],
-            regions: list[SystemRegion], binary_default: bool = False) -> PreparedRequest:
+            regions: list[SystemRegion], binary_default: bool = False,
+            limits: RequestLimits = DEFAULT_LIMITS, json_outputs: bool = True) -> PreparedRequest:
+    """``json_outputs``: whether outputs not asked for as binary come back as JSON (HTTP)."""
     batch = validation.validate_inputs(model, tensors)
     if outputs is None:
         outputs = [OutputWanted(n, binary_default) for n in model.output_names]
@@ -103,6 +193,8 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         if o.name in wanted:
             raise invalid(f"output '{o.name}' is requested more than once")
         wanted[o.name] = o
+    if json_outputs:
+        _json_outputs_fit(model, batch, outputs, limits.max_json_elements)
     priority = timeout_us = flags = 0
     correlation_id: int | str = 0
     model_params = params
@@ -122,6 +214,21 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         r.in_use += 1
     return PreparedRequest(payload, batch, wanted, request_id, scratch, regions, priority,
                            timeout_us, shape_key(model, tensors))
+
+
+def _json_outputs_fit(model: ModelView, batch: int, outputs: list[OutputWanted],
+                      limit: int) -> None:
+    """JSON outputs whose config dims are all fixed show their size before the model runs: one
+    past --http-max-json-elements is refused now rather than after the execution (the others
+    are checked on the answer, before it is encoded)."""
+    lead = [batch] if model.max_batch_size > 0 else []
+    shapes = []
+    for o in outputs:
+        spec = model.outputs.get(o.name)
+        if not o.binary and not o.region and spec is not None and -1 not in spec.dims:
+            shapes.append((o.name, lead + list(spec.dims)))
+    if shapes:
+        check_json_outputs(model.name, shapes, limit)
 
 
 def _unsigned(params: dict, key: str) -> int:

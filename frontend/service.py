@@ -19,7 +19,7 @@ from . import request
 from .catalog import ModelCatalog, ModelView, version_number
 from .engine_client import EngineClient
 from .errors import InferError, invalid
-from .request import PreparedRequest
+from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits
 from .shm_registry import ShmRegistry
 
 EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
@@ -30,8 +30,9 @@ EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
 class FrontendService:
     def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
                  registry: ShmRegistry, server_id: str, server_version: str,
-                 strict_readiness: bool):
+                 strict_readiness: bool, limits: RequestLimits = DEFAULT_LIMITS):
         self.client = client
+        self.limits = limits            # per-request tensor bounds both codecs apply
         self.arena = arena
         self.maps = maps
         self.registry = registry

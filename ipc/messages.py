@@ -28,6 +28,7 @@ class ErrorCode(str, enum.Enum):
     UNKNOWN = "UNKNOWN"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     CANCELLED = "CANCELLED"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"   # the host ran out of something (/dev/shm is full)
 
 
 class ModelState(str, enum.Enum):

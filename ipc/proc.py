@@ -85,3 +85,8 @@ class InboxWaker:
 
     def close(self) -> None:
         self.socket.close(0)
+
+
+def failure_path(args_path: str) -> str:
+    """Where a worker that failed to load writes why, beside its arguments file."""
+    return args_path + ".failed"

@@ -7,47 +7,103 @@ under the process that owns them.
 Every segment shmserve creates is named ``shmserve_<launcher pid>_<token>_<owner>_<n>``: the token
 is random (so names cannot be guessed by clients) and the pid lets the next start remove what a
 killed server left behind.
+
+/dev/shm is a tmpfs: a page of a sparse segment is taken only when first touched, and when the
+tmpfs is full that touch is SIGBUS, which kills the process. So nothing is touched before it is
+reserved: ``posix_fallocate`` takes the pages up front, and a full /dev/shm is ENOSPC there, which
+becomes ``ShmFull`` (an error for one request) instead of a dead process.
 """
 from __future__ import annotations
 
 import _posixshmem
+import errno
 import mmap
 import os
 import secrets
 import stat
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .messages import ShmRef
 
 PREFIX = "shmserve_"
 SHM_DIR = "/dev/shm"
 _ALIGN = 64
+# Arena chunks reserve pages in steps of this much, so most allocations cost no syscall.
+RESERVE_STEP = 2 << 20
+_PAGE = mmap.PAGESIZE
+# Seconds an unused arena chunk is kept (default 10): for tests, or to get memory back sooner.
+IDLE_RELEASE_ENV = "SHMSERVE_SHM_IDLE_RELEASE_S"
 
 
 class ShmError(Exception):
     pass
 
 
+class ShmFull(ShmError):
+    """/dev/shm has no room for the pages an allocation needs (ENOSPC when reserving them)."""
+
+
 def new_server_prefix() -> str:
     return f"{PREFIX}{os.getpid()}_{secrets.token_hex(6)}_"
 
 
-def create_segment(name: str, size: int) -> mmap.mmap:
-    """Create and map a new segment; refuses to overfill /dev/shm (a full tmpfs turns writes into SIGBUS)."""
+def free_bytes() -> int | None:
+    """What /dev/shm can still hold, or None if it cannot be read."""
     try:
         st = os.statvfs(SHM_DIR)
-        free = st.f_bavail * st.f_frsize
     except OSError:
-        free = None
-    if free is not None and size > free:
-        raise ShmError(f"not enough space in {SHM_DIR} for {size} bytes ({free} free); "
-                       f"enlarge /dev/shm (docker: --shm-size)")
-    fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _full(need: int, nbytes: int) -> ShmFull:
+    free = free_bytes()
+    return ShmFull(f"not enough shared memory: {SHM_DIR} is full "
+                   f"({'?' if free is None else free} bytes free, {need} needed to hold "
+                   f"{nbytes} bytes); enlarge /dev/shm (docker run --shm-size)")
+
+
+def _reserve(fd: int, start: int, length: int, nbytes: int) -> None:
+    """Take the pages of [start, start + length) now, so touching them later cannot SIGBUS
+    (``nbytes``: what the caller wants to place, for the error)."""
+    try:
+        os.posix_fallocate(fd, start, length)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise _full(length, nbytes) from None
+        raise ShmError(f"cannot reserve {length} bytes of shared memory: "
+                       f"{e.strerror or e}") from None
+
+
+def _open_new(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """Create a sparse segment and map it; returns its fd (still open) and the mapping."""
+    try:
+        fd = _posixshmem.shm_open("/" + name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:         # the tmpfs is out of inodes
+            raise _full(size, size) from None
+        raise
     try:
         os.ftruncate(fd, size)
-        return mmap.mmap(fd, size)
+        return fd, mmap.mmap(fd, size)
     except BaseException:
+        os.close(fd)
+        _posixshmem.shm_unlink("/" + name)
+        raise
+
+
+def create_segment(name: str, size: int) -> mmap.mmap:
+    """Create and map a new segment with all its pages reserved; raises ShmFull when /dev/shm
+    cannot hold it (touching a page of a full tmpfs is SIGBUS)."""
+    fd, m = _open_new(name, size)
+    try:
+        if size:
+            _reserve(fd, 0, size, size)
+        return m
+    except BaseException:
+        m.close()
         _posixshmem.shm_unlink("/" + name)
         raise
     finally:
@@ -121,21 +177,25 @@ class Slot:
 
 
 class _Chunk:
-    __slots__ = ("name", "size", "map", "view", "free", "used", "idle_since")
+    __slots__ = ("name", "size", "fd", "map", "view", "free", "used", "reserved", "idle_since")
 
-    def __init__(self, name: str, size: int):
+    def __init__(self, name: str, size: int, now: float):
         self.name = name
         self.size = size
-        self.map = create_segment(name, size)
+        self.fd, self.map = _open_new(name, size)   # the fd stays open to reserve pages with
         self.view = memoryview(self.map)
         self.free: list[list[int]] = [[0, size]]  # sorted [offset, length] holes
         self.used = 0
-        self.idle_since = time.monotonic()
+        self.reserved = 0               # [0, reserved) has its pages reserved
+        self.idle_since = now
 
-    def alloc(self, n: int) -> int | None:
+    def alloc(self, n: int, limit: int) -> int | None:
+        """First fit of ``n`` bytes ending at or below ``limit``."""
         for i, hole in enumerate(self.free):
+            off = hole[0]
+            if off + n > limit:
+                return None             # holes are sorted: every later one starts higher
             if hole[1] >= n:
-                off = hole[0]
                 if hole[1] == n:
                     del self.free[i]
                 else:
@@ -145,7 +205,21 @@ class _Chunk:
                 return off
         return None
 
-    def release(self, off: int, n: int) -> None:
+    def reserve(self, end: int, nbytes: int) -> None:
+        """Reserve pages up to ``end`` at least: a whole step if /dev/shm has room, else exactly
+        what is needed; raises ShmFull when even that does not fit."""
+        step = min(self.size, (end + RESERVE_STEP - 1) & ~(RESERVE_STEP - 1))
+        try:
+            _reserve(self.fd, self.reserved, step - self.reserved, nbytes)
+            self.reserved = step
+        except ShmFull:
+            exact = min(self.size, (end + _PAGE - 1) & ~(_PAGE - 1))
+            if exact == step:
+                raise
+            _reserve(self.fd, self.reserved, exact - self.reserved, nbytes)
+            self.reserved = exact
+
+    def release(self, off: int, n: int, now: float) -> None:
         free = self.free
         lo, hi = 0, len(free)
         while lo < hi:
@@ -164,10 +238,11 @@ class _Chunk:
             del free[lo]
         self.used -= n
         if self.used == 0:
-            self.idle_since = time.monotonic()
+            self.idle_since = now
 
     def close(self) -> None:
         unlink_segment(self.name)
+        os.close(self.fd)
         try:
             self.view.release()
             self.map.close()
@@ -178,46 +253,77 @@ class _Chunk:
 class ShmArena:
     """Allocator over segments owned by one process; only the owner allocates and frees.
 
-    Memory stays mapped while it is being reused (faulting pages in again costs more than the copy
-    it serves), and whole chunks that have been idle for ``idle_release_s`` are unlinked, so a
-    burst of large tensors does not pin memory forever.
+    A chunk is created sparse and its pages are reserved (fallocate) from its start up to the
+    highest byte ever handed out, in steps of RESERVE_STEP: an allocation that fits below that mark
+    makes no syscall, and a 64 MiB chunk costs only what is used of it. When /dev/shm cannot hold
+    the pages an allocation needs, ``alloc`` raises ``ShmFull`` and nothing is left allocated.
+
+    Memory stays reserved and mapped while it is being reused (faulting pages in again costs more
+    than the copy it serves); a chunk nothing has used for ``idle_release_s`` is unlinked by
+    ``trim``, which ``free`` calls at most once a second and the owner's loop calls when it is
+    idle, so a burst of large tensors does not pin memory forever.
     """
 
-    def __init__(self, name_prefix: str, chunk_size: int = 64 << 20, idle_release_s: float = 10.0):
+    def __init__(self, name_prefix: str, chunk_size: int = 64 << 20,
+                 idle_release_s: float | None = None, clock: Callable[[], float] | None = None):
         self.name_prefix = name_prefix
         self.chunk_size = chunk_size
+        if idle_release_s is None:
+            try:
+                idle_release_s = float(os.environ.get(IDLE_RELEASE_ENV, "10"))
+            except ValueError:
+                idle_release_s = 10.0
         self.idle_release_s = idle_release_s
+        self._clock = clock or time.monotonic
         self._chunks: dict[str, _Chunk] = {}
         self._counter = 0
-        self._last_trim = time.monotonic()
+        self._last_trim = self._clock()
 
     def alloc(self, nbytes: int) -> Slot:
         n = max(_ALIGN, (nbytes + _ALIGN - 1) & ~(_ALIGN - 1))
-        for chunk in self._chunks.values():
-            off = chunk.alloc(n)
+        chunks = self._chunks.values()
+        for chunk in chunks:            # the hot path: space whose pages are already reserved
+            off = chunk.alloc(n, chunk.reserved)
             if off is not None:
                 return Slot(ShmRef(chunk.name, off, nbytes), chunk.view[off:off + nbytes])
-        size = max(self.chunk_size, (n + (2 << 20) - 1) & ~((2 << 20) - 1))
+        for chunk in chunks:
+            off = chunk.alloc(n, chunk.size)
+            if off is not None:
+                return self._reserved(chunk, off, n, nbytes)
+        size = max(self.chunk_size, (n + RESERVE_STEP - 1) & ~(RESERVE_STEP - 1))
         name = f"{self.name_prefix}{self._counter}"
         self._counter += 1
-        chunk = _Chunk(name, size)
+        chunk = _Chunk(name, size, self._clock())
         self._chunks[name] = chunk
-        off = chunk.alloc(n)
-        return Slot(ShmRef(name, off, nbytes), chunk.view[off:off + nbytes])
+        chunk.alloc(n, size)            # a new chunk's first slot is at offset 0
+        return self._reserved(chunk, 0, n, nbytes)
+
+    def _reserved(self, chunk: _Chunk, off: int, n: int, nbytes: int) -> Slot:
+        try:
+            chunk.reserve(off + n, nbytes)
+        except ShmError:
+            # give the space back without making an idle chunk look used just now
+            chunk.release(off, n, chunk.idle_since)
+            if chunk.reserved == 0:     # a chunk that never held anything goes at once
+                del self._chunks[chunk.name]
+                chunk.close()
+            raise
+        return Slot(ShmRef(chunk.name, off, nbytes), chunk.view[off:off + nbytes])
 
     def free(self, ref: ShmRef) -> None:
         chunk = self._chunks.get(ref.segment)
         if chunk is None:
             return
         n = max(_ALIGN, (ref.nbytes + _ALIGN - 1) & ~(_ALIGN - 1))
-        chunk.release(ref.offset, n)
-        now = time.monotonic()
+        now = self._clock()
+        chunk.release(ref.offset, n, now)
         if now - self._last_trim > 1.0:
-            self._last_trim = now
             self.trim(now)
 
     def trim(self, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        """Unlink every chunk that nothing has used for more than idle_release_s."""
+        now = self._clock() if now is None else now
+        self._last_trim = now
         for name, chunk in list(self._chunks.items()):
             if chunk.used == 0 and now - chunk.idle_since > self.idle_release_s:
                 del self._chunks[name]
@@ -226,6 +332,11 @@ class ShmArena:
     @property
     def bytes_mapped(self) -> int:
         return sum(c.size for c in self._chunks.values())
+
+    @property
+    def bytes_reserved(self) -> int:
+        """What the arena holds of /dev/shm."""
+        return sum(c.reserved for c in self._chunks.values())
 
     @property
     def bytes_used(self) -> int:
@@ -284,13 +395,18 @@ class ShmMapCache:
         now = time.monotonic()
         self._last_used[ref.segment] = now
         if now - self._last_sweep > 5.0:
-            self._sweep(now)
+            self.sweep(now)
         return entry[1][ref.offset:ref.offset + ref.nbytes]
 
-    def _sweep(self, now: float) -> None:
+    def sweep(self, now: float | None = None) -> None:
+        """Drop mappings unused for idle_unmap_s, and at once those of the server's own segments
+        that their owner has unlinked: a mapping keeps the pages of an unlinked segment in
+        /dev/shm, and the owner's name is never used again."""
+        now = time.monotonic() if now is None else now
         self._last_sweep = now
         for name, last in list(self._last_used.items()):
-            if now - last > self.idle_unmap_s:
+            if now - last > self.idle_unmap_s or (
+                    name.startswith(PREFIX) and not os.path.exists(f"{SHM_DIR}/{name}")):
                 self._drop(name)
 
     def _drop(self, name: str) -> None:

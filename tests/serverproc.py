@@ -62,7 +62,10 @@ def segments_of(pid: int) -> list[str]:
 
 
 class Server:
-    def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90):
+    def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90,
+                 prefix: tuple[str, ...] = ()):
+        """``prefix``: a command the server runs under (it must exec it, so the pid stays the
+        launcher's), e.g. unshare for a /dev/shm of its own."""
         self.tmp = tempfile.mkdtemp(prefix="shmserve-test-")
         self.port_file = os.path.join(self.tmp, "ports.json")
         self.log_path = os.path.join(self.tmp, "server.log")
@@ -73,7 +76,7 @@ class Server:
         args += ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host",
                  "127.0.0.1", "--port-file", self.port_file, *extra_args]
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         try:
             ports = wait_for(self._ports, timeout, "the server to write its port file")

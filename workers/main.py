@@ -18,7 +18,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from shmserve.ipc import channel
+from shmserve.ipc import channel, logs
 from shmserve.ipc.messages import (
     BatchDone,
     CancelRequest,
@@ -39,8 +39,8 @@ from shmserve.ipc.messages import (
     decode_payload,
     parameter_problem,
 )
-from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
-from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
+from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent, failure_path
+from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, pb_metrics, tensors, warmup
 from .backend import WorkRequest, load_backend
@@ -65,6 +65,7 @@ def _ignore(msg) -> None:
 class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
+        self.args_path = ""         # set by main(): where our arguments came from
         self.inbox = channel.Inbox(channel.address(args.run_dir, f"w{args.spawn_id}"))
         self.scheduler = channel.Outbox(args.scheduler)
         self.frontends: dict[int, channel.Outbox] = {}
@@ -112,6 +113,7 @@ class Worker:
             log.error("loading %s failed: %s", self.spec.instance_name, reason)
             if self.args.log_verbose:
                 traceback.print_exc()
+            self.write_last_words(reason)
             self.scheduler.send(WorkerLoadFailed(self.args.spawn_id, reason))
             return False
         completed = self.spec.config_json if self.spec.auto_complete else ""
@@ -121,6 +123,17 @@ class Worker:
         self.scheduler.send(WorkerReady(self.args.spawn_id, os.getpid(), self.inbox.address,
                                         completed))
         return True
+
+    def write_last_words(self, reason: str) -> None:
+        """The reason also goes to a file the scheduler reads when it sees us exit: our exit
+        can reach it before the message does (they travel different ways)."""
+        if not self.args_path:
+            return
+        try:
+            with open(failure_path(self.args_path), "w", encoding="utf-8") as f:
+                f.write(reason)
+        except OSError:
+            pass
 
     def run(self, stop: StopFlag) -> None:
         # One socket: a blocking receive wakes straight into the message, which is cheaper than
@@ -141,6 +154,10 @@ class Worker:
                     msg, frames = inbox.recv()
                 except zmq.Again:
                     self.send_metrics()
+                    # idle: give back arena chunks nothing has used for a while, and mappings
+                    # of segments their owner unlinked (they pin its pages in /dev/shm)
+                    self.arena.trim()
+                    self.maps.sweep()
                     continue
             kind = type(msg)
             if kind is ExecuteBatch:
@@ -286,6 +303,10 @@ class Worker:
         except tensors.OutputTooLarge as e:
             self.free_outputs(outs, targets)
             return self.error(req_id, str(e), ErrorCode.INVALID_ARG)
+        except ShmFull as e:            # /dev/shm is full: this request fails, we carry on
+            self.free_outputs(outs, targets)
+            return self.error(req_id, f"failed to return outputs: {e}",
+                              ErrorCode.RESOURCE_EXHAUSTED)
         except (ShmError, ValueError, TypeError) as e:
             self.free_outputs(outs, targets)
             return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
@@ -322,6 +343,7 @@ class Worker:
 def _exit_now(signum: int) -> None:
     log.warning("second %s: exiting at once, without finishing the batch",
                 signal.Signals(signum).name)
+    logs.flush(0.5)
     os._exit(1)
 
 
@@ -336,8 +358,7 @@ def read_args(path: str) -> WorkerArgs:
 def main() -> None:
     args = read_args(sys.argv[2])
     die_with_parent(args.parent)
-    logging.basicConfig(level=logging.DEBUG if args.log_verbose else logging.INFO,
-                        format=f"%(asctime)s worker {args.spec.instance_name} %(levelname)s %(message)s")
+    logs.setup(f"worker {args.spec.instance_name}", args.log_verbose)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C; we obey Shutdown
     waker = InboxWaker(f"w{args.spawn_id}")
 
@@ -347,12 +368,14 @@ def main() -> None:
 
     stop = StopFlag(signals=(signal.SIGTERM,), on_signal=on_sigterm, on_repeat=_exit_now)
     worker = Worker(args)
+    worker.args_path = sys.argv[2]
     worker.inbox.bind_also(waker.address)
     try:
         if worker.load():
             worker.run(stop)
     finally:
         worker.close(waker)
+        logs.flush()
     os._exit(0)
 
 

@@ -48,6 +48,8 @@ class FakePort:
         self.reaped: list[int] = []
         self.unlinked: list[int] = []
         self.exit_codes: dict[int, int] = {}        # what reap() reports, per spawn id
+        self.stopped_workers: set[int] = set()      # spawn ids whose process is stopped
+        self.failures: dict[int, str] = {}          # last words of workers that failed to load
 
     def connect_frontend(self, frontend, address):
         self.frontend_addresses[frontend] = address
@@ -69,6 +71,12 @@ class FakePort:
 
     def kill(self, spawn_id):
         self.killed.append(spawn_id)
+
+    def stopped(self, spawn_id):
+        return spawn_id in self.stopped_workers
+
+    def last_words(self, spawn_id):
+        return self.failures.pop(spawn_id, "")
 
     def reap(self, spawn_id):
         self.reaped.append(spawn_id)

@@ -261,6 +261,18 @@ def test_worker_death_while_loading_fails_the_version(repo):
     assert second in h.port.killed                  # the rest of the load is released
 
 
+def test_a_load_failure_reported_only_by_the_exit_keeps_its_reason(repo):
+    """The worker's WorkerLoadFailed can reach the scheduler after its exit does; the reason it
+    wrote before exiting is used then (a flake in test_warmup before)."""
+    h = Harness(repo).start(ready=False)
+    first, _ = h.spawn_ids("pair")
+    h.port.failures[first] = "warmup 'w' failed: refusing warm-up data"
+    h.die(first, rc=0)
+    state, reason, cause = h.states("pair")[1]
+    assert state is ModelState.UNAVAILABLE and cause is StateCause.LOAD_FAILED
+    assert reason == "warmup 'w' failed: refusing warm-up data"
+
+
 def test_exit_on_error_when_a_model_fails_at_startup(repo):
     write_model(repo, "broken", "max_batch_size: -3")
     h = Harness(repo, exit_on_error=True).start()

@@ -15,6 +15,7 @@ EXPECTED = {
     ErrorCode.UNKNOWN: (400, grpc.StatusCode.UNKNOWN),
     ErrorCode.ALREADY_EXISTS: (400, grpc.StatusCode.ALREADY_EXISTS),
     ErrorCode.CANCELLED: (400, grpc.StatusCode.CANCELLED),
+    ErrorCode.RESOURCE_EXHAUSTED: (507, grpc.StatusCode.RESOURCE_EXHAUSTED),   # /dev/shm full
 }
 
 

@@ -104,6 +104,12 @@ class Transport:
     def set_write_buffer_limits(self, high=None, low=None):
         pass
 
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
     def get_extra_info(self, name, default=None):
         return ("127.0.0.1", 5000) if name == "peername" else default
 

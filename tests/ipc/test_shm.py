@@ -1,7 +1,11 @@
 """In-process tests of ipc/shm.py: the arena allocator, the reader-side map cache, segment housekeeping."""
+import json
 import os
+import re
 import secrets
-import types
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
@@ -20,7 +24,7 @@ class FakeClock:
     def __init__(self, now=1000.0):
         self.now = now
 
-    def monotonic(self):
+    def __call__(self):
         return self.now
 
 
@@ -55,10 +59,8 @@ def cache():
 
 
 @pytest.fixture
-def clock(monkeypatch):
-    c = FakeClock()
-    monkeypatch.setattr(shm, "time", types.SimpleNamespace(monotonic=c.monotonic))
-    return c
+def clock():
+    return FakeClock()
 
 
 def test_new_server_prefix_names_this_process_and_is_unique():
@@ -135,7 +137,7 @@ def test_new_chunk_when_full_and_big_chunk_for_big_alloc(make_arena, prefix):
 
 
 def test_trim_unlinks_only_fully_free_chunks(make_arena, prefix, clock):
-    arena = make_arena(idle_release_s=0)
+    arena = make_arena(idle_release_s=0, clock=clock)
     a = arena.alloc(CHUNK)
     b = arena.alloc(10)
     assert shm_names(prefix) == [f"{prefix}0", f"{prefix}1"]
@@ -162,7 +164,7 @@ def test_trim_unlinks_only_fully_free_chunks(make_arena, prefix, clock):
 
 
 def test_trim_waits_for_idle_release(make_arena, prefix, clock):
-    arena = make_arena(idle_release_s=10.0)
+    arena = make_arena(idle_release_s=10.0, clock=clock)
     a = arena.alloc(10)
     arena.free(a.ref)           # chunk idle since clock.now
     arena.trim(clock.now + 10.0)
@@ -173,7 +175,7 @@ def test_trim_waits_for_idle_release(make_arena, prefix, clock):
 
 
 def test_free_trims_at_most_once_a_second(make_arena, prefix, clock):
-    arena = make_arena(idle_release_s=0)
+    arena = make_arena(idle_release_s=0, clock=clock)
     a, b = arena.alloc(CHUNK), arena.alloc(CHUNK)
     clock.now += 0.5
     arena.free(a.ref)           # 0.5 s since the arena's last trim: no trim
@@ -235,30 +237,6 @@ def test_map_cache_forget_remaps(make_arena, cache, prefix):
     finally:
         m.close()
         shm.unlink_segment(name)
-
-
-def test_create_segment_refuses_more_than_free_space(monkeypatch, prefix):
-    monkeypatch.setattr(shm.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=2, f_frsize=4096))
-    name = f"{prefix}cap"
-    with pytest.raises(shm.ShmError, match="not enough space"):
-        shm.create_segment(name, 8193)
-    assert shm_names(prefix) == []
-    m = shm.create_segment(name, 8192)
-    try:
-        assert len(m) == 8192
-        assert shm_names(prefix) == [name]
-    finally:
-        m.close()
-        shm.unlink_segment(name)
-
-
-def test_arena_alloc_fails_cleanly_without_space(monkeypatch, make_arena, prefix):
-    monkeypatch.setattr(shm.os, "statvfs", lambda path: types.SimpleNamespace(f_bavail=0, f_frsize=4096))
-    arena = make_arena()
-    with pytest.raises(shm.ShmError):
-        arena.alloc(1)
-    assert shm_names(prefix) == []
-    assert arena.bytes_mapped == 0
 
 
 def test_create_segment_refuses_an_existing_name(prefix):
@@ -391,3 +369,221 @@ def test_mappings_are_capped_so_descriptors_are_too():
         maps.close()
         for n in names:
             os.unlink(f"/dev/shm/{n}")
+
+
+# ---- pages are reserved before they are touched, and a full /dev/shm is an error (issue 13) ----
+def allocated_bytes(name: str) -> int:
+    """What the tmpfs holds for a segment (its reserved or touched pages)."""
+    return os.stat(os.path.join(shm.SHM_DIR, name)).st_blocks * 512
+
+
+def test_a_chunk_reserves_only_what_is_handed_out_in_steps(make_arena, prefix):
+    arena = make_arena(chunk_size=64 << 20)
+    a = arena.alloc(1)
+    assert arena.bytes_mapped == 64 << 20
+    assert arena.bytes_reserved == allocated_bytes(f"{prefix}0") == shm.RESERVE_STEP
+    b = arena.alloc(shm.RESERVE_STEP)           # ends past the first step: one more step
+    assert b.ref.offset == 64
+    assert arena.bytes_reserved == allocated_bytes(f"{prefix}0") == 2 * shm.RESERVE_STEP
+    arena.free(a.ref)
+    arena.free(b.ref)
+    assert arena.bytes_reserved == 2 * shm.RESERVE_STEP      # kept for reuse until trimmed
+    big = arena.alloc((64 << 20) + 1)           # a chunk of its own, reserved whole
+    assert arena.bytes_reserved == 2 * shm.RESERVE_STEP + (66 << 20)
+    assert allocated_bytes(big.ref.segment) == 66 << 20
+
+
+def test_space_already_reserved_costs_no_syscall(make_arena, monkeypatch):
+    arena = make_arena(chunk_size=64 << 20)
+    calls = []
+    real = os.posix_fallocate
+
+    def counting(fd, off, n):
+        calls.append((off, n))
+        real(fd, off, n)
+
+    monkeypatch.setattr(shm.os, "posix_fallocate", counting)
+    first = arena.alloc(64 << 10)
+    assert calls == [(0, shm.RESERVE_STEP)]
+    arena.free(first.ref)
+    for _ in range(100):                        # alloc/free within the reserved step
+        slots = [arena.alloc(64 << 10) for _ in range(8)]
+        for s in slots:
+            arena.free(s.ref)
+    assert calls == [(0, shm.RESERVE_STEP)]
+
+
+def test_reserved_space_is_preferred_to_growing_a_chunk(make_arena, prefix):
+    arena = make_arena(chunk_size=64 << 20)
+    arena.alloc(shm.RESERVE_STEP)               # chunk 0: its first step, all used
+    big = arena.alloc(65 << 20)                 # chunk 1: 66 MiB reserved
+    arena.free(big.ref)
+    small = arena.alloc(1 << 20)                # fits in chunk 1's reserved pages
+    assert small.ref.segment == f"{prefix}1"
+    assert arena.bytes_reserved == shm.RESERVE_STEP + (66 << 20)
+
+
+def test_the_arena_clock_can_be_injected(make_arena, prefix, clock):
+    arena = make_arena(idle_release_s=5.0, clock=clock)
+    arena.free(arena.alloc(10).ref)
+    clock.now += 5.0
+    arena.trim()
+    assert shm_names(prefix) == [f"{prefix}0"]
+    clock.now += 0.1
+    arena.trim()
+    assert shm_names(prefix) == [] and arena.bytes_reserved == 0
+
+
+def test_idle_release_comes_from_the_environment(monkeypatch, prefix):
+    monkeypatch.setenv(shm.IDLE_RELEASE_ENV, "0.25")
+    assert shm.ShmArena(prefix).idle_release_s == 0.25
+    assert shm.ShmArena(prefix, idle_release_s=3).idle_release_s == 3
+    monkeypatch.setenv(shm.IDLE_RELEASE_ENV, "soon")
+    assert shm.ShmArena(prefix).idle_release_s == 10.0
+
+
+def test_map_cache_sweep_drops_segments_their_owner_unlinked(make_arena, cache, prefix):
+    arena = make_arena(idle_release_s=0)
+    slot = arena.alloc(100)
+    cache.view(slot.ref).release()
+    other = f"{prefix}client"
+    m = shm.create_segment(other, 64)
+    try:
+        cache.view(ShmRef(other, 0, 8)).release()
+        arena.free(slot.ref)
+        arena.trim()
+        assert shm_names(prefix) == [other]
+        cache.sweep()
+        assert set(cache._maps) == {other}      # not idle: only the unlinked one goes
+    finally:
+        m.close()
+        shm.unlink_segment(other)
+
+
+# A /dev/shm of a few MiB of our own: a child process in a private mount namespace (root, or
+# a user namespace that allows mounts), so a full tmpfs is real and the host's is untouched.
+def _small_shm_possible() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "sh", "-c",
+                               "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+needs_small_shm = pytest.mark.skipif(not _small_shm_possible(),
+                                     reason="needs `unshare -m` and mount (root) for a small /dev/shm")
+
+
+def in_small_shm(size: str, code: str):
+    """Run ``code`` with /dev/shm a tmpfs of ``size``; returns what it prints as JSON."""
+    prelude = ("import json, os, re\nfrom shmserve.ipc import shm\nfrom shmserve.ipc.messages "
+               "import ShmRef\nMiB = 1 << 20\n")
+    r = subprocess.run(["unshare", "-m", "sh", "-c",
+                        f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$@"',
+                        sys.executable, "-c", prelude + textwrap.dedent(code)],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr      # -7 would be SIGBUS
+    return json.loads(r.stdout)
+
+
+@needs_small_shm
+def test_a_full_dev_shm_is_an_error_not_a_sigbus():
+    out = in_small_shm("8m", """
+        arena = shm.ShmArena(shm.new_server_prefix())    # 64 MiB chunks on an 8 MiB /dev/shm
+        a = arena.alloc(5 * MiB)
+        a.view[:] = b"a" * len(a.view)                   # every page is there to touch
+        try:
+            arena.alloc(4 * MiB)                         # 3 MiB more pages than reserved
+            err = None
+        except shm.ShmFull as e:
+            err = str(e)
+        used_after_error = arena.bytes_used
+        try:                                             # a chunk of its own: not left behind
+            arena.alloc(100 * MiB)
+        except shm.ShmFull:
+            pass
+        names = os.listdir("/dev/shm")
+        b = arena.alloc(2 * MiB)                         # what still fits is served
+        b.view[:] = b"b" * len(b.view)
+        print(json.dumps({"err": err, "used": used_after_error, "names": len(names),
+                          "free": shm.free_bytes()}))
+    """)
+    m = re.fullmatch(r"not enough shared memory: /dev/shm is full \((\d+) bytes free, (\d+) needed "
+                     r"to hold 4194304 bytes\); enlarge /dev/shm \(docker run --shm-size\)",
+                     out["err"])
+    assert m, out["err"]
+    assert (int(m.group(1)), int(m.group(2))) == (2 << 20, 3 << 20)
+    assert out["used"] == 5 << 20 and out["names"] == 1
+    assert out["free"] < 1 << 20
+
+
+@needs_small_shm
+def test_a_step_that_does_not_fit_falls_back_to_the_exact_size():
+    out = in_small_shm("5m", """
+        arena = shm.ShmArena(shm.new_server_prefix())
+        s = arena.alloc(4 * MiB + 100)                   # a 6 MiB step does not fit in 5 MiB
+        s.view[:] = b"x" * len(s.view)
+        print(json.dumps({"reserved": arena.bytes_reserved}))
+    """)
+    assert out["reserved"] == (4 << 20) + 4096          # rounded up to whole pages only
+
+
+@needs_small_shm
+def test_create_segment_refuses_more_than_free_space():
+    out = in_small_shm("4m", """
+        p = shm.new_server_prefix()
+        try:
+            shm.create_segment(p + "big", 5 * MiB)
+            err = None
+        except shm.ShmFull as e:
+            err = str(e)
+        left = os.listdir("/dev/shm")
+        m = shm.create_segment(p + "fits", 3 * MiB)
+        m[:] = b"y" * len(m)
+        print(json.dumps({"err": err, "left": left, "free": shm.free_bytes()}))
+    """)
+    assert "/dev/shm is full" in out["err"] and f"{5 << 20} needed" in out["err"]
+    assert out["left"] == [] and out["free"] == 1 << 20
+
+
+@needs_small_shm
+def test_trimmed_memory_goes_back_to_dev_shm_once_readers_let_go():
+    out = in_small_shm("16m", """
+        arena = shm.ShmArena(shm.new_server_prefix(), idle_release_s=0)
+        reader = shm.ShmMapCache()
+        empty = shm.free_bytes()
+        s = arena.alloc(8 * MiB)
+        s.view[:] = b"z" * len(s.view)
+        v = reader.view(s.ref)                           # another process's mapping, in effect
+        held = bytes(v[:1]) == b"z"
+        v.release()
+        arena.free(s.ref)
+        del s
+        arena.trim()
+        unlinked_but_mapped = shm.free_bytes()
+        reader.sweep()
+        print(json.dumps({"empty": empty, "mapped": unlinked_but_mapped, "after": shm.free_bytes(),
+                          "held": held, "names": os.listdir("/dev/shm")}))
+    """)
+    assert out["held"] and out["names"] == []
+    assert out["mapped"] <= out["empty"] - (8 << 20)    # the reader's mapping kept the pages
+    assert out["after"] == out["empty"]
+
+
+@needs_small_shm
+def test_a_failed_allocation_does_not_keep_an_idle_chunk_alive():
+    out = in_small_shm("4m", """
+        now = [0.0]
+        arena = shm.ShmArena(shm.new_server_prefix(), idle_release_s=10, clock=lambda: now[0])
+        arena.free(arena.alloc(MiB).ref)                 # idle from 0 s, 2 MiB reserved
+        now[0] = 9.0
+        try:
+            arena.alloc(5 * MiB)                         # would grow that idle chunk: no room
+        except shm.ShmFull:
+            pass
+        now[0] = 10.5
+        arena.trim()
+        print(json.dumps({"names": os.listdir("/dev/shm"), "free": shm.free_bytes()}))
+    """)
+    assert out == {"names": [], "free": 4 << 20}
