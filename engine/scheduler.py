@@ -19,7 +19,7 @@ import time
 import msgspec
 import zmq
 
-from shmserve.ipc import channel, logs, shm
+from shmserve.ipc import channel, logs, packets, shm
 from shmserve.ipc.messages import ProcessExited, ServerSettings
 from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
 
@@ -42,8 +42,8 @@ class SchedulerShell:
         self.inbox.bind_also(self.wake_address)
         self.alarm = Alarm(channel.context(), self.wake_address)
         self.exits = ExitWatcher(channel.context(), self.wake_address)
-        self.frontends: dict[int, channel.Outbox] = {}
-        self.workers: dict[int, channel.Outbox] = {}
+        self.frontends: dict[int, packets.PacketOutbox | channel.Outbox] = {}
+        self.workers: dict[int, packets.PacketOutbox | channel.Outbox] = {}
         self.procs: dict[int, WorkerProcess] = {}
         self.core = SchedulerCore(settings, self, counters=channel.COUNTERS.as_dict)
         self.stop: StopFlag | None = None       # once install_signals ran
@@ -53,18 +53,39 @@ class SchedulerShell:
     # ---- the port ---------------------------------------------------------------------------------
     def connect_frontend(self, frontend: int, address: str) -> None:
         if frontend not in self.frontends:
-            self.frontends[frontend] = channel.Outbox(address)
+            try:
+                self.frontends[frontend] = channel.outbox_for(address)
+            except packets.PeerGone as e:
+                log.warning("frontend %d said hello but cannot be reached: %s", frontend, e)
 
     def send_frontend(self, frontend: int, msg) -> None:
         box = self.frontends.get(frontend)
-        if box is not None:
+        if box is None:
+            return
+        try:
             box.send(msg)
+        except (packets.PeerGone, packets.PeerStalled) as e:
+            # a frontend that died or stopped reading: what it waited for is lost with it
+            log.warning("dropping a %s for frontend %d: %s", type(msg).__name__, frontend, e)
+            if isinstance(e, packets.PeerGone):
+                del self.frontends[frontend]
+                box.close()
 
     def connect_worker(self, spawn_id: int, address: str) -> None:
-        self.workers[spawn_id] = channel.Outbox(address)
+        try:
+            self.workers[spawn_id] = channel.outbox_for(address)
+        except packets.PeerGone as e:       # it died right after saying ready: its exit follows
+            log.warning("worker %d cannot be reached: %s", spawn_id, e)
 
     def send_worker(self, spawn_id: int, msg, payloads=()) -> None:
-        self.workers[spawn_id].send(msg, payloads)
+        box = self.workers.get(spawn_id)
+        if box is None:
+            return
+        try:
+            box.send(msg, payloads)
+        except (packets.PeerGone, packets.PeerStalled) as e:
+            # dead (its exit is reported next and its batch retried) or stopped (killed soon)
+            log.warning("could not send a %s to worker %d: %s", type(msg).__name__, spawn_id, e)
 
     def spawn(self, spawn_id: int, spec) -> None:
         proc = spawn_worker(spawn_id, self.settings.run_dir, self.inbox.address,

@@ -19,7 +19,7 @@ from typing import Callable
 
 import zmq
 
-from shmserve.ipc import channel
+from shmserve.ipc import channel, packets
 from shmserve.ipc.messages import (
     CancelRequest,
     ControlAction,
@@ -60,9 +60,9 @@ class EngineClient:
         self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
         self.loop = loop
-        self.inbox = channel.Inbox(channel.address(run_dir, f"frontend-{frontend_id}"))
+        self.inbox = channel.inbox_for(channel.frontend_address(run_dir, frontend_id))
         self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
-        self.workers: dict[str, channel.Outbox] = {}
+        self.workers: dict[str, packets.PacketOutbox | channel.Outbox] = {}
         self.catalog = ModelCatalog()
         self.pending: dict[int, ResultCallback] = {}
         # what each pending request was sent as, to submit it again if its answer dies with
@@ -198,11 +198,15 @@ class EngineClient:
                                           code=ErrorCode.UNAVAILABLE))
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
-        box = self.workers.get(worker)
-        if box is None:
-            box = self.workers[worker] = channel.Outbox(worker)
         try:
+            box = self.workers.get(worker)
+            if box is None:
+                box = self.workers[worker] = channel.outbox_for(worker)
             box.send(ReleaseOutputs(refs), flags=channel.NOBLOCK)
+        except packets.PeerGone:        # the worker died: its segments went with it
+            gone = self.workers.pop(worker, None)
+            if gone is not None:
+                gone.close()
         except zmq.Again:
             log.warning("could not return %d output slot(s) to %s", len(refs), worker)
 

@@ -10,7 +10,8 @@ import os
 
 import zmq
 
-from . import messages
+from . import messages, packets
+from .counters import COUNTERS, IpcCounters  # noqa: F401  (re-exported)
 
 # Tensors up to this size ride inside messages; larger ones go through shared memory.
 INLINE_LIMIT = 64 * 1024
@@ -32,20 +33,6 @@ _RCVTIMEO = int(zmq.RCVTIMEO)
 NOBLOCK = int(zmq.NOBLOCK)
 
 
-class IpcCounters:
-    __slots__ = ("sent_bytes", "received_bytes", "sent_messages", "received_messages",
-                 "largest_sent", "largest_received")
-
-    def __init__(self):
-        self.sent_bytes = self.received_bytes = 0
-        self.sent_messages = self.received_messages = 0
-        self.largest_sent = self.largest_received = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__slots__}
-
-
-COUNTERS = IpcCounters()
 
 _context: zmq.Context | None = None
 
@@ -59,6 +46,31 @@ def context() -> zmq.Context:
 
 def address(run_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(run_dir, name)}"
+
+
+def frontend_address(run_dir: str, frontend_id: int) -> str:
+    """A frontend's inbox: workers' answers and the scheduler's replies arrive there over the
+    thread-free transport (ipc/packets.py); only frontends -> scheduler stays on ZeroMQ."""
+    return f"{packets.SCHEME}{os.path.join(run_dir, f'frontend-{frontend_id}.pkt')}"
+
+
+def worker_address(run_dir: str, spawn_id: int) -> str:
+    """A worker's inbox (the scheduler's batches and pings, frontends' released outputs), on
+    the thread-free transport."""
+    return f"{packets.SCHEME}{os.path.join(run_dir, f'w{spawn_id}.pkt')}"
+
+
+def inbox_for(addr: str):
+    """The inbox for an address: ``unix://`` is ipc.packets, ``ipc://``/``inproc://`` ZeroMQ."""
+    return packets.PacketInbox(addr) if packets.is_packet_address(addr) else Inbox(addr)
+
+
+def outbox_for(addr: str, wait_connected_s: float = 0.0):
+    """The outbox for an address (see ``inbox_for``). A packet outbox connects at once and
+    raises ``packets.PeerGone`` when nothing listens there."""
+    if packets.is_packet_address(addr):
+        return packets.PacketOutbox(addr, wait_connected_s)
+    return Outbox(addr, wait_connected_s)
 
 
 class Inbox:

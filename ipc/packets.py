@@ -30,6 +30,7 @@ from collections import deque
 import zmq
 
 from . import messages
+from .counters import COUNTERS
 
 SCHEME = "unix://"
 MAX_PACKET = 128 * 1024          # fits the default AF_UNIX send buffer with room to spare
@@ -37,7 +38,7 @@ SEND_TIMEOUT_S = 10.0
 SOCKET_BUFFER = 4 << 20          # asked for; the kernel caps it (net.core.[rw]mem_max)
 MORE = 1
 _PREFIX = struct.Struct("<BH")
-_NOBLOCK = int(zmq.NOBLOCK)
+_NOBLOCK = NOBLOCK = int(zmq.NOBLOCK)
 _RECV_SIZE = MAX_PACKET + 64
 
 
@@ -108,7 +109,6 @@ class PacketInbox:
         self.ready: deque = deque()
         self.timeout_s = -1.0
         self.buf = bytearray(_RECV_SIZE)
-        self.received_messages = 0
 
     def fileno(self) -> int:
         return self.epoll.fileno()
@@ -128,12 +128,29 @@ class PacketInbox:
         (at once with NOBLOCK, else after the timeout)."""
         ready = self.ready
         if not ready:
-            self._collect(0.0 if flags & _NOBLOCK else self.timeout_s)
-            while not ready:
-                if flags & _NOBLOCK or not self._collect(self.timeout_s):
-                    raise zmq.Again()
+            if flags & _NOBLOCK:
+                while self._collect(0.0) and not ready:
+                    pass
+            elif self.timeout_s < 0:
+                while not ready:
+                    self._collect(-1.0)
+            else:
+                # readiness without a message (a new peer, part of a fragmented message) must
+                # not start the wait again: the timeout is for the whole receive
+                deadline = time.monotonic() + self.timeout_s
+                while not ready:
+                    left = deadline - time.monotonic()
+                    if left <= 0 or not self._collect(left):
+                        break
+            if not ready:
+                raise zmq.Again()
         head, frames = ready.popleft()
-        self.received_messages += 1
+        c = COUNTERS
+        size = len(head) + sum(len(f) for f in frames)
+        c.received_bytes += size
+        c.received_messages += 1
+        if size > c.largest_received:
+            c.largest_received = size
         return messages.decode(head), frames
 
     def _collect(self, timeout: float) -> bool:
@@ -225,7 +242,6 @@ class PacketOutbox:
             pass
         self._connect(_path(addr), wait_connected_s)
         self.sock.setblocking(False)
-        self.sent_messages = 0
         self.gone = False
 
     def _connect(self, path: str, wait_s: float) -> None:
@@ -247,6 +263,11 @@ class PacketOutbox:
         head = messages.encode(msg)
         parts = _encode_frames(head, payloads)
         size = sum(len(p) for p in parts)
+        c = COUNTERS
+        c.sent_bytes += size
+        c.sent_messages += 1
+        if size > c.largest_sent:
+            c.largest_sent = size
         if size <= MAX_PACKET:
             self._send_packet(parts, flags)
         else:
@@ -264,7 +285,6 @@ class PacketOutbox:
                         self.gone = True
                         self.sock.close()
                     raise
-        self.sent_messages += 1
 
     def _send_packet(self, parts: list, flags: int) -> None:
         if self.gone:

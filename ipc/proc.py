@@ -10,7 +10,7 @@ from typing import Callable
 
 import zmq
 
-from . import channel, messages
+from . import channel, messages, packets
 
 _PR_SET_PDEATHSIG = 1
 
@@ -90,3 +90,26 @@ class InboxWaker:
 def failure_path(args_path: str) -> str:
     """Where a worker that failed to load writes why, beside its arguments file."""
     return args_path + ".failed"
+
+
+class PacketWaker:
+    """``InboxWaker`` for a ``packets.PacketInbox``: a connection to the inbox itself, on
+    which a signal handler posts ``Wake``. ``attach`` it once the inbox exists; a signal
+    before that only sets the stop flag, which the loop reads before it blocks."""
+
+    def __init__(self) -> None:
+        self.box: packets.PacketOutbox | None = None
+
+    def attach(self, inbox: packets.PacketInbox) -> None:
+        self.box = packets.PacketOutbox(inbox.address)
+
+    def __call__(self, signum: int = 0) -> None:
+        if self.box is not None:
+            try:
+                self.box.send(messages.Wake(), (), packets.NOBLOCK)
+            except (zmq.Again, packets.PeerGone):   # a full inbox is awake anyway
+                pass
+
+    def close(self) -> None:
+        if self.box is not None:
+            self.box.close()

@@ -18,7 +18,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from shmserve.ipc import channel, logs
+from shmserve.ipc import channel, logs, packets
 from shmserve.ipc.messages import (
     BatchDone,
     CancelRequest,
@@ -39,7 +39,7 @@ from shmserve.ipc.messages import (
     decode_payload,
     parameter_problem,
 )
-from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent, failure_path
+from shmserve.ipc.proc import PacketWaker, StopFlag, die_with_parent, failure_path
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, pb_metrics, tensors, warmup
@@ -54,8 +54,6 @@ _METRICS_WAIT_MS = 100
 # How long the loop blocks when nothing is due. Signals and messages end the wait at once; the
 # timeout only lets metrics changed by a model's own threads reach /metrics within a second.
 IDLE_TIMEOUT_MS = 1000
-_POLLIN = int(zmq.POLLIN)
-_EVENTS = int(zmq.EVENTS)
 
 
 def _ignore(msg) -> None:
@@ -66,9 +64,9 @@ class Worker:
     def __init__(self, args: WorkerArgs):
         self.args = args
         self.args_path = ""         # set by main(): where our arguments came from
-        self.inbox = channel.Inbox(channel.address(args.run_dir, f"w{args.spawn_id}"))
+        self.inbox = packets.PacketInbox(channel.worker_address(args.run_dir, args.spawn_id))
         self.scheduler = channel.Outbox(args.scheduler)
-        self.frontends: dict[int, channel.Outbox] = {}
+        self.frontends: dict[int, packets.PacketOutbox] = {}
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
         self.spec = args.spec
@@ -92,12 +90,20 @@ class Worker:
         self.reshapes = tensors.Reshapes(config)
         self.checks = tensors.OutputChecks(config)
 
-    def frontend(self, fid: int) -> channel.Outbox:
-        box = self.frontends.get(fid)
-        if box is None:
-            box = self.frontends[fid] = channel.Outbox(
-                channel.address(self.args.run_dir, f"frontend-{fid}"), wait_connected_s=2.0)
-        return box
+    def answer(self, fid: int, msg) -> None:
+        """Send answers to a frontend. One that has gone, or has not read for
+        packets.SEND_TIMEOUT_S, loses them: its clients are gone or get its deadline error."""
+        try:
+            box = self.frontends.get(fid)
+            if box is None:
+                box = self.frontends[fid] = channel.outbox_for(
+                    channel.frontend_address(self.args.run_dir, fid), wait_connected_s=2.0)
+            box.send(msg)
+        except (packets.PeerGone, packets.PeerStalled) as e:
+            log.warning("answers for frontend %d dropped: %s", fid, e)
+            gone = self.frontends.pop(fid, None)
+            if gone is not None:
+                gone.close()
 
     def load(self) -> bool:
         try:
@@ -203,15 +209,14 @@ class Worker:
         the running batch is late (its request has finished) and is dropped; ``cancelled``
         holds keys of the running batch only and is cleared after it.
 
-        Only the main thread touches the socket (ZeroMQ sockets are single-threaded, and after
+        Only the main thread touches the inbox (it keeps no locks, and after
         execute() returns the loop owns it again); a model's own threads see what it recorded."""
         if self.running is None:
             return False
         if threading.get_ident() != self.main_thread:
             return key in self.cancelled
         inbox = self.inbox
-        sock = inbox.socket
-        while sock.get(_EVENTS) & _POLLIN:
+        while inbox.has_message():
             try:
                 msg, frames = inbox.recv(channel.NOBLOCK)
             except zmq.Again:
@@ -275,7 +280,7 @@ class Worker:
                 failed.append(i)
             by_frontend.setdefault(route.frontend, []).append(res)
         for fid, answers in by_frontend.items():
-            self.frontend(fid).send(answers[0] if len(answers) == 1 else InferResults(answers))
+            self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
         self.scheduler.send(BatchDone(self.args.spawn_id, batch.batch_id, failed,
                                       t1 - t0, t2 - t1, t3 - t2))
 
@@ -323,7 +328,7 @@ class Worker:
             if t.shm is not None and t.name not in targets:
                 self.arena.free(t.shm)
 
-    def close(self, waker: InboxWaker | None = None) -> None:
+    def close(self, waker: PacketWaker | None = None) -> None:
         if self.backend is not None:
             try:
                 self.backend.finalize()
@@ -335,8 +340,9 @@ class Worker:
         self.inbox.close()
         if waker is not None:
             waker.close()           # every socket must be closed before the context ends
-        for box in [self.scheduler, *self.frontends.values()]:
-            box.socket.close(linger=2000)
+        self.scheduler.socket.close(linger=2000)
+        for box in self.frontends.values():
+            box.close()             # packets: what was sent is in the frontend's socket already
         channel.context().term()
 
 
@@ -360,7 +366,7 @@ def main() -> None:
     die_with_parent(args.parent)
     logs.setup(f"worker {args.spec.instance_name}", args.log_verbose)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C; we obey Shutdown
-    waker = InboxWaker(f"w{args.spawn_id}")
+    waker = PacketWaker()
 
     def on_sigterm(signum: int) -> None:
         waker(signum)
@@ -369,7 +375,7 @@ def main() -> None:
     stop = StopFlag(signals=(signal.SIGTERM,), on_signal=on_sigterm, on_repeat=_exit_now)
     worker = Worker(args)
     worker.args_path = sys.argv[2]
-    worker.inbox.bind_also(waker.address)
+    waker.attach(worker.inbox)
     try:
         if worker.load():
             worker.run(stop)

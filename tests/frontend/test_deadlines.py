@@ -118,7 +118,7 @@ def test_an_answer_in_time_is_delivered_once_and_a_late_one_dropped(run_dir):
         try:
             got: list[InferResult] = []
             rid = client.submit("m", 1, _prepared(), got.append)
-            me = channel.Outbox(channel.address(run_dir, "frontend-0"))
+            me = channel.outbox_for(channel.frontend_address(run_dir, 0))
             me.send(InferResult(rid, "m", 1, outputs=[]))
             t = time.monotonic()
             # answered, then past its deadline: the sweep drops the entry without a word

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -140,3 +141,31 @@ def _bind_late_and_echo(addr: str, delay: float) -> None:
     inbox.set_timeout(10_000)
     msg, frames = inbox.recv()
     packets.PacketOutbox(frames[0].decode()).send(Pong(0, msg.seq))
+
+
+def test_the_timeout_is_for_the_whole_receive(addr):
+    """Readiness without a message (here: new peers, one every 0.1 s) must not start the wait
+    again: a worker pinged every 2 s with a 1 s timeout never timed out, so never trimmed its
+    arena. With the bug this receive would last as long as the peers keep coming."""
+    inbox = packets.PacketInbox(addr)
+    inbox.set_timeout(500)
+    done = threading.Event()
+    peers = []
+
+    def connect_peers():                # for about 3 s, then stop
+        for _ in range(30):
+            time.sleep(0.1)
+            peers.append(packets.PacketOutbox(addr))
+        done.set()
+
+    t = threading.Thread(target=connect_peers)
+    t.start()
+    try:
+        with pytest.raises(zmq.Again):
+            inbox.recv()
+        still_coming = not done.is_set()
+    finally:
+        t.join(10)
+    assert still_coming                 # it timed out while peers were still arriving
+    for p in peers:
+        p.close()

@@ -16,10 +16,10 @@ from shmserve.workers.main import Worker
 @pytest.fixture
 def worker(tmp_path):
     w = Worker.__new__(Worker)              # only what poll_cancelled uses; no model, no arena
-    w.inbox = channel.Inbox(channel.address(str(tmp_path), "w1"))
+    w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), 1))
     w.backlog, w.running, w.cancelled = deque(), None, set()
     w.main_thread = threading.get_ident()
-    out = channel.Outbox(w.inbox.address)
+    out = channel.outbox_for(w.inbox.address)
     yield w, out
     out.close()
     w.inbox.close()
