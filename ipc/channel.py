@@ -103,11 +103,7 @@ class Inbox:
             f = _recv(sock, 0)
             size += len(f)
             frames.append(f)
-        c = COUNTERS
-        c.received_bytes += size
-        c.received_messages += 1
-        if size > c.largest_received:
-            c.largest_received = size
+        COUNTERS.received(size)
         return messages.decode(head), frames
 
     def set_timeout(self, ms: int) -> None:
@@ -143,7 +139,6 @@ class Outbox:
     def send(self, msg, payloads=(), flags: int = 0) -> None:
         """Send a message and optional payload frames (bytes, forwarded as they are)."""
         head = messages.encode(msg)
-        c = COUNTERS
         size = len(head)
         sock = self.socket
         if payloads:
@@ -155,10 +150,7 @@ class Outbox:
                 _send(sock, p, more if i < last else flags)
         else:
             _send(sock, head, flags)
-        c.sent_bytes += size
-        c.sent_messages += 1
-        if size > c.largest_sent:
-            c.largest_sent = size
+        COUNTERS.sent(size)
 
     def close(self) -> None:
         self.socket.close(0)

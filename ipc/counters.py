@@ -13,6 +13,18 @@ class IpcCounters:
         self.sent_messages = self.received_messages = 0
         self.largest_sent = self.largest_received = 0
 
+    def received(self, size: int) -> None:
+        self.received_bytes += size
+        self.received_messages += 1
+        if size > self.largest_received:
+            self.largest_received = size
+
+    def sent(self, size: int) -> None:
+        self.sent_bytes += size
+        self.sent_messages += 1
+        if size > self.largest_sent:
+            self.largest_sent = size
+
     def as_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
 

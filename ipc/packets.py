@@ -145,12 +145,7 @@ class PacketInbox:
             if not ready:
                 raise zmq.Again()
         head, frames = ready.popleft()
-        c = COUNTERS
-        size = len(head) + sum(len(f) for f in frames)
-        c.received_bytes += size
-        c.received_messages += 1
-        if size > c.largest_received:
-            c.largest_received = size
+        COUNTERS.received(len(head) + sum(len(f) for f in frames))
         return messages.decode(head), frames
 
     def _collect(self, timeout: float) -> bool:
@@ -263,11 +258,7 @@ class PacketOutbox:
         head = messages.encode(msg)
         parts = _encode_frames(head, payloads)
         size = sum(len(p) for p in parts)
-        c = COUNTERS
-        c.sent_bytes += size
-        c.sent_messages += 1
-        if size > c.largest_sent:
-            c.largest_sent = size
+        COUNTERS.sent(size)
         if size <= MAX_PACKET:
             self._send_packet(parts, flags)
         else:

@@ -10,7 +10,6 @@ import http.client
 import json
 import os
 import re
-import subprocess
 import threading
 from unittest import mock
 
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from oshelpers import small_shm_possible
 from repo_builder import IDENTITY, write_model
 from serverproc import Server, descendants, wait_for
 from tritonclient.utils import InferenceServerException
@@ -31,17 +31,11 @@ FULL = (r"not enough shared memory: /dev/shm is full \(\d+ bytes free, \d+ neede
         r"\d+ bytes\); enlarge /dev/shm \(docker run --shm-size\)")
 
 
-def _small_shm_possible() -> bool:
-    try:
-        return subprocess.run(["unshare", "-m", "sh", "-c",
-                               "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+
 
 
 needs_small_shm = pytest.mark.skipif(
-    not _small_shm_possible(),
+    not small_shm_possible(),
     reason="needs `unshare -m` and permission to mount a tmpfs (root) for a small /dev/shm")
 
 

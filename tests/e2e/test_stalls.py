@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
+from oshelpers import full_pipe
 from repo_builder import IDENTITY, PID_SLOW, write_model
 from serverproc import Server, alive, descendants, wait_for
 from tritonclient.utils import InferenceServerException
@@ -170,25 +171,14 @@ def test_a_request_nobody_answers_gets_an_error_at_the_deadline(tmp_path):
 
 
 # ---- a log pipe that nobody reads ---------------------------------------------------------------------
-def _full_pipe() -> tuple[int, int]:
-    """A pipe whose buffer is already full: the next write to it blocks until someone reads."""
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    for chunk in (4096, 1):
-        try:
-            while True:
-                os.write(w, b"x" * chunk)
-        except BlockingIOError:
-            pass
-    os.set_blocking(w, True)        # the server must find its stdout as a blocking pipe
-    return r, w
+
 
 
 def test_a_full_log_pipe_does_not_freeze_the_server(tmp_path):
     repo = str(tmp_path / "models")
     write_model(repo, "good", IDENTITY_CONFIG, IDENTITY)
     port_file = str(tmp_path / "ports.json")
-    r, w = _full_pipe()
+    r, w = full_pipe()
     proc = subprocess.Popen(
         [sys.executable, "-m", "shmserve.engine.cli", "--model-repository", repo,
          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",

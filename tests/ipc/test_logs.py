@@ -5,6 +5,7 @@ import re
 import threading
 import time
 
+import oshelpers
 import pytest
 
 from shmserve.ipc import logs
@@ -23,15 +24,7 @@ def _root_logger_restored():
 
 @pytest.fixture
 def full_pipe():
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    for chunk in (4096, 1):
-        try:
-            while True:
-                os.write(w, b"x" * chunk)
-        except BlockingIOError:
-            pass
-    os.set_blocking(w, True)
+    r, w = oshelpers.full_pipe()
     stream = os.fdopen(w, "w", buffering=1)
     yield r, stream
     logs.stop()

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import pytest
+from oshelpers import small_shm_possible
 
 from shmserve.ipc import shm
 from shmserve.ipc.messages import ShmRef
@@ -460,18 +461,8 @@ def test_map_cache_sweep_drops_segments_their_owner_unlinked(make_arena, cache, 
         shm.unlink_segment(other)
 
 
-# A /dev/shm of a few MiB of our own: a child process in a private mount namespace (root, or
-# a user namespace that allows mounts), so a full tmpfs is real and the host's is untouched.
-def _small_shm_possible() -> bool:
-    try:
-        return subprocess.run(["unshare", "-m", "sh", "-c",
-                               "mount -t tmpfs -o size=1m tmpfs /dev/shm"],
-                              capture_output=True, timeout=10).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-needs_small_shm = pytest.mark.skipif(not _small_shm_possible(),
+# A /dev/shm of a few MiB of our own (oshelpers.small_shm_possible).
+needs_small_shm = pytest.mark.skipif(not small_shm_possible(),
                                      reason="needs `unshare -m` and mount (root) for a small /dev/shm")
 
 
