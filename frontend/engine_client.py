@@ -81,7 +81,7 @@ class EngineClient:
             ControlReply: self._answer_query,
         }
         loop.add_reader(self.inbox.fileno(), self._drain)
-        loop.call_soon(self._drain)     # the fd is edge-triggered: collect anything already queued
+        loop.call_soon(self._drain)     # collect anything that came before the reader
         self.scheduler.send(FrontendHello(frontend_id, self.inbox.address))
 
     def submit(self, model: str, version: int, prepared: PreparedRequest,
@@ -259,8 +259,9 @@ class EngineClient:
             try:
                 handler(msg)
             except Exception:
-                # the inbox fd is edge-triggered: stopping here would strand the messages
-                # behind this one until the next arrives, so a failing callback costs only itself
+                # the messages already read out of the socket wait in the inbox, and the fd
+                # does not show them: stopping here would strand them until the next arrives,
+                # so a failing callback costs only itself
                 log.exception("error handling a %s message", type(msg).__name__)
 
     def _deliver_many(self, msg: InferResults) -> None:

@@ -99,6 +99,8 @@ def write_model(repo: str, name: str, config: str, versions=(1,)) -> None:
 
 IO = '''input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]'''
+ONE = 'instance_group [ { count: 1 kind: KIND_CPU } ]'
+TWO = 'instance_group [ { count: 2 kind: KIND_CPU } ]'
 
 
 class Harness:

@@ -4,7 +4,7 @@ import os
 import shutil
 
 import pytest
-from fakes import IO, Harness, write_model
+from fakes import IO, ONE, TWO, Harness, write_model
 
 from shmserve.engine.models import BACKOFF_FIRST_S, CRASH_LOOP_DEATHS, PING_TIMEOUT_S
 from shmserve.ipc.messages import (
@@ -20,9 +20,6 @@ from shmserve.ipc.messages import (
     StateCause,
     StatsQuery,
 )
-
-ONE = 'instance_group [ { count: 1 kind: KIND_CPU } ]'
-TWO = 'instance_group [ { count: 2 kind: KIND_CPU } ]'
 
 
 @pytest.fixture

@@ -1,13 +1,10 @@
 """Workers that are stuck without dying (issue 13), in-process with the fake port and clock: a
 load that never becomes ready (a hung initialize()) and a process the kernel reports stopped."""
 import pytest
-from fakes import IO, Harness, write_model
+from fakes import IO, ONE, TWO, Harness, write_model
 
 from shmserve.engine.models import STOPPED_KILL_S
 from shmserve.ipc.messages import ControlAction, ControlRequest, ErrorCode, ModelState, StateCause
-
-ONE = 'instance_group [ { count: 1 kind: KIND_CPU } ]'
-TWO = 'instance_group [ { count: 2 kind: KIND_CPU } ]'
 
 
 @pytest.fixture

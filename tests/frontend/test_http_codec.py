@@ -89,15 +89,6 @@ def catalog():
 
 
 @pytest.fixture
-def arena():
-    prefix = shm.new_server_prefix()
-    a = shm.ShmArena(prefix, chunk_size=2 << 20)
-    yield a
-    a.close()
-    shm.unlink_prefixed(prefix)
-
-
-@pytest.fixture
 def maps():
     m = shm.ShmMapCache()
     yield m

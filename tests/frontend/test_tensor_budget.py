@@ -12,7 +12,6 @@ from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
 from shmserve.frontend.request import RequestLimits, TensorBudget
 from shmserve.frontend.shm_registry import ShmRegistry
-from shmserve.ipc import shm
 from shmserve.ipc.messages import InferResult, ModelTable, Tensor
 
 LIMITS = RequestLimits(max_tensor_bytes=1000, max_json_elements=10)
@@ -23,15 +22,6 @@ def catalog():
     c = ModelCatalog()
     c.update(ModelTable([_info(n, t) for n, t in CONFIGS.items()], startup_done=True))
     return c
-
-
-@pytest.fixture
-def arena():
-    prefix = shm.new_server_prefix()
-    a = shm.ShmArena(prefix, chunk_size=2 << 20)
-    yield a
-    a.close()
-    shm.unlink_prefixed(prefix)
 
 
 def _refused(call, *words):
