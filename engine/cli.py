@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-requests", type=int, default=D["max_inflight_requests"],
                    help="requests a frontend holds at once before refusing more with 503 "
                         "(0 = no limit)")
+    p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
+                   help="lend an idle instance of a model without dynamic batching to the "
+                        "frontend that uses it, which then sends it requests directly (one hop "
+                        "fewer while the model's queue is empty); false sends every request "
+                        "through the scheduler")
     p.add_argument("--disable-auto-complete-config", action="store_true",
                    help="do not fill in model configs from the models (ONNX inputs/outputs, "
                         "python auto_complete_config)")
@@ -192,7 +197,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         load_models=a.load_model,
         auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True),
         execution_timeout_secs=a.execution_timeout_secs,
-        max_inflight_requests=a.max_inflight_requests)
+        max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases)
     return settings, a
 
 

@@ -30,6 +30,8 @@ from shmserve.ipc.messages import (
     ForgetSegments,
     FrontendHello,
     InferResult,
+    LeasedDone,
+    LeaseEnded,
     Pong,
     RequestRoute,
     ServerSettings,
@@ -45,11 +47,12 @@ from shmserve.ipc.messages import (
 
 from .batching import QueuedRequest, QueueFull
 from .instances import Death, InstanceSupervisor, Outcome
+from .leases import LeaseBook
 from .lifecycle import ModelLifecycle, Waiter
 from .models import Instance, ModelVersion
 from .port import SchedulerPort
 from .repository import ModelRepository
-from .states import InstanceState, ModelState
+from .states import InstanceState, KillReason, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
 
@@ -63,6 +66,7 @@ class SchedulerCore:
         self.clock = clock                      # monotonic ns, the clock frontends stamp with
         self.counters = counters                # the shell's IPC byte counters, for /metrics
         self.supervisor = InstanceSupervisor(port, clock, settings.model_load_timeout_secs)
+        self.leases = LeaseBook(port, clock, settings.instance_leases)
         repository = ModelRepository(settings.model_repositories,
                                      settings.model_config_name or None,
                                      auto_complete=settings.auto_complete)
@@ -83,6 +87,7 @@ class SchedulerCore:
             Pong: self.supervisor.pong, CancelRequest: self.cancel,
             ControlRequest: self.lifecycle.control, StatsQuery: self.stats_query,
             CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
+            LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
         }
 
     @property
@@ -102,6 +107,9 @@ class SchedulerCore:
             return
         if kind is BatchDone:
             self.batch_done(msg)
+            return
+        if kind is LeasedDone:
+            self.leased_done(msg)
             return
         handler = self.handlers.get(kind)
         if handler is None:
@@ -178,6 +186,14 @@ class SchedulerCore:
         req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
                             priority=msg.priority, timeout_us=msg.timeout_us,
                             shape_key=msg.shape_key, received_ns=msg.received_ns)
+        if msg.lost:        # it went to a leased worker that died: retried alone, or failed
+            if not (msg.lost_retry and ver.retry_on_death and not self.stopping):
+                ver.stats.failed("BACKEND", self.clock() - msg.received_ns)
+                self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+                                 ErrorCode.INTERNAL, msg.lost)
+                return
+            req.alone = True
+        self.leases.note_request(ver, msg.frontend)
         try:
             ver.queue.enqueue(req)
         except QueueFull as e:
@@ -215,6 +231,11 @@ class SchedulerCore:
         for req in queue.take_expired():
             self.reject(ver, req, "Request timeout expired")
         batches = queue.next_batches()
+        if self.leases.by_version and (len(queue) or ver.state != ModelState.READY):
+            # requests wait for an instance, or the version drains: a leased one comes back
+            self.leases.revoke(ver)
+        elif not len(queue) and self.leases.enabled and getattr(queue, "idle", None):
+            self.leases.offer(ver, queue.idle)      # type: ignore[attr-defined]
         if not batches:
             return
         queued_in = self.queued_in
@@ -235,6 +256,23 @@ class SchedulerCore:
             self.port.send_worker(inst.spawn_id, ExecuteBatch(self.batch_counter, routes),
                                   [r.payload for r in reqs])
 
+    def leased_done(self, msg: LeasedDone) -> None:
+        """Statistics of requests frontends sent under leases (their workers answered them)."""
+        by_spawn, versions = self.supervisor.by_spawn, self.versions
+        for done in msg.records:
+            head = done.leased
+            if head is None:
+                continue
+            found = by_spawn.get(done.spawn_id)
+            if found is not None:
+                found[1].deaths_in_a_row = 0
+            # its worker may have ended since
+            ver = found[0] if found is not None else versions.get((head.model, head.version))
+            if ver is None:
+                continue
+            self.account(ver, [QueuedRequest(head.req_id, head.frontend, head.batch_size, None,
+                                             received_ns=head.received_ns)], done)
+
     def batch_done(self, msg: BatchDone) -> None:
         found = self.supervisor.by_spawn.get(msg.spawn_id)
         if found is None:
@@ -254,7 +292,7 @@ class SchedulerCore:
             self.lifecycle.drain_progress(ver)
 
     def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone) -> None:
-        now = self.clock()
+        now = done.finished_ns or self.clock()
         failed = set(done.failed)
         stats = ver.stats
         stats.executed(sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or
@@ -267,6 +305,18 @@ class SchedulerCore:
                 stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
                                 done.compute_input_ns, done.compute_infer_ns,
                                 done.compute_output_ns)
+
+    def lease_ended(self, msg: LeaseEnded) -> None:
+        lease = self.leases.ended(msg.spawn_id, msg.lease_id)
+        if lease is None:
+            return
+        ver, inst = lease.version, lease.instance
+        if inst.state == InstanceState.LEASED:
+            inst.state = InstanceState.IDLE
+            ver.queue.instance_idle(inst)
+            self.dispatch(ver)
+        if ver.state != ModelState.READY:
+            self.lifecycle.drain_progress(ver)
 
     # ---- workers ----------------------------------------------------------------------------------
     def worker_ready(self, msg: WorkerReady) -> None:
@@ -307,6 +357,7 @@ class SchedulerCore:
         self.housekeeping_at = 0.0             # a restart may be due at once
         self.custom_metrics.pop(spawn_id, None)
         ver, inst = death.version, death.instance
+        self.leases.worker_exited(spawn_id, self.death_reason(death), death.kill_reason.retries)
         if inst.answered:
             by_frontend: dict[int, list[int]] = {}
             for fid, rid in inst.answered:
@@ -330,9 +381,8 @@ class SchedulerCore:
         restarted instance): a poison request then kills at most one more worker and fails by
         itself, while the others of its batch succeed. A request that already had its retry,
         or a model that turned retries off, gets the error."""
-        ver, inst = death.version, death.instance
-        reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
-                  f"{death.how} while executing this request")
+        ver = death.version
+        reason = self.death_reason(death)
         now = self.clock()
         retry = ver.retry_on_death and ver.state == ModelState.READY and not self.stopping \
             and death.kill_reason.retries
@@ -347,6 +397,11 @@ class SchedulerCore:
                              reason + ("; it had been retried alone after an earlier worker "
                                        "death, so it is not retried again" if r.alone else ""))
         self.dispatch(ver)
+
+    @staticmethod
+    def death_reason(death: Death) -> str:
+        return (f"the worker process of instance '{death.instance.name}' of model "
+                f"'{death.version.name}' {death.how} while executing this request")
 
     def crash_loop(self, ver: ModelVersion, inst: Instance, how: str) -> None:
         """Stop restarting: the version is UNAVAILABLE with the reason until it is reloaded."""
@@ -389,8 +444,19 @@ class SchedulerCore:
         sup = self.supervisor
         live = self.lifecycle.live_versions()
         wait = min(sup.restart_due(), self.poll_due(), sup.hang_due(live),
-                   sup.ping_due(self.versions.values()))
+                   sup.ping_due(self.versions.values()), self.leases_due())
         self.housekeeping_at = self.clock() / 1e9 + wait
+
+    def leases_due(self) -> float:
+        wait, hung = self.leases.due()
+        for lease in hung:
+            inst = lease.instance
+            if inst.kill_reason == KillReason.NONE:
+                limit = lease.version.execution_timeout_s
+                self.supervisor.kill(lease.version, inst, KillReason.EXECUTION_TIMEOUT,
+                                     f"exceeded the execution timeout of {limit:g} s and was "
+                                     f"killed")
+        return wait
 
     def poll_due(self) -> float:
         """Poll mode: rescan the repository when it is time; seconds until the next scan."""
@@ -407,6 +473,7 @@ class SchedulerCore:
         """Answer every queued request, ask every worker to finish its batch and exit.
         Returns the spawn ids the shell should wait for."""
         self.stopping = True
+        self.leases.stopping = True
         for ver in self.lifecycle.live_versions():
             self.fail_queued(ver, ErrorCode.UNAVAILABLE, "", "the server is shutting down")
         return self.supervisor.stop_all()

@@ -260,6 +260,7 @@ class ModelLifecycle:
         if ver in self.batching:
             self.batching.remove(ver)
         self.draining.append(ver)
+        self.dispatch(ver)          # what it holds runs; a lease on it is revoked
         self.drain_progress(ver)
 
     def drain_progress(self, ver: ModelVersion) -> None:

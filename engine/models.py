@@ -116,10 +116,12 @@ class ModelVersion:
         return self.config.HasField("dynamic_batching")
 
     def all_started(self) -> bool:
-        return all(i.state in (InstanceState.IDLE, InstanceState.BUSY) for i in self.instances)
+        return all(i.state in (InstanceState.IDLE, InstanceState.BUSY, InstanceState.LEASED)
+                   for i in self.instances)
 
     def busy(self) -> bool:
-        return any(i.state == InstanceState.BUSY for i in self.instances)
+        """Executing, or lent to a frontend (which may be sending it requests)."""
+        return any(i.state in (InstanceState.BUSY, InstanceState.LEASED) for i in self.instances)
 
 
 def restart_delay(deaths_in_a_row: int) -> float:

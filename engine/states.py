@@ -13,6 +13,7 @@ class InstanceState(enum.Enum):
     STARTING = "STARTING"       # spawned, loading the model
     IDLE = "IDLE"               # ready for a batch
     BUSY = "BUSY"               # executing a batch
+    LEASED = "LEASED"           # lent to a frontend, which sends it requests directly
     BACKOFF = "BACKOFF"         # died; waiting to be restarted
     STOPPED = "STOPPED"         # told to stop, or failed to load
 

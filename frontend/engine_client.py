@@ -4,6 +4,12 @@ Requests go to the scheduler as a routing header plus an opaque payload frame; r
 straight from the worker that ran them (one hop fewer than relaying through the scheduler), or
 from the scheduler when a request never reached a worker.
 
+While a model's queue is empty the scheduler may lend this frontend an idle instance
+(LeaseGranted): requests for that model then go straight to the worker, one at a time, and the
+scheduler hears of them only from the worker's statistics (engine/leases.py has the protocol).
+A request the worker hands back (LeaseBounced), or that a dying leased worker never answered
+(LeaseLost), is submitted to the scheduler: nothing is lost.
+
 Every accepted request is answered by its deadline (frontend/deadlines.py), whatever happens to
 it elsewhere: one timer on the loop answers those past it with "Request timeout expired" and
 cancels them in the scheduler. The last line of defence against an answer lost anywhere.
@@ -15,6 +21,7 @@ import itertools
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -30,6 +37,12 @@ from shmserve.ipc.messages import (
     FrontendHello,
     InferResult,
     InferResults,
+    LeaseBounced,
+    LeasedDone,
+    LeasedExecute,
+    LeaseGranted,
+    LeaseLost,
+    LeaseRevoked,
     ModelTable,
     ReleaseOutputs,
     ShmRef,
@@ -48,6 +61,17 @@ log = logging.getLogger("shmserve.frontend")
 
 ResultCallback = Callable[[InferResult], None]
 
+@dataclass(eq=False)
+class Lease:
+    lease_id: int
+    spawn_id: int
+    box: packets.PacketOutbox | channel.Outbox
+    busy: int = 0               # the request it is running (0 = free)
+
+
+# How long completion records of leased requests wait to go to the scheduler in bulk.
+LEASED_FLUSH_S = 0.05
+
 # How often the deadline sweep runs while requests are held (sooner when a deadline is nearer).
 SWEEP_S = 0.5
 
@@ -59,6 +83,7 @@ class EngineClient:
         self.deadlines = Deadlines(request_deadline_secs)
         self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
+        self.run_dir = run_dir
         self.loop = loop
         self.inbox = channel.inbox_for(channel.frontend_address(run_dir, frontend_id))
         self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
@@ -72,13 +97,21 @@ class EngineClient:
         self.ordered_key: dict[int, tuple[str, int]] = {}
         self.held: dict[int, InferResult] = {}
         self.queries: dict[int, asyncio.Future] = {}
+        self.leases: dict[tuple[str, int], Lease] = {}      # (model, version) -> lease
+        self.direct: dict[int, int] = {}        # request sent under a lease -> worker spawn id
+        self.leased_requests: dict[str, int] = {}   # per model, for /metrics
+        self.lost: list[LeaseLost] = []         # handled once the inbox is drained
+        self.done: list = []                    # leased completion records not yet sent
+        self.flusher: asyncio.TimerHandle | None = None
         self.ids = itertools.count(1)
         self.table_event = asyncio.Event()
         self.handlers: dict[type, Callable] = {
             InferResult: self._deliver, InferResults: self._deliver_many,
             WorkerGone: self._worker_gone,
             ModelTable: self._update_table, StatsReply: self._answer_query,
-            ControlReply: self._answer_query,
+            ControlReply: self._answer_query, LeaseGranted: self._lease_granted,
+            LeaseRevoked: self._lease_revoked, LeaseBounced: self._lease_bounced,
+            LeaseLost: self._lease_lost,
         }
         loop.add_reader(self.inbox.fileno(), self._drain)
         loop.call_soon(self._drain)     # collect anything that came before the reader
@@ -97,13 +130,16 @@ class EngineClient:
         head = SubmitRequest(req_id, self.frontend_id, model, version, prepared.batch_size,
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
                              prepared.shape_key)
-        try:
-            payload = encode_message(prepared.payload)
-            self.scheduler.send(head, (payload,), channel.NOBLOCK)
-        except zmq.Again:
-            on_result(InferResult(req_id, model, version, error="the scheduler queue is full",
-                                  code=ErrorCode.UNAVAILABLE))
-            return req_id
+        payload = encode_message(prepared.payload)
+        lease = self.leases.get((model, version)) if self.leases else None
+        if lease is None or lease.busy or ordered or not self._send_leased(lease, head, payload):
+            try:
+                self.scheduler.send(head, (payload,), channel.NOBLOCK)
+            except zmq.Again:
+                on_result(InferResult(req_id, model, version,
+                                      error="the scheduler queue is full",
+                                      code=ErrorCode.UNAVAILABLE))
+                return req_id
         self.pending[req_id] = on_result
         self.sent[req_id] = (head, payload)
         deadline = self.deadlines.add(req_id, head.received_ns, head.timeout_us)
@@ -116,7 +152,14 @@ class EngineClient:
         return req_id
 
     def _deliver(self, msg: InferResult) -> None:
-        self.sent.pop(msg.req_id, None)
+        sent = self.sent.pop(msg.req_id, None)
+        if self.direct:
+            self._lease_done(msg.req_id)
+        if msg.done is not None and sent is not None:
+            msg.done.leased = sent[0]
+            self.done.append(msg.done)
+            if self.flusher is None:
+                self.flusher = self.loop.call_later(LEASED_FLUSH_S, self.flush_done)
         key = self.ordered_key.get(msg.req_id)
         if key is None:
             cb = self.pending.pop(msg.req_id, None)
@@ -190,18 +233,11 @@ class EngineClient:
             head, payload = sent
             log.warning("request %d was answered by worker %d, which died; the answer did not "
                         "arrive, so it is submitted again", rid, msg.spawn_id)
-            try:
-                self.scheduler.send(head, (payload,), channel.NOBLOCK)
-            except zmq.Again:
-                self._deliver(InferResult(rid, head.model, head.version,
-                                          error="the scheduler queue is full",
-                                          code=ErrorCode.UNAVAILABLE))
+            self._resubmit(head, payload)
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
         try:
-            box = self.workers.get(worker)
-            if box is None:
-                box = self.workers[worker] = channel.outbox_for(worker)
+            box = self._worker_box(worker)
             box.send(ReleaseOutputs(refs), flags=channel.NOBLOCK)
         except packets.PeerGone:        # the worker died: its segments went with it
             gone = self.workers.pop(worker, None)
@@ -212,11 +248,122 @@ class EngineClient:
 
     def cancel(self, req_id: int) -> None:
         """The client went away: the scheduler drops the request if it has not started."""
+        spawn_id = self.direct.get(req_id)
+        if spawn_id is not None:        # running on a leased worker: it hears it directly
+            box = self.workers.get(channel.worker_address(self.run_dir, spawn_id))
+            if box is not None:
+                try:
+                    box.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
+                except (packets.PeerGone, zmq.Again):
+                    pass
+            return
         if req_id in self.pending:
             try:
                 self.scheduler.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
             except zmq.Again:
                 pass
+
+    def flush_done(self) -> None:
+        """Send the scheduler the completion records of leased requests (statistics)."""
+        self.flusher = None
+        if not self.done:
+            return
+        try:
+            self.scheduler.send(LeasedDone(self.done), flags=channel.NOBLOCK)
+        except zmq.Again:           # the scheduler is behind: keep them for the next flush
+            self.flusher = self.loop.call_later(LEASED_FLUSH_S, self.flush_done)
+            return
+        self.done = []
+
+    # ---- leases -----------------------------------------------------------------------------------
+    def _worker_box(self, address: str):
+        box = self.workers.get(address)
+        if box is None:
+            box = self.workers[address] = channel.outbox_for(address)
+        return box
+
+    def _send_leased(self, lease: Lease, head: SubmitRequest, payload: bytes) -> bool:
+        """False when the worker cannot take it now (gone, or its inbox full): the scheduler
+        gets it instead."""
+        try:
+            lease.box.send(LeasedExecute(lease.lease_id, head), (payload,), channel.NOBLOCK)
+        except packets.PeerGone:
+            self._drop_lease(lease)
+            return False
+        except zmq.Again:
+            return False
+        lease.busy = head.req_id
+        self.direct[head.req_id] = lease.spawn_id
+        counts = self.leased_requests
+        counts[head.model] = counts.get(head.model, 0) + 1
+        return True
+
+    def _lease_done(self, req_id: int) -> None:
+        spawn_id = self.direct.pop(req_id, None)
+        if spawn_id is None:
+            return
+        for lease in self.leases.values():
+            if lease.busy == req_id:
+                lease.busy = 0
+                return
+
+    def _lease_granted(self, msg: LeaseGranted) -> None:
+        try:
+            box = self._worker_box(channel.worker_address(self.run_dir, msg.spawn_id))
+        except packets.PeerGone:
+            return              # it died already: LeaseLost follows
+        self.leases[(msg.model, msg.version)] = Lease(msg.lease_id, msg.spawn_id, box)
+
+    def _lease_revoked(self, msg: LeaseRevoked) -> None:
+        for key, lease in list(self.leases.items()):
+            if lease.lease_id == msg.lease_id:
+                del self.leases[key]
+
+    def _drop_lease(self, gone: Lease) -> None:
+        for key, lease in list(self.leases.items()):
+            if lease is gone:
+                del self.leases[key]
+
+    def _lease_bounced(self, msg: LeaseBounced) -> None:
+        """The worker read our request after its lease ended: the scheduler runs it."""
+        self._lease_done(msg.req_id)
+        sent = self.sent.get(msg.req_id)
+        if sent is not None and msg.req_id in self.pending:
+            self._resubmit(sent[0], sent[1])
+
+    def _lease_lost(self, msg: LeaseLost) -> None:
+        for key, lease in list(self.leases.items()):
+            if lease.spawn_id == msg.spawn_id:
+                del self.leases[key]
+        gone = self.workers.pop(channel.worker_address(self.run_dir, msg.spawn_id), None)
+        if gone is not None:
+            gone.close()
+        # its answers may still be unread in the inbox: decide once everything is read
+        self.lost.append(msg)
+
+    def _resolve_lost(self) -> None:
+        lost, self.lost = self.lost, []
+        for msg in lost:
+            for rid, sid in list(self.direct.items()):
+                if sid != msg.spawn_id:
+                    continue
+                del self.direct[rid]
+                sent = self.sent.get(rid)
+                if sent is None or rid not in self.pending:
+                    continue
+                log.warning("request %d was running on leased worker %d, which ended; it goes "
+                            "to the scheduler", rid, msg.spawn_id)
+                head = sent[0]
+                head.lost, head.lost_retry = msg.reason, msg.retry
+                self._resubmit(head, sent[1])
+
+    def _resubmit(self, head: SubmitRequest, payload: bytes) -> None:
+        try:
+            self.scheduler.send(head, (payload,), channel.NOBLOCK)
+        except zmq.Again:
+            self._deliver(InferResult(head.req_id, head.model, head.version,
+                                      error="the scheduler queue is full",
+                                      code=ErrorCode.UNAVAILABLE))
 
     def forget_segments(self, segments: list[str]) -> None:
         self.scheduler.send(ForgetSegments(segments))
@@ -227,6 +374,7 @@ class EngineClient:
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut
+        self.flush_done()
         self.scheduler.send(ControlRequest(self.frontend_id, qid, action, name, config,
                                            unload_dependents))
         try:
@@ -239,6 +387,7 @@ class EngineClient:
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut
+        self.flush_done()           # the query must not miss what its client has seen answered
         self.scheduler.send(StatsQuery(self.frontend_id, qid, model, version))
         try:
             return await asyncio.wait_for(fut, timeout)
@@ -251,6 +400,8 @@ class EngineClient:
             try:
                 msg, _ = inbox.recv(channel.NOBLOCK)
             except zmq.Again:
+                if self.lost:
+                    self._resolve_lost()
                 return
             handler = handlers.get(type(msg))
             if handler is None:
@@ -283,6 +434,8 @@ class EngineClient:
     def fail_all(self, message: str) -> None:
         pending, self.pending = self.pending, {}
         self.sent.clear()
+        self.direct.clear()
+        self.leases.clear()
         self.deadlines.clear()
         self.order.clear()
         self.ordered_key.clear()
@@ -291,6 +444,9 @@ class EngineClient:
             cb(InferResult(req_id, "", 0, error=message, code=ErrorCode.UNAVAILABLE))
 
     def close(self) -> None:
+        if self.flusher is not None:
+            self.flusher.cancel()
+        self.flush_done()
         if self.sweeper is not None:
             self.sweeper.cancel()
             self.sweeper = None

@@ -55,6 +55,7 @@ class InferenceCollector:
     def __init__(self, counter_latencies: bool = True, histogram_latencies: bool = False):
         self.models: list[ModelStatistics] = []
         self.ipc: dict[str, int] = {}
+        self.leased: dict[str, int] = {}        # model -> requests sent under a lease
         self.counter_latencies = counter_latencies
         self.histogram_latencies = histogram_latencies
 
@@ -165,6 +166,12 @@ class InferenceCollector:
         yield total
         yield msgs
         yield largest
+        leased = CounterMetricFamily("shmserve_leased_requests", "Requests this frontend sent "
+                                     "straight to a model instance the scheduler lent it, "
+                                     "without the scheduler hop", labels=["model"])
+        for model, n in sorted(self.leased.items()):
+            leased.add_metric([model], n)
+        yield leased
 
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
@@ -325,6 +332,7 @@ class MetricsApp(HttpApp):
             reply = await self.client.statistics()
             self.inference.models = reply.models
             self.inference.ipc = reply.ipc
+            self.inference.leased = self.client.leased_requests
             self.custom.reports = reply.custom_metrics
         except asyncio.TimeoutError:
             log.warning("scheduler did not answer the statistics query in time")

@@ -117,6 +117,18 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
     priority: int = 0
     timeout_us: int = 0
     shape_key: str = ""         # equal keys may share a batch (variable-dim input shapes)
+    # set when the request went straight to a leased worker that died holding it: why, and
+    # whether that death allows a retry; the scheduler runs it again alone or fails it
+    lost: str = ""
+    lost_retry: bool = True
+
+
+class LeasedDone(msgspec.Struct, array_like=True, tag=6):
+    """Completion records of requests this frontend sent under leases (InferResult.done), for
+    the scheduler's statistics. Sent every LEASED_FLUSH_S while there are any, and before any
+    statistics query or control request, which travel the same socket: a query never misses a
+    request its client already has the answer of."""
+    records: list[BatchDone]
 
 
 class CancelRequest(msgspec.Struct, array_like=True, tag=5):
@@ -235,6 +247,12 @@ class ExecuteBatch(msgspec.Struct, array_like=True, tag=20):
     routes: list[RequestRoute]
 
 
+class RevokeLease(msgspec.Struct, array_like=True, tag=25):
+    """Leases up to ``lease_id`` end: a LeasedExecute of one of them that the worker reads
+    after this goes back to its frontend (LeaseBounced). Answered by LeaseEnded."""
+    lease_id: int
+
+
 class Shutdown(msgspec.Struct, array_like=True, tag=21):
     pass
 
@@ -247,6 +265,13 @@ class Ping(msgspec.Struct, array_like=True, tag=24):
 # ---- frontend -> worker ----------------------------------------------------------------------
 class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
     refs: list[ShmRef]
+
+
+class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
+    """A request sent straight to a leased worker (no scheduler hop); its payload frame
+    follows. The head is what the scheduler would have got, for its statistics."""
+    lease_id: int
+    head: SubmitRequest
 
 
 # ---- frontend -> scheduler -> every worker -----------------------------------------------------
@@ -307,11 +332,21 @@ class CustomMetrics(msgspec.Struct, array_like=True, tag=34):
 
 class BatchDone(msgspec.Struct, array_like=True, tag=32):
     spawn_id: int
-    batch_id: int
+    batch_id: int               # 0 for a LeasedExecute
     failed: list[int] = []      # positions in the batch of requests that failed
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
+    leased: SubmitRequest | None = None     # the request a LeasedExecute ran, for statistics
+    finished_ns: int = 0        # leased: when it finished (statistics count to then, not to
+                                # when the record reaches the scheduler)
+
+
+class LeaseEnded(msgspec.Struct, array_like=True, tag=35):
+    """The worker read RevokeLease(lease_id): every leased request it accepted is done, and
+    the scheduler may dispatch to it again."""
+    spawn_id: int
+    lease_id: int
 
 
 # ---- a scheduler thread -> the scheduler's own inbox (inproc) ---------------------------------
@@ -334,11 +369,44 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     code: ErrorCode | None = None   # set with error
     worker: str = ""            # address to send ReleaseOutputs to when outputs use shm
     parameters: dict[str, Any] = {}
+    # a leased request's completion record: the frontend passes these on to the scheduler in
+    # bulk (LeasedDone), so that a leased request costs the scheduler no message of its own
+    done: BatchDone | None = None
 
 
 class InferResults(msgspec.Struct, array_like=True, tag=41):
     """The answers of one batch that go to the same frontend, in one message."""
     results: list[InferResult]
+
+
+class LeaseBounced(msgspec.Struct, array_like=True, tag=42):
+    """Worker -> frontend: a LeasedExecute that came after its lease was revoked; not run.
+    The frontend submits it to the scheduler."""
+    spawn_id: int
+    req_id: int
+
+
+# ---- scheduler -> frontend: leases ---------------------------------------------------------------
+class LeaseGranted(msgspec.Struct, array_like=True, tag=14):
+    """The idle instance ``spawn_id`` of a model version takes this frontend's requests
+    directly (LeasedExecute), one at a time, until the lease is revoked."""
+    lease_id: int
+    model: str
+    version: int
+    spawn_id: int
+
+
+class LeaseRevoked(msgspec.Struct, array_like=True, tag=15):
+    """Stop using the lease (the scheduler needs the instance, or the model goes away)."""
+    lease_id: int
+
+
+class LeaseLost(msgspec.Struct, array_like=True, tag=16):
+    """The worker ``spawn_id`` ended; leased requests sent to it and not answered are lost:
+    the frontend submits them to the scheduler with ``reason`` (SubmitRequest.lost)."""
+    spawn_id: int
+    reason: str
+    retry: bool = True
 
 
 Message = Union[
@@ -347,6 +415,7 @@ Message = Union[
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
     BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
+    RevokeLease, LeasedExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted, LeaseRevoked, LeaseLost,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -411,6 +480,7 @@ class ServerSettings(msgspec.Struct):
     auto_complete: bool = True
     execution_timeout_secs: float = 300.0
     max_inflight_requests: int = 10000
+    instance_leases: bool = True           # lend idle instances to frontends (engine/leases.py)
     log_verbose: int = 0
     port_file: str = ""
 

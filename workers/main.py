@@ -28,9 +28,14 @@ from shmserve.ipc.messages import (
     ForgetSegments,
     InferResult,
     InferResults,
+    LeaseBounced,
+    LeasedExecute,
+    LeaseEnded,
     Ping,
     Pong,
     ReleaseOutputs,
+    RequestRoute,
+    RevokeLease,
     Shutdown,
     Wake,
     WorkerArgs,
@@ -77,12 +82,14 @@ class Worker:
         self.running = None                     # routes of the batch inside execute()
         self.cancelled: set[tuple[int, int]] = set()   # of those, the ones whose client left
         self.metrics_due = 0.0                  # the first custom-metrics message goes at once
+        self.revoked_upto = 0                   # leases up to this id have ended (RevokeLease)
         self.main_thread = threading.get_ident()
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
         # longer running needs nothing
         self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
-                         Ping: self.pong, Wake: _ignore, CancelRequest: _ignore}
+                         Ping: self.pong, Wake: _ignore, CancelRequest: _ignore,
+                         RevokeLease: self.revoke_lease}
 
     def use_config(self, config_json: str) -> None:
         """What the config decides about every answer: reshapes and the output checks."""
@@ -166,9 +173,12 @@ class Worker:
                     self.maps.sweep()
                     continue
             kind = type(msg)
-            if kind is ExecuteBatch:
+            if kind is LeasedExecute:
+                self.leased(msg, frames)
+            elif kind is ExecuteBatch:
                 self.execute(msg, frames)
             elif kind is Shutdown:
+                self.bounce_leased()
                 return
             else:
                 handler = self.handlers.get(kind)
@@ -178,6 +188,33 @@ class Worker:
                     handler(msg)
             if registry.dirty:
                 self.send_metrics()
+
+    def leased(self, msg: LeasedExecute, frames) -> None:
+        """A request its frontend sent straight to us under a lease; after the lease was
+        revoked it goes back to the frontend unrun, which submits it to the scheduler."""
+        head = msg.head
+        if msg.lease_id <= self.revoked_upto:
+            self.answer(head.frontend, LeaseBounced(self.args.spawn_id, head.req_id))
+            return
+        self.execute(ExecuteBatch(0, [RequestRoute(head.req_id, head.frontend)]), frames, head)
+
+    def revoke_lease(self, msg: RevokeLease) -> None:
+        # everything accepted under the lease ran before this message was read (one loop)
+        self.revoked_upto = max(self.revoked_upto, msg.lease_id)
+        self.scheduler.send(LeaseEnded(self.args.spawn_id, msg.lease_id))
+
+    def bounce_leased(self) -> None:
+        """Stopping: leased requests already in the inbox go back to their frontends (the
+        scheduler tells them the lease is lost once we have exited, for any that come later)."""
+        self.revoked_upto = 1 << 62
+        inbox = self.inbox
+        while self.backlog or inbox.has_message():
+            try:
+                msg, frames = self.backlog.popleft() if self.backlog else inbox.recv(channel.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(msg, LeasedExecute):
+                self.leased(msg, frames)
 
     def release_outputs(self, msg: ReleaseOutputs) -> None:
         for ref in msg.refs:
@@ -230,7 +267,7 @@ class Worker:
                 self.backlog.append((msg, frames))
         return key in self.cancelled
 
-    def execute(self, batch: ExecuteBatch, frames) -> None:
+    def execute(self, batch: ExecuteBatch, frames, leased=None) -> None:
         clock = time.monotonic_ns
         t0 = clock()
         work, ready, targets = [], [], []
@@ -273,6 +310,13 @@ class Worker:
                 for i, resp, target in zip(ready, responses, targets):
                     results[i] = self.result(batch.routes[i].req_id, resp, target)
         t3 = clock()
+        if leased is not None:
+            # its statistics ride with the answer; the frontend passes them on in bulk
+            res = results[0]
+            res.done = BatchDone(self.args.spawn_id, 0, [0] if res.error else [],
+                                 t1 - t0, t2 - t1, t3 - t2, finished_ns=t3)
+            self.answer(leased.frontend, res)
+            return
         failed = []
         by_frontend: dict[int, list[InferResult]] = {}
         for i, (route, res) in enumerate(zip(batch.routes, results)):

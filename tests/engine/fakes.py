@@ -109,6 +109,8 @@ class Harness:
     def __init__(self, repo: str, **settings):
         self.clock = FakeClock()
         self.port = FakePort()
+        # the scheduler path unless a test asks for leases (tests/engine/test_lease_book.py)
+        settings.setdefault("instance_leases", False)
         self.settings = ServerSettings(model_repositories=[repo], run_dir="", segment_prefix="",
                                        launcher_pid=0, **settings)
         self.core = SchedulerCore(self.settings, self.port, clock=self.clock)

@@ -1,0 +1,156 @@
+"""Instance leases: the scheduler lends an idle instance to a frontend, which then sends its
+requests straight to that worker (LeasedExecute), one at a time: two hops on the critical path
+instead of three, and no scheduler work before the model runs.
+
+The scheduler still owns allocation. It grants a lease only when a version's queue is empty and
+an instance is idle, at most one lease per version, to the frontend that sent that version's
+last request. It takes the lease back (RevokeLease to the worker, LeaseRevoked to the frontend)
+as soon as a request has to queue for want of an idle instance; the worker answers LeaseEnded
+once everything it accepted under the lease has run, and from then on the instance takes
+batches from the scheduler again. A leased request the worker reads after the revoke is not run
+but handed back to its frontend (LeaseBounced), which submits it to the scheduler: nothing is
+lost and nothing runs twice. Statistics still count every request (the worker's BatchDone
+carries the leased request's head).
+
+When a worker that was ever leased to a frontend ends, that frontend is told (LeaseLost): what
+it sent the worker and got no answer for is submitted to the scheduler again, which retries it
+alone or fails it with the reason, as for any request of a dead worker.
+
+A lease lasts TERM_NS, then it is revoked and granted again (four small messages every two
+seconds). That revoke is also the hang check of a leased worker, which the scheduler cannot
+time execution by execution: everything the worker accepted before it must be done within the
+version's execution timeout (plus PING_TIMEOUT_S), or the worker is killed as for a batch past
+the timeout. So a leased execution that hangs is killed at most TERM_NS + PING_TIMEOUT_S later
+than a dispatched one would be.
+
+Not leased: versions with dynamic batching (requests must meet in the queue to batch), and any
+version while the server stops. Pure: no sockets; it acts through the port and reads the
+injected clock.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from shmserve.ipc.messages import LeaseGranted, LeaseLost, LeaseRevoked, RevokeLease
+
+from .models import PING_TIMEOUT_S, Instance, ModelVersion
+from .port import SchedulerPort
+from .states import InstanceState, ModelState
+
+# After a revoke, a version gets no new lease for this long: under load (requests queueing) the
+# scheduler path serves, and a lease granted and revoked on every lull would cost two messages
+# each time for nothing.
+COOLDOWN_NS = 200_000_000
+# How long a lease lasts before it is revoked and granted again (see above).
+TERM_NS = 2_000_000_000
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: int
+    version: ModelVersion
+    instance: Instance
+    frontend: int
+    granted_ns: int
+    revoked_ns: int = 0         # 0 = in force
+
+
+class LeaseBook:
+    def __init__(self, port: SchedulerPort, clock: Callable[[], int], enabled: bool = True):
+        self.port = port
+        self.clock = clock
+        self.enabled = enabled
+        self.counter = 0
+        self.by_version: dict[ModelVersion, Lease] = {}
+        self.by_spawn: dict[int, Lease] = {}
+        # by (name, version): a reload's new ModelVersion inherits them, and they stay bounded
+        self.last_frontend: dict[tuple[str, int], int] = {}
+        self.cooldown_until: dict[tuple[str, int], int] = {}
+        # frontends that ever held a lease on a worker (spawn id): told when it ends
+        self.holders: dict[int, set[int]] = {}
+        self.stopping = False
+
+    def leasable(self, ver: ModelVersion) -> bool:
+        return (self.enabled and not self.stopping and ver.state == ModelState.READY
+                and not ver.batching)
+
+    def note_request(self, ver: ModelVersion, frontend: int) -> None:
+        self.last_frontend[(ver.name, ver.version)] = frontend
+
+    def offer(self, ver: ModelVersion, idle: list) -> None:
+        """The queue of ``ver`` is empty and ``idle`` (its idle instances, most recently idle
+        last) is not: lease one to the version's last frontend, if nothing stands against it."""
+        if ver in self.by_version or not self.leasable(ver):
+            return
+        key = (ver.name, ver.version)
+        frontend = self.last_frontend.get(key)
+        if frontend is None or self.clock() < self.cooldown_until.get(key, 0):
+            return
+        inst = idle.pop()
+        self.counter += 1
+        lease = Lease(self.counter, ver, inst, frontend, self.clock())
+        inst.state = InstanceState.LEASED
+        self.by_version[ver] = lease
+        self.by_spawn[inst.spawn_id] = lease
+        self.holders.setdefault(inst.spawn_id, set()).add(frontend)
+        self.port.send_frontend(frontend, LeaseGranted(lease.lease_id, ver.name, ver.version,
+                                                       inst.spawn_id))
+
+    def revoke(self, ver: ModelVersion, renew: bool = False) -> None:
+        """Take back the lease of ``ver`` (requests are queueing, or its term ended: ``renew``);
+        the instance stays LEASED until its worker's LeaseEnded."""
+        lease = self.by_version.get(ver)
+        if lease is None or lease.revoked_ns:
+            return
+        now = self.clock()
+        lease.revoked_ns = now
+        if not renew:
+            self.cooldown_until[(ver.name, ver.version)] = now + COOLDOWN_NS
+        self.port.send_worker(lease.instance.spawn_id, RevokeLease(lease.lease_id))
+        self.port.send_frontend(lease.frontend, LeaseRevoked(lease.lease_id))
+
+    def ended(self, spawn_id: int, lease_id: int) -> Lease | None:
+        """The worker finished with the lease: the instance is the scheduler's again."""
+        lease = self.by_spawn.get(spawn_id)
+        if lease is None or lease.lease_id != lease_id:
+            return None
+        self._forget(lease)
+        return lease
+
+    def worker_exited(self, spawn_id: int, reason: str, retry: bool) -> None:
+        """The worker ``spawn_id`` ended (crash, kill, stop): the frontends that held a lease on
+        it resubmit what they sent it and got no answer for."""
+        lease = self.by_spawn.get(spawn_id)
+        if lease is not None:
+            self._forget(lease)
+        for frontend in self.holders.pop(spawn_id, ()):
+            self.port.send_frontend(frontend, LeaseLost(spawn_id, reason, retry))
+
+    def due(self) -> tuple[float, list[Lease]]:
+        """Renew leases past their term; returns the seconds until the next check and the
+        leases whose worker has not ended them in time (hung: the caller kills it)."""
+        now = self.clock()
+        wait_ns = TERM_NS
+        hung = []
+        for lease in list(self.by_version.values()):
+            if not lease.revoked_ns:
+                left = lease.granted_ns + TERM_NS - now
+                if left > 0:
+                    wait_ns = min(wait_ns, left)
+                    continue
+                self.revoke(lease.version, renew=True)
+            limit = lease.version.execution_timeout_s
+            if limit <= 0:
+                continue
+            left = lease.revoked_ns + int((limit + PING_TIMEOUT_S) * 1e9) - now
+            if left > 0:
+                wait_ns = min(wait_ns, left)
+            else:
+                hung.append(lease)
+        return wait_ns / 1e9, hung
+
+    def _forget(self, lease: Lease) -> None:
+        self.by_spawn.pop(lease.instance.spawn_id, None)
+        if self.by_version.get(lease.version) is lease:
+            del self.by_version[lease.version]

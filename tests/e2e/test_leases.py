@@ -1,0 +1,213 @@
+"""Leased instances end to end (engine/leases.py): a frontend sends requests straight to an idle
+worker the scheduler lent it. The real server, the real clients; what the lease must survive:
+a worker dying under a leased request, an unload while leased, clients racing for the one
+instance, and a client cancelling a leased request."""
+import os
+import re
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from repo_builder import PID_SLOW, write_model
+from serverproc import Server, alive, model_sleeping, wait_for
+from tritonclient.utils import InferenceServerException
+
+ECHO_CONFIG = '''
+    backend: "python"
+    max_batch_size: 8
+    input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] },
+             { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] } ]
+'''
+
+# Dies (os._exit) on the first request with the value -1 it ever sees, echoes everything else:
+# a worker lost under a leased request, which its retry on the restarted worker then serves.
+CRASH_ONCE = textwrap.dedent('''
+    import os
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.marker = os.path.join(args["model_repository"], "crashed")
+
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                x = r.inputs()[0].as_numpy()
+                if (x == -1).any() and not os.path.exists(self.marker):
+                    open(self.marker, "w").close()
+                    os._exit(3)
+                pid = np.full((x.shape[0], 1), os.getpid(), dtype=np.int64)
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x),
+                                                       pb_utils.Tensor("PID", pid)]))
+            return out
+''')
+
+# Waits until its client goes away when asked to (parameter "wait"), and leaves a file saying
+# it saw the cancellation; answers at once otherwise.
+CANCELLABLE = textwrap.dedent('''
+    import json, os, time
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.marker = os.path.join(args["model_repository"], "saw_cancel")
+
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                x = r.inputs()[0].as_numpy()
+                if json.loads(r.parameters()).get("wait"):
+                    deadline = time.monotonic() + 20
+                    while not r.is_cancelled() and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    if r.is_cancelled():
+                        open(self.marker, "w").close()
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)]))
+            return out
+''')
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("leases"))
+    write_model(root, "echo", ECHO_CONFIG, PID_SLOW)
+    write_model(root, "crash_once", ECHO_CONFIG, CRASH_ONCE)
+    write_model(root, "cancellable", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    ''', CANCELLABLE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(repo):
+    s = Server(repo, "--model-control-mode", "explicit", "--load-model", "*")
+    yield s
+    s.stop()
+
+
+def leased(srv, model: str) -> float:
+    page = requests.get(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).text
+    m = re.search(rf'^shmserve_leased_requests_total{{model="{model}"}} (\S+)$', page, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def echo(client, model: str, value: float, **params):
+    x = np.full((1, 4), value, dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+    inp.set_data_from_numpy(x)
+    r = client.infer(model, [inp], parameters=params or None)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), x)
+    return int(r.as_numpy("PID")[0, 0])
+
+
+def inference_count(client, model: str) -> int:
+    return int(client.get_inference_statistics(model)["model_stats"][0]["inference_count"])
+
+
+def take_lease(srv, client, model: str, send) -> None:
+    """Send requests one at a time until the frontend uses a lease for them."""
+    before = leased(srv, model)
+    wait_for(lambda: send() is not None and leased(srv, model) > before, 20,
+             f"requests for '{model}' to go under a lease")
+
+
+@pytest.fixture
+def client(srv):
+    c = httpclient.InferenceServerClient(srv.url, network_timeout=60)
+    yield c
+    c.close()
+
+
+def test_one_at_a_time_requests_go_straight_to_the_worker_and_are_counted(srv, client):
+    count, before = inference_count(client, "echo"), leased(srv, "echo")
+    pids = {echo(client, "echo", i) for i in range(40)}
+    assert len(pids) == 1
+    # after the first request (through the scheduler) the frontend holds a lease; the lease is
+    # renewed every 2 s, so a request may go through the scheduler now and then
+    assert leased(srv, "echo") - before >= 30
+    assert inference_count(client, "echo") == count + 40        # the scheduler counts them all
+    g = grpcclient.InferenceServerClient(srv.grpc_url)
+    x = np.ones((1, 4), dtype=np.float32)
+    inp = grpcclient.InferInput("INPUT0", x.shape, "FP32")
+    inp.set_data_from_numpy(x)
+    for _ in range(10):
+        np.testing.assert_array_equal(g.infer("echo", [inp]).as_numpy("OUTPUT0"), x)
+    g.close()
+    assert inference_count(client, "echo") == count + 50
+
+
+def test_worker_death_under_a_leased_request_is_retried_on_the_new_worker(srv, client):
+    take_lease(srv, client, "crash_once", lambda: echo(client, "crash_once", 1))
+    old = echo(client, "crash_once", 2)
+    new = echo(client, "crash_once", -1)        # kills the leased worker; the retry succeeds
+    assert new != old
+    wait_for(lambda: not alive(old), 10, "the dead worker to be reaped")
+    assert "leased worker" in srv.log_text()
+    take_lease(srv, client, "crash_once", lambda: echo(client, "crash_once", 3))
+
+
+def test_clients_racing_for_the_one_instance_lose_nothing(srv):
+    count = inference_count(httpclient.InferenceServerClient(srv.url), "echo")
+    errors, done = [], []
+
+    def run(k):
+        c = httpclient.InferenceServerClient(srv.url, network_timeout=60)
+        try:
+            for i in range(40):
+                echo(c, "echo", k * 1000 + i)       # checks the answer is its own
+            done.append(k)
+        except Exception as e:                      # reported below, with the others
+            errors.append(e)
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert errors == [] and sorted(done) == [0, 1, 2, 3]
+    assert inference_count(httpclient.InferenceServerClient(srv.url), "echo") == count + 160
+
+
+def test_cancelling_a_leased_request_reaches_the_model(srv, repo, client):
+    marker = os.path.join(repo, "cancellable", "saw_cancel")
+    x = np.ones(1, dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", [1], "FP32")
+    inp.set_data_from_numpy(x)
+    take_lease(srv, client, "cancellable", lambda: client.infer("cancellable", [inp]))
+    quick = httpclient.InferenceServerClient(srv.url, network_timeout=2.0)
+    with pytest.raises(TimeoutError):
+        quick.infer("cancellable", [inp], parameters={"wait": 1})   # gives up, hangs up
+    quick.close()
+    wait_for(lambda: os.path.exists(marker), 10, "the model to see the cancellation")
+    np.testing.assert_array_equal(client.infer("cancellable", [inp]).as_numpy("OUTPUT0"), x)
+
+
+def test_unload_while_leased_finishes_the_leased_request(srv, client):
+    take_lease(srv, client, "echo", lambda: echo(client, "echo", 1))
+    pid = echo(client, "echo", 2)
+    x = np.ones((1, 4), dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+    inp.set_data_from_numpy(x)
+    slow = client.async_infer("echo", [inp], parameters={"delay_ms": 1500})
+    wait_for(lambda: model_sleeping(srv, "echo"), 20, "the leased request to be executing")
+    other = httpclient.InferenceServerClient(srv.url, network_timeout=60)
+    other.unload_model("echo")
+    np.testing.assert_array_equal(slow.get_result().as_numpy("OUTPUT0"), x)
+    wait_for(lambda: not alive(pid), 20, "the unloaded model's worker to exit")
+    with pytest.raises(InferenceServerException) as e:
+        echo(client, "echo", 3)
+    assert "has no available versions (unloaded)" in e.value.message()
+    other.load_model("echo")
+    take_lease(srv, client, "echo", lambda: echo(client, "echo", 4))
+    other.close()

@@ -1,0 +1,254 @@
+"""Instance leases in the scheduler core (engine/leases.py): when they are granted and taken back,
+and what happens to leased work when workers die, models unload or frontends compete. Driven
+in-process with the fake port and clock; the worker's and frontend's halves are played by the
+test (tests/e2e/test_leases.py runs the real processes)."""
+import pytest
+from fakes import FRONTEND, IO, ONE, TWO, Harness, write_model
+
+from shmserve.engine.leases import COOLDOWN_NS, TERM_NS
+from shmserve.engine.models import PING_TIMEOUT_S
+from shmserve.engine.states import InstanceState
+from shmserve.ipc.messages import (
+    BatchDone,
+    ControlAction,
+    ControlRequest,
+    ErrorCode,
+    FrontendHello,
+    LeasedDone,
+    LeaseEnded,
+    LeaseGranted,
+    LeaseLost,
+    LeaseRevoked,
+    ModelState,
+    RevokeLease,
+    Shutdown,
+    StatsQuery,
+    SubmitRequest,
+)
+
+OTHER = 1       # a second frontend
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = str(tmp_path / "models")
+    write_model(r, "plain", f"max_batch_size: 8\n{IO}\n{ONE}")
+    write_model(r, "pair", f"max_batch_size: 8\n{IO}\n{TWO}")
+    write_model(r, "noretry", f'max_batch_size: 8\n{IO}\n{ONE}\n'
+                              f'parameters {{ key: "retry_on_worker_death" '
+                              f'value {{ string_value: "false" }} }}')
+    write_model(r, "timed", f'max_batch_size: 8\n{IO}\n{ONE}\n'
+                            f'parameters {{ key: "execution_timeout_ms" '
+                            f'value {{ string_value: "1000" }} }}')
+    write_model(r, "batched", f"max_batch_size: 8\n{IO}\n{ONE}\ndynamic_batching {{ }}")
+    return r
+
+
+def leased_harness(repo, **settings) -> Harness:
+    h = Harness(repo, instance_leases=True, **settings).start()
+    h.core.handle(FrontendHello(OTHER, "inproc://frontend-1"))
+    return h
+
+
+def sid_of(h, model):
+    return [s for s in h.spawn_ids(model) if s not in h.port.reaped][-1]
+
+
+def grants(h, frontend=FRONTEND):
+    return [m for f, m in h.port.to_frontend if f == frontend and isinstance(m, LeaseGranted)]
+
+
+def sent(h, kind, frontend=None):
+    return [m for f, m in h.port.to_frontend
+            if isinstance(m, kind) and (frontend is None or f == frontend)]
+
+
+def instance(h, model):
+    ver = h.core.versions[(model, 1)]
+    return ver.instances[0]
+
+
+def first_request_leases(h, model="plain"):
+    """The first request goes through the scheduler; when it is done the instance is idle and
+    the queue empty, so the frontend that sent it gets a lease."""
+    sid = sid_of(h, model)
+    h.submit(model)
+    assert grants(h) == []
+    h.finish(sid)
+    [grant] = grants(h)
+    assert (grant.model, grant.version, grant.spawn_id) == (model, 1, sid)
+    return sid, grant
+
+
+def leased_done(h, sid, req_id, failed=(), took_ns=1000):
+    """The worker ran a request its frontend sent under the lease; the frontend passes its
+    completion record on (in bulk, later: the clock has moved on since)."""
+    head = SubmitRequest(req_id, FRONTEND, "plain", 1, 2, h.clock())
+    record = BatchDone(sid, 0, list(failed), 10, 20, 30, leased=head,
+                       finished_ns=h.clock() + took_ns)
+    h.clock.advance(0.05)
+    h.core.handle(LeasedDone([record]))
+
+
+def test_a_lease_goes_to_the_frontend_that_used_the_idle_model(repo):
+    h = leased_harness(repo)
+    assert grants(h) == []                       # nobody asked yet: nothing is lent
+    sid, grant = first_request_leases(h)
+    assert instance(h, "plain").state is InstanceState.LEASED
+    assert grants(h, OTHER) == []
+
+
+def test_leased_requests_are_counted_in_statistics(repo):
+    h = leased_harness(repo)
+    sid, _ = first_request_leases(h)
+    before = h.core.statistics(StatsQuery(0, 1, "plain")).models[0].success.ns
+    leased_done(h, sid, 100, took_ns=1000)
+    leased_done(h, sid, 101, failed=[0])
+    st = h.core.statistics(StatsQuery(0, 1, "plain")).models[0]
+    assert st.inference_count == 1 + 2 and st.execution_count == 3
+    assert st.success.count == 2 and st.fail.count == 1
+    assert st.success.ns - before == 1000       # to when it finished, not to when we heard
+    assert instance(h, "plain").state is InstanceState.LEASED     # still lent
+
+
+def test_a_queued_request_takes_the_lease_back(repo):
+    h = leased_harness(repo)
+    sid, grant = first_request_leases(h)
+    # another frontend's request finds no idle instance: the lease is revoked
+    h.core.handle(SubmitRequest(500, OTHER, "plain", 1, 1, h.clock()), [b"p"])
+    assert h.to_worker(RevokeLease) == [(sid, RevokeLease(grant.lease_id))]
+    assert sent(h, LeaseRevoked, FRONTEND) == [LeaseRevoked(grant.lease_id)]
+    n = len(h.batches())
+    h.core.handle(SubmitRequest(501, OTHER, "plain", 1, 1, h.clock()), [b"p"])
+    assert len(h.to_worker(RevokeLease)) == 1    # once
+    assert len(h.batches()) == n                 # nothing dispatched to a lent instance
+    # the worker has run what it accepted under the lease: the scheduler dispatches again
+    h.core.handle(LeaseEnded(sid, grant.lease_id))
+    assert [r.req_id for r in h.last_batch(sid).routes] == [500]
+    h.finish(sid)
+    h.finish(sid)
+    # the queue is empty and the instance idle, but a lease that was just revoked is not
+    # granted again at once (under load the scheduler serves)
+    assert len(grants(h, OTHER)) == 0 and instance(h, "plain").state is InstanceState.IDLE
+    h.clock.advance(COOLDOWN_NS / 1e9)
+    h.core.handle(SubmitRequest(502, OTHER, "plain", 1, 1, h.clock()), [b"p"])
+    h.finish(sid)
+    assert [g.spawn_id for g in grants(h, OTHER)] == [sid]   # the last user gets it
+
+
+def test_a_stale_lease_ended_is_ignored(repo):
+    h = leased_harness(repo)
+    sid, grant = first_request_leases(h)
+    h.core.handle(LeaseEnded(sid, grant.lease_id + 7))
+    assert instance(h, "plain").state is InstanceState.LEASED
+
+
+def test_two_frontends_race_for_two_instances(repo):
+    h = leased_harness(repo)
+    a, b = h.core.versions[("pair", 1)].instances
+    h.core.handle(SubmitRequest(10, FRONTEND, "pair", 1, 1, h.clock()), [b"p"])
+    # one instance runs it; the other is idle with an empty queue: lent to that frontend
+    [grant] = grants(h)
+    leased = a if a.spawn_id == grant.spawn_id else b
+    other = b if leased is a else a
+    assert leased.state is InstanceState.LEASED and other.state is InstanceState.BUSY
+    # the second frontend's request finds no idle instance: the lease is taken back, and the
+    # request waits for whichever instance comes back first, never for the lent one
+    h.core.handle(SubmitRequest(11, OTHER, "pair", 1, 1, h.clock()), [b"p"])
+    assert h.to_worker(RevokeLease) == [(leased.spawn_id, RevokeLease(grant.lease_id))]
+    assert [s for s, _, _ in h.batches()] == [other.spawn_id]
+    h.finish(other.spawn_id)
+    assert [r.req_id for r in h.last_batch(other.spawn_id).routes] == [11]
+    h.core.handle(LeaseEnded(leased.spawn_id, grant.lease_id))
+    assert leased.state is InstanceState.IDLE
+    assert len(grants(h)) + len(grants(h, OTHER)) == 1     # cooldown: not lent again yet
+
+
+def test_worker_death_while_leased_resubmits_alone_then_fails(repo):
+    h = leased_harness(repo)
+    sid, grant = first_request_leases(h)
+    h.die(sid)                                   # while running a leased request
+    [lost] = sent(h, LeaseLost, FRONTEND)
+    assert lost.spawn_id == sid and lost.retry and "exited unexpectedly" in lost.reason
+    assert instance(h, "plain").state is not InstanceState.LEASED
+    h.tick(0)                                    # restarting
+    # the frontend submits what it had sent the dead worker: it runs again, alone
+    h.core.handle(SubmitRequest(77, FRONTEND, "plain", 1, 1, h.clock(), lost=lost.reason),
+                  [b"p"])
+    h.ready_all()
+    new = sid_of(h, "plain")
+    assert [r.req_id for r in h.last_batch(new).routes] == [77]
+    h.die(new)                                   # a poison request: no second retry
+    err = h.results()[77]
+    assert err.code is ErrorCode.INTERNAL and "retried alone" in err.error
+
+
+def test_lost_request_of_a_model_without_retries_fails_with_the_reason(repo):
+    h = leased_harness(repo)
+    sid, _ = first_request_leases(h, "noretry")
+    h.die(sid)
+    [lost] = sent(h, LeaseLost, FRONTEND)
+    h.core.handle(SubmitRequest(78, FRONTEND, "noretry", 1, 1, h.clock(), lost=lost.reason),
+                  [b"p"])
+    err = h.results()[78]
+    assert err.code is ErrorCode.INTERNAL and err.error == lost.reason
+    st = h.core.statistics(StatsQuery(0, 1, "noretry")).models[0]
+    assert st.fail.count == 1
+
+
+def test_leases_are_renewed_and_a_hung_leased_worker_is_killed(repo):
+    h = leased_harness(repo)
+    sid, grant = first_request_leases(h, "timed")
+    h.tick(TERM_NS / 1e9)
+    assert (sid, RevokeLease(grant.lease_id)) in h.to_worker(RevokeLease)
+    h.core.handle(LeaseEnded(sid, grant.lease_id))
+    [_, renewed] = grants(h)                     # granted again at once: no cooldown
+    assert renewed.lease_id > grant.lease_id
+    h.tick(TERM_NS / 1e9)                        # revoked again; this time the worker hangs
+    h.tick(1.0 + PING_TIMEOUT_S + 0.1)
+    assert sid in h.port.killed
+    h.kill_reported()
+    [lost] = sent(h, LeaseLost, FRONTEND)
+    assert not lost.retry and "execution timeout of 1 s" in lost.reason
+
+
+def test_dynamic_batching_models_are_not_leased(repo):
+    h = leased_harness(repo)
+    sid = sid_of(h, "batched")
+    h.submit("batched")
+    h.tick(0.01)
+    h.finish(sid)
+    assert grants(h) == []
+
+
+def test_unload_takes_the_lease_back_and_stops_after_it_ended(repo):
+    h = leased_harness(repo, model_control_mode="explicit", load_models=["plain"])
+    sid, grant = first_request_leases(h)
+    h.core.handle(ControlRequest(FRONTEND, 9, ControlAction.UNLOAD, "plain"))
+    assert (sid, RevokeLease(grant.lease_id)) in h.to_worker(RevokeLease)
+    assert h.to_worker(Shutdown) == []           # what it accepted under the lease runs first
+    h.core.handle(LeaseEnded(sid, grant.lease_id))
+    assert h.to_worker(Shutdown) == [(sid, Shutdown())]
+    assert h.states("plain")[1][0] is ModelState.UNAVAILABLE
+    h.die(sid, rc=0)
+    [lost] = sent(h, LeaseLost, FRONTEND)        # anything sent after it stopped comes back
+    h.core.handle(SubmitRequest(79, FRONTEND, "plain", 1, 1, h.clock(), lost=lost.reason),
+                  [b"p"])
+    assert h.results()[79].code is ErrorCode.UNAVAILABLE
+
+
+def test_no_lease_while_the_server_stops(repo):
+    h = leased_harness(repo)
+    sid = sid_of(h, "plain")
+    h.submit("plain")
+    h.core.begin_shutdown()
+    h.finish(sid)
+    assert grants(h) == []
+
+
+def test_leases_can_be_turned_off(repo):
+    h = Harness(repo, instance_leases=False).start()
+    sid = sid_of(h, "plain")
+    h.submit("plain")
+    h.finish(sid)
+    assert grants(h) == [] and instance(h, "plain").state is InstanceState.IDLE

@@ -1,0 +1,78 @@
+"""The worker's half of a lease (engine/leases.py): it runs what a frontend sent under a lease
+until it reads the revoke, answers LeaseEnded then, and hands back (LeaseBounced) anything of
+that lease it reads later, or still holds when it stops."""
+from __future__ import annotations
+
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+
+from shmserve.ipc import channel
+from shmserve.ipc.messages import (
+    LeaseBounced,
+    LeasedExecute,
+    LeaseEnded,
+    Ping,
+    RevokeLease,
+    SubmitRequest,
+)
+from shmserve.workers.main import Worker
+
+SPAWN = 7
+
+
+class Recorder:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg, *a, **kw):
+        self.sent.append(msg)
+
+
+@pytest.fixture
+def worker(tmp_path):
+    w = Worker.__new__(Worker)      # only the lease logic; execute() is recorded, not run
+    w.args = SimpleNamespace(spawn_id=SPAWN)
+    w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), SPAWN))
+    w.backlog, w.revoked_upto = deque(), 0
+    w.scheduler = Recorder()
+    w.executed, w.answers = [], []
+    w.execute = lambda batch, frames, leased=None: w.executed.append((batch, frames, leased))
+    w.answer = lambda fid, msg: w.answers.append((fid, msg))
+    out = channel.outbox_for(w.inbox.address)
+    yield w, out
+    out.close()
+    w.inbox.close()
+
+
+def head(req_id: int, frontend: int = 2) -> SubmitRequest:
+    return SubmitRequest(req_id, frontend, "m", 1, 1, received_ns=5)
+
+
+def test_runs_leased_requests_until_the_revoke_then_hands_them_back(worker):
+    w, _ = worker
+    w.leased(LeasedExecute(3, head(10)), [b"p10"])
+    [(batch, frames, leased)] = w.executed
+    assert batch.batch_id == 0 and [(r.req_id, r.frontend) for r in batch.routes] == [(10, 2)]
+    assert frames == [b"p10"] and leased == head(10)     # BatchDone carries it, for statistics
+    w.revoke_lease(RevokeLease(3))
+    assert w.scheduler.sent == [LeaseEnded(SPAWN, 3)]
+    w.leased(LeasedExecute(3, head(11)), [b"p11"])       # read after the revoke: not run
+    w.leased(LeasedExecute(2, head(12, frontend=4)), [b"p12"])   # an older lease, too
+    assert len(w.executed) == 1
+    assert w.answers == [(2, LeaseBounced(SPAWN, 11)), (4, LeaseBounced(SPAWN, 12))]
+    w.leased(LeasedExecute(4, head(13)), [b"p13"])       # the next lease runs
+    assert len(w.executed) == 2
+
+
+def test_stopping_hands_back_the_leased_requests_it_still_holds(worker):
+    w, out = worker
+    out.send(LeasedExecute(1, head(20)), (b"x",))
+    out.send(Ping(1))
+    out.send(LeasedExecute(1, head(21)), (b"y",))
+    w.inbox.set_timeout(10_000)
+    w.backlog.append(w.inbox.recv())    # one was read during the last execute()
+    w.bounce_leased()
+    assert w.executed == []
+    assert w.answers == [(2, LeaseBounced(SPAWN, 20)), (2, LeaseBounced(SPAWN, 21))]
