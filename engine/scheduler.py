@@ -3,9 +3,10 @@
 
     python -m shmserve.engine.scheduler '<json ServerSettings>'
 
-The loop waits on one thing, a blocking receive on the inbox. Two threads post into that inbox
-over inproc: the alarm (a batch deadline, with the OS timer's precision) and the exit watcher
-(a worker's pidfd turned readable). A stop signal posts there too, so it wakes the loop at once.
+The loop waits on one thing, a blocking receive on the inbox (channel.SchedulerInbox: ZeroMQ
+from frontends, packets from workers). Two threads post into that inbox over inproc: the alarm
+(a batch deadline, with the OS timer's precision) and the exit watcher (a worker's pidfd turned
+readable). A stop signal posts there too, so it wakes the loop at once.
 """
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ class SchedulerShell:
 
     def __init__(self, settings: ServerSettings):
         self.settings = settings
-        self.inbox = channel.Inbox(channel.address(settings.run_dir, "scheduler"))
+        self.inbox = channel.SchedulerInbox(
+            channel.address(settings.run_dir, "scheduler"),
+            channel.scheduler_worker_address(settings.run_dir))
         self.wake_address = f"inproc://shmserve-scheduler-{os.getpid()}"
         self.inbox.bind_also(self.wake_address)
         self.alarm = Alarm(channel.context(), self.wake_address)
@@ -88,7 +91,7 @@ class SchedulerShell:
             log.warning("could not send a %s to worker %d: %s", type(msg).__name__, spawn_id, e)
 
     def spawn(self, spawn_id: int, spec) -> None:
-        proc = spawn_worker(spawn_id, self.settings.run_dir, self.inbox.address,
+        proc = spawn_worker(spawn_id, self.settings.run_dir, self.inbox.worker_address,
                             self.segment_prefix(spawn_id), spec, self.settings.log_verbose)
         self.procs[spawn_id] = proc
         self.exits.watch(proc.pidfd, spawn_id)

@@ -7,6 +7,8 @@ tensor bytes above the inline limit travel through shared memory instead.
 from __future__ import annotations
 
 import os
+import select
+import time
 
 import zmq
 
@@ -29,6 +31,8 @@ _set = zmq.backend.Socket.set
 _SNDMORE = int(zmq.SNDMORE)
 _RCVMORE = int(zmq.RCVMORE)
 _RCVTIMEO = int(zmq.RCVTIMEO)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 # callers pass this rather than zmq.NOBLOCK, an IntFlag, for the same reason
 NOBLOCK = int(zmq.NOBLOCK)
 
@@ -58,6 +62,12 @@ def worker_address(run_dir: str, spawn_id: int) -> str:
     """A worker's inbox (the scheduler's batches and pings, frontends' released outputs), on
     the thread-free transport."""
     return f"{packets.SCHEME}{os.path.join(run_dir, f'w{spawn_id}.pkt')}"
+
+
+def scheduler_worker_address(run_dir: str) -> str:
+    """Where workers send the scheduler their completions, readiness and pongs (packets; what
+    frontends send it stays on ZeroMQ)."""
+    return f"{packets.SCHEME}{os.path.join(run_dir, 'scheduler.pkt')}"
 
 
 def inbox_for(addr: str):
@@ -154,3 +164,65 @@ class Outbox:
 
     def close(self) -> None:
         self.socket.close(0)
+
+
+class SchedulerInbox:
+    """The scheduler's inbox: a ZeroMQ PULL socket (frontends, and the process's own threads
+    over inproc) and a packet listener (workers) behind one blocking ``recv``.
+
+    Workers' messages are taken first: what a worker wrote before it exited is in the socket
+    before the exit watcher's ProcessExited can be read, so its last BatchDone or
+    WorkerLoadFailed is handled before its death. ZeroMQ's descriptor is edge-triggered: the
+    loop sleeps only after a receive found its queue empty and ZMQ_EVENTS agrees."""
+
+    def __init__(self, zmq_addr: str, packet_addr: str):
+        self.zmq = Inbox(zmq_addr)
+        self.packets = packets.PacketInbox(packet_addr)
+        self.address = zmq_addr
+        self.worker_address = packet_addr
+        self.epoll = select.epoll()
+        self.epoll.register(self.zmq.fileno(), select.EPOLLIN)
+        self.epoll.register(self.packets.fileno(), select.EPOLLIN)
+        self.timeout_s = -1.0
+
+    def bind_also(self, addr: str) -> None:
+        self.zmq.bind_also(addr)
+
+    def set_timeout(self, ms: int) -> None:
+        """Make a blocking ``recv`` raise zmq.Again after ``ms`` milliseconds (-1: never)."""
+        self.timeout_s = -1.0 if ms < 0 else ms / 1000.0
+
+    def recv(self, flags: int = 0):
+        pkt, zsock, zrecv = self.packets, self.zmq.socket, self.zmq.recv
+        deadline = None
+        while True:
+            if pkt.has_message():
+                return pkt.recv(NOBLOCK)
+            try:
+                return zrecv(NOBLOCK)
+            except zmq.Again:
+                pass
+            if flags & NOBLOCK:
+                raise zmq.Again()
+            if _get(zsock, _EVENTS) & _POLLIN:
+                continue
+            if self.timeout_s < 0:
+                self.epoll.poll(-1)
+                continue
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout_s
+            if now >= deadline:
+                raise zmq.Again()
+            self.epoll.poll(deadline - now)
+
+    def close(self) -> None:
+        self.epoll.close()
+        self.packets.close()
+        self.zmq.close()
+
+
+def term_context() -> None:
+    """End this process's ZeroMQ context if it has one (without starting one to end it)."""
+    if _context is not None and not _context.closed:
+        _context.term()

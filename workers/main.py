@@ -70,7 +70,7 @@ class Worker:
         self.args = args
         self.args_path = ""         # set by main(): where our arguments came from
         self.inbox = packets.PacketInbox(channel.worker_address(args.run_dir, args.spawn_id))
-        self.scheduler = channel.Outbox(args.scheduler)
+        self.scheduler = channel.outbox_for(args.scheduler)
         self.frontends: dict[int, packets.PacketOutbox] = {}
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
@@ -112,6 +112,14 @@ class Worker:
             if gone is not None:
                 gone.close()
 
+    def tell(self, msg) -> None:
+        """To the scheduler. If it has gone, we are about to die with it (parent-death signal);
+        if it has not read for packets.SEND_TIMEOUT_S, it is stuck: nothing to do but say so."""
+        try:
+            self.scheduler.send(msg)
+        except (packets.PeerGone, packets.PeerStalled) as e:
+            log.warning("could not send the scheduler a %s: %s", type(msg).__name__, e)
+
     def load(self) -> bool:
         try:
             if self.spec.auto_complete and self.spec.backend == "onnxruntime":
@@ -127,13 +135,13 @@ class Worker:
             if self.args.log_verbose:
                 traceback.print_exc()
             self.write_last_words(reason)
-            self.scheduler.send(WorkerLoadFailed(self.args.spawn_id, reason))
+            self.tell(WorkerLoadFailed(self.args.spawn_id, reason))
             return False
         completed = self.spec.config_json if self.spec.auto_complete else ""
         # before WorkerReady, on the same socket: a client that sees the model ready finds the
         # families initialize() created on /metrics
         self.send_metrics()
-        self.scheduler.send(WorkerReady(self.args.spawn_id, os.getpid(), self.inbox.address,
+        self.tell(WorkerReady(self.args.spawn_id, os.getpid(), self.inbox.address,
                                         completed))
         return True
 
@@ -201,7 +209,7 @@ class Worker:
     def revoke_lease(self, msg: RevokeLease) -> None:
         # everything accepted under the lease ran before this message was read (one loop)
         self.revoked_upto = max(self.revoked_upto, msg.lease_id)
-        self.scheduler.send(LeaseEnded(self.args.spawn_id, msg.lease_id))
+        self.tell(LeaseEnded(self.args.spawn_id, msg.lease_id))
 
     def bounce_leased(self) -> None:
         """Stopping: leased requests already in the inbox go back to their frontends (the
@@ -225,7 +233,7 @@ class Worker:
             self.maps.forget(name)
 
     def pong(self, msg: Ping) -> None:
-        self.scheduler.send(Pong(self.args.spawn_id, msg.seq))
+        self.tell(Pong(self.args.spawn_id, msg.seq))
 
     def send_metrics(self) -> None:
         """Ship the custom metrics if they changed, at most once per METRICS_INTERVAL_S."""
@@ -234,7 +242,7 @@ class Worker:
             return
         families = pb_metrics.snapshot_if_dirty()
         if families is not None:
-            self.scheduler.send(CustomMetrics(self.args.spawn_id, families))
+            self.tell(CustomMetrics(self.args.spawn_id, families))
             self.metrics_due = now + METRICS_INTERVAL_S
 
     def poll_cancelled(self, key: tuple[int, int]) -> bool:
@@ -325,7 +333,7 @@ class Worker:
             by_frontend.setdefault(route.frontend, []).append(res)
         for fid, answers in by_frontend.items():
             self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
-        self.scheduler.send(BatchDone(self.args.spawn_id, batch.batch_id, failed,
+        self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,
                                       t1 - t0, t2 - t1, t3 - t2))
 
     def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
@@ -384,10 +392,10 @@ class Worker:
         self.inbox.close()
         if waker is not None:
             waker.close()           # every socket must be closed before the context ends
-        self.scheduler.socket.close(linger=2000)
+        self.scheduler.close()      # packets: what was sent is in the scheduler's socket
         for box in self.frontends.values():
             box.close()             # packets: what was sent is in the frontend's socket already
-        channel.context().term()
+        channel.term_context()
 
 
 def _exit_now(signum: int) -> None:
