@@ -27,6 +27,8 @@ _CONTENTS_FIELD = {
 
 
 def parameters_to_dict(params) -> dict[str, Any]:
+    if not params:          # the common case, three times a request: no map iteration
+        return {}
     out = {}
     for key, p in params.items():
         which = p.WhichOneof("parameter_choice")

@@ -10,17 +10,27 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tritonclient.grpc import service_pb2 as pb
-from tritonclient.grpc import service_pb2_grpc as pb_grpc
+# gRPC's EventEngine listener (its default) reads each request on an event-engine thread that
+# hands it to another, which completes it to the completion-queue thread, which wakes the event
+# loop: four thread wake-ups before ModelInfer runs. With the legacy listener the
+# completion-queue thread reads the socket itself (PA -> cq thread -> loop). On the bare
+# grpc.aio server (bench/grpc_floor.py) that is ~+25-30% at c=1; see bench/grpc_ab.py for
+# shmserve. grpc reads GRPC_EXPERIMENTS once, when it is imported, so this must come first; an
+# operator's own GRPC_EXPERIMENTS is left as it is.
+os.environ.setdefault("GRPC_EXPERIMENTS", "-event_engine_listener")
 
-from shmserve.ipc.messages import ErrorCode
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+from tritonclient.grpc import service_pb2 as pb  # noqa: E402
+from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
-from . import grpc_codec, restricted, statistics
-from .errors import InferError, grpc_status
-from .service import FrontendService
+from shmserve.ipc.messages import ErrorCode  # noqa: E402
+
+from . import grpc_codec, restricted, statistics  # noqa: E402
+from .errors import InferError, grpc_status  # noqa: E402
+from .service import FrontendService  # noqa: E402
 
 log = logging.getLogger("shmserve.grpc")
 
@@ -272,6 +282,26 @@ class HealthService(health_pb2_grpc.HealthServicer):
             else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+class _GenericHandlers:
+    """Takes what the generated ``add_*_to_server`` functions register, keeping only their
+    generic handler, which serves every method of the service by its path.
+
+    They also register each method with grpc.aio as a "registered method", and grpc.aio's
+    accept loop then keeps one pending request-call task per registered method (20 for
+    GRPCInferenceService, 2 for Health, plus the generic one) and runs ``asyncio.wait`` over all
+    of them for every call it accepts: Python work on the event loop that grows with the
+    number of methods (bench/grpc_ab.py). With the generic handler alone it waits on one."""
+
+    def __init__(self) -> None:
+        self.handlers: list = []
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        self.handlers.extend(handlers)
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers) -> None:
+        pass        # the service's generic handler serves the same methods
+
+
 async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
                 max_message: int = MAX_MESSAGE) -> tuple[grpc.aio.Server, int]:
@@ -279,9 +309,11 @@ async def serve(service: FrontendService, address: str, port: int,
     a larger request RESOURCE_EXHAUSTED before it reaches us, and so do we a larger answer."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
                                       ("grpc.max_receive_message_length", max_message)])
+    handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceService(service, restrictions, max_message), server)
-    health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), server)
+        InferenceService(service, restrictions, max_message), handlers)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
+    server.add_generic_rpc_handlers(handlers.handlers)
     bound = server.add_insecure_port(f"{address}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen for gRPC on {address}:{port}")
