@@ -10,7 +10,6 @@ import zmq
 from shmserve.ipc import channel
 from shmserve.ipc.messages import BatchDone, FrontendHello, ProcessExited, Wake
 
-
 _wakes = itertools.count()
 
 
