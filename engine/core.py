@@ -45,7 +45,7 @@ from shmserve.ipc.messages import (
     WorkerReady,
 )
 
-from .batching import QueuedRequest, QueueFull
+from .batching import DefaultQueue, QueuedRequest, QueueFull
 from .instances import Death, InstanceSupervisor, Outcome
 from .leases import LeaseBook
 from .lifecycle import ModelLifecycle, Waiter
@@ -193,6 +193,9 @@ class SchedulerCore:
                                  ErrorCode.INTERNAL, msg.lost)
                 return
             req.alone = True
+        elif self.leases.by_version and not msg.no_lease and \
+                self.leases.give_back(ver, msg.frontend, msg.req_id):
+            return
         self.leases.note_request(ver, msg.frontend)
         try:
             ver.queue.enqueue(req)
@@ -226,10 +229,15 @@ class SchedulerCore:
         self.reply_error(req.frontend, req.req_id, ver.name, ver.version,
                          ErrorCode.UNAVAILABLE, message)
 
-    def dispatch(self, ver: ModelVersion) -> None:
+    def dispatch(self, ver: ModelVersion, finished: bool = False) -> None:
+        """Send what can run now; ``finished``: an instance of ``ver`` just finished a batch
+        (sustained load: its queue may be handed over with a lease)."""
         queue = ver.queue
         for req in queue.take_expired():
             self.reject(ver, req, "Request timeout expired")
+        if finished and self.leases.enabled and len(queue) and isinstance(queue, DefaultQueue) \
+                and queue.idle and len(ver.instances) == 1 and self.hand_over(ver, queue):
+            return
         batches = queue.next_batches()
         if self.leases.by_version and (len(queue) or ver.state != ModelState.READY):
             # requests wait for an instance, or the version drains: a leased one comes back
@@ -256,6 +264,24 @@ class SchedulerCore:
             self.port.send_worker(inst.spawn_id, ExecuteBatch(self.batch_counter, routes),
                                   [r.payload for r in reqs])
 
+    def hand_over(self, ver: ModelVersion, queue: DefaultQueue) -> bool:
+        """The single instance of ``ver`` is idle and requests queue: when they all come from
+        one frontend, lease it the instance and return them to it to send under the lease
+        (engine/leases.py), instead of dispatching them here one by one."""
+        reqs = queue.queue
+        frontend = reqs[0].frontend
+        if any(r.frontend != frontend or r.alone for r in reqs) or \
+                not self.leases.can_hand_over(ver, frontend):
+            return False
+        taken = queue.drain()
+        if not self.leases.offer(ver, queue.idle, frontend, [r.req_id for r in taken]):
+            for r in reversed(taken):
+                queue.requeue(r)
+            return False
+        for r in taken:
+            self.queued_in.pop((r.frontend, r.req_id), None)
+        return True
+
     def leased_done(self, msg: LeasedDone) -> None:
         """Statistics of requests frontends sent under leases (their workers answered them)."""
         by_spawn, versions = self.supervisor.by_spawn, self.versions
@@ -266,12 +292,18 @@ class SchedulerCore:
             found = by_spawn.get(done.spawn_id)
             if found is not None:
                 found[1].deaths_in_a_row = 0
+                self.leases.progress(done.spawn_id, done.finished_ns)
             # its worker may have ended since
             ver = found[0] if found is not None else versions.get((head.model, head.version))
             if ver is None:
                 continue
-            self.account(ver, [QueuedRequest(head.req_id, head.frontend, head.batch_size, None,
-                                             received_ns=head.received_ns)], done)
+            # it waited in the worker's inbox from when the frontend got it until it started
+            started = done.finished_ns - done.compute_input_ns - done.compute_infer_ns - \
+                done.compute_output_ns
+            self.account(ver, [QueuedRequest(
+                head.req_id, head.frontend, head.batch_size, None, enqueued_ns=head.received_ns,
+                received_ns=head.received_ns,
+                dispatched_ns=max(head.received_ns, started))], done)
 
     def batch_done(self, msg: BatchDone) -> None:
         found = self.supervisor.by_spawn.get(msg.spawn_id)
@@ -287,7 +319,7 @@ class SchedulerCore:
         inst.batch = None
         inst.state = InstanceState.IDLE
         ver.queue.instance_idle(inst)
-        self.dispatch(ver)
+        self.dispatch(ver, finished=True)
         if ver.state != ModelState.READY:      # draining: its last batch may have ended
             self.lifecycle.drain_progress(ver)
 

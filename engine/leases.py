@@ -1,27 +1,36 @@
 """Instance leases: the scheduler lends an idle instance to a frontend, which then sends its
-requests straight to that worker (LeasedExecute), one at a time: two hops on the critical path
-instead of three, and no scheduler work before the model runs.
+requests straight to that worker (LeasedExecute): two hops on the critical path instead of
+three, and no scheduler work before the model runs.
 
 The scheduler still owns allocation. It grants a lease only when a version's queue is empty and
 an instance is idle, at most one lease per version, to the frontend that sent that version's
-last request. It takes the lease back (RevokeLease to the worker, LeaseRevoked to the frontend)
-as soon as a request has to queue for want of an idle instance; the worker answers LeaseEnded
+last request. With several instances a lease takes one request at a time, and a second
+concurrent request goes to the scheduler, which spreads it over the other instances. A version
+with a single instance is leased with no limit on requests in flight (depth 0): the worker runs
+them in the order they arrive, as the scheduler would have. The scheduler also hands such an
+instance over when it turns idle with only one frontend's requests queued: it returns them to
+that frontend, which sends them first under the lease. So one frontend's steady load on a
+single-instance model costs the scheduler nothing per request.
+
+The scheduler takes the lease back (RevokeLease to the worker, LeaseRevoked to the frontend) as
+soon as a request has to queue for want of an idle instance; the worker answers LeaseEnded
 once everything it accepted under the lease has run, and from then on the instance takes
 batches from the scheduler again. A leased request the worker reads after the revoke is not run
 but handed back to its frontend (LeaseBounced), which submits it to the scheduler: nothing is
-lost and nothing runs twice. Statistics still count every request (the worker's BatchDone
-carries the leased request's head).
+lost and nothing runs twice. Statistics still count every request (the completion records of
+leased requests reach the scheduler through the frontend, LeasedDone).
 
 When a worker that was ever leased to a frontend ends, that frontend is told (LeaseLost): what
 it sent the worker and got no answer for is submitted to the scheduler again, which retries it
 alone or fails it with the reason, as for any request of a dead worker.
 
-A lease lasts TERM_NS, then it is revoked and granted again (four small messages every two
-seconds). That revoke is also the hang check of a leased worker, which the scheduler cannot
-time execution by execution: everything the worker accepted before it must be done within the
-version's execution timeout (plus PING_TIMEOUT_S), or the worker is killed as for a batch past
-the timeout. So a leased execution that hangs is killed at most TERM_NS + PING_TIMEOUT_S later
-than a dispatched one would be.
+The scheduler cannot time a leased worker's executions one by one; it sees its progress in
+the completion records frontends pass on (LeasedDone, every 50 ms). A lease with no progress
+for TERM_NS is revoked and granted again (an idle worker answers the revoke at once: it acts
+as a ping). After a revoke, the worker must finish a request within the version's execution
+timeout plus PING_TIMEOUT_S, or it is killed as for a batch past the timeout. So a leased
+execution that hangs is killed at most TERM_NS + PING_TIMEOUT_S later than a dispatched one
+would be.
 
 Not leased: versions with dynamic batching (requests must meet in the queue to batch), and any
 version while the server stops. Pure: no sockets; it acts through the port and reads the
@@ -53,7 +62,9 @@ class Lease:
     instance: Instance
     frontend: int
     granted_ns: int
+    depth: int = 1              # requests in flight at once; 0 = no limit
     revoked_ns: int = 0         # 0 = in force
+    progress_ns: int = 0        # when its worker last finished a leased request
 
 
 class LeaseBook:
@@ -78,24 +89,51 @@ class LeaseBook:
     def note_request(self, ver: ModelVersion, frontend: int) -> None:
         self.last_frontend[(ver.name, ver.version)] = frontend
 
-    def offer(self, ver: ModelVersion, idle: list) -> None:
+    def offer(self, ver: ModelVersion, idle: list, frontend: int | None = None,
+              returned: list[int] | None = None) -> bool:
         """The queue of ``ver`` is empty and ``idle`` (its idle instances, most recently idle
-        last) is not: lease one to the version's last frontend, if nothing stands against it."""
+        last) is not: lease one to ``frontend`` (default: the version's last one), if nothing
+        stands against it; ``returned`` are its requests the scheduler held (see above)."""
         if ver in self.by_version or not self.leasable(ver):
-            return
+            return False
         key = (ver.name, ver.version)
-        frontend = self.last_frontend.get(key)
+        if frontend is None:
+            frontend = self.last_frontend.get(key)
         if frontend is None or self.clock() < self.cooldown_until.get(key, 0):
-            return
+            return False
         inst = idle.pop()
         self.counter += 1
-        lease = Lease(self.counter, ver, inst, frontend, self.clock())
+        lease = Lease(self.counter, ver, inst, frontend, self.clock(),
+                      depth=0 if len(ver.instances) == 1 else 1)
         inst.state = InstanceState.LEASED
         self.by_version[ver] = lease
         self.by_spawn[inst.spawn_id] = lease
         self.holders.setdefault(inst.spawn_id, set()).add(frontend)
         self.port.send_frontend(frontend, LeaseGranted(lease.lease_id, ver.name, ver.version,
-                                                       inst.spawn_id))
+                                                       inst.spawn_id, lease.depth,
+                                                       returned or []))
+        return True
+
+    def can_hand_over(self, ver: ModelVersion, frontend: int) -> bool:
+        """Whether the single instance of ``ver``, idle with only ``frontend``'s requests
+        queued, may be leased to it with them."""
+        return (len(ver.instances) == 1 and ver not in self.by_version and self.leasable(ver)
+                and self.clock() >= self.cooldown_until.get((ver.name, ver.version), 0))
+
+    def give_back(self, ver: ModelVersion, frontend: int, req_id: int) -> bool:
+        """A request from the frontend that holds ``ver``'s unlimited lease (sent before it
+        heard of the grant): returned to it, to go under the lease."""
+        lease = self.by_version.get(ver)
+        if lease is None or lease.frontend != frontend or lease.depth or lease.revoked_ns:
+            return False
+        self.port.send_frontend(frontend, LeaseGranted(
+            lease.lease_id, ver.name, ver.version, lease.instance.spawn_id, 0, [req_id]))
+        return True
+
+    def progress(self, spawn_id: int, finished_ns: int) -> None:
+        lease = self.by_spawn.get(spawn_id)
+        if lease is not None and finished_ns > lease.progress_ns:
+            lease.progress_ns = finished_ns
 
     def revoke(self, ver: ModelVersion, renew: bool = False) -> None:
         """Take back the lease of ``ver`` (requests are queueing, or its term ended: ``renew``);
@@ -135,7 +173,7 @@ class LeaseBook:
         hung = []
         for lease in list(self.by_version.values()):
             if not lease.revoked_ns:
-                left = lease.granted_ns + TERM_NS - now
+                left = max(lease.granted_ns, lease.progress_ns) + TERM_NS - now
                 if left > 0:
                     wait_ns = min(wait_ns, left)
                     continue
@@ -143,7 +181,8 @@ class LeaseBook:
             limit = lease.version.execution_timeout_s
             if limit <= 0:
                 continue
-            left = lease.revoked_ns + int((limit + PING_TIMEOUT_S) * 1e9) - now
+            since = max(lease.revoked_ns, lease.progress_ns)
+            left = since + int((limit + PING_TIMEOUT_S) * 1e9) - now
             if left > 0:
                 wait_ns = min(wait_ns, left)
             else:

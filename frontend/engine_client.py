@@ -5,8 +5,9 @@ straight from the worker that ran them (one hop fewer than relaying through the 
 from the scheduler when a request never reached a worker.
 
 While a model's queue is empty the scheduler may lend this frontend an idle instance
-(LeaseGranted): requests for that model then go straight to the worker, one at a time, and the
-scheduler hears of them only from the worker's statistics (engine/leases.py has the protocol).
+(LeaseGranted): requests for that model then go straight to the worker (one at a time, or with
+no limit for a model with a single instance), and the scheduler hears of them only from the
+worker's statistics (engine/leases.py has the protocol).
 A request the worker hands back (LeaseBounced), or that a dying leased worker never answered
 (LeaseLost), is submitted to the scheduler: nothing is lost.
 
@@ -66,7 +67,8 @@ class Lease:
     lease_id: int
     spawn_id: int
     box: packets.PacketOutbox | channel.Outbox
-    busy: int = 0               # the request it is running (0 = free)
+    depth: int = 1              # requests in flight at once; 0 = no limit
+    inflight: int = 0
 
 
 # How long completion records of leased requests wait to go to the scheduler in bulk.
@@ -98,7 +100,7 @@ class EngineClient:
         self.held: dict[int, InferResult] = {}
         self.queries: dict[int, asyncio.Future] = {}
         self.leases: dict[tuple[str, int], Lease] = {}      # (model, version) -> lease
-        self.direct: dict[int, int] = {}        # request sent under a lease -> worker spawn id
+        self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
         self.leased_requests: dict[str, int] = {}   # per model, for /metrics
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
         self.done: list = []                    # leased completion records not yet sent
@@ -132,7 +134,10 @@ class EngineClient:
                              prepared.shape_key)
         payload = encode_message(prepared.payload)
         lease = self.leases.get((model, version)) if self.leases else None
-        if lease is None or lease.busy or ordered or not self._send_leased(lease, head, payload):
+        if lease is None or ordered or (lease.depth and lease.inflight >= lease.depth) or \
+                not self._send_leased(lease, head, payload):
+            # a lease we hold but could not use: the scheduler must not hand it back to us
+            head.no_lease = lease is not None and not lease.depth
             try:
                 self.scheduler.send(head, (payload,), channel.NOBLOCK)
             except zmq.Again:
@@ -248,14 +253,12 @@ class EngineClient:
 
     def cancel(self, req_id: int) -> None:
         """The client went away: the scheduler drops the request if it has not started."""
-        spawn_id = self.direct.get(req_id)
-        if spawn_id is not None:        # running on a leased worker: it hears it directly
-            box = self.workers.get(channel.worker_address(self.run_dir, spawn_id))
-            if box is not None:
-                try:
-                    box.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
-                except (packets.PeerGone, zmq.Again):
-                    pass
+        lease = self.direct.get(req_id)
+        if lease is not None:           # sent to a leased worker: it hears it directly
+            try:
+                lease.box.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
+            except (packets.PeerGone, zmq.Again):
+                pass
             return
         if req_id in self.pending:
             try:
@@ -292,27 +295,37 @@ class EngineClient:
             return False
         except zmq.Again:
             return False
-        lease.busy = head.req_id
-        self.direct[head.req_id] = lease.spawn_id
+        lease.inflight += 1
+        self.direct[head.req_id] = lease
         counts = self.leased_requests
         counts[head.model] = counts.get(head.model, 0) + 1
         return True
 
     def _lease_done(self, req_id: int) -> None:
-        spawn_id = self.direct.pop(req_id, None)
-        if spawn_id is None:
-            return
-        for lease in self.leases.values():
-            if lease.busy == req_id:
-                lease.busy = 0
-                return
+        lease = self.direct.pop(req_id, None)
+        if lease is not None:
+            lease.inflight -= 1
 
     def _lease_granted(self, msg: LeaseGranted) -> None:
-        try:
-            box = self._worker_box(channel.worker_address(self.run_dir, msg.spawn_id))
-        except packets.PeerGone:
-            return              # it died already: LeaseLost follows
-        self.leases[(msg.model, msg.version)] = Lease(msg.lease_id, msg.spawn_id, box)
+        key = (msg.model, msg.version)
+        lease = self.leases.get(key)
+        if lease is None or lease.lease_id != msg.lease_id:
+            try:
+                box = self._worker_box(channel.worker_address(self.run_dir, msg.spawn_id))
+            except packets.PeerGone:
+                box = None      # it died already: LeaseLost follows
+            lease = self.leases[key] = Lease(msg.lease_id, msg.spawn_id, box, msg.depth) \
+                if box is not None else None
+            if lease is None:
+                del self.leases[key]
+        for rid in msg.returned:        # ours, held by the scheduler: they go first
+            sent = self.sent.get(rid)
+            if sent is None or rid not in self.pending:
+                continue
+            head, payload = sent
+            if lease is None or not self._send_leased(lease, head, payload):
+                head.no_lease = True
+                self._resubmit(head, payload)
 
     def _lease_revoked(self, msg: LeaseRevoked) -> None:
         for key, lease in list(self.leases.items()):
@@ -344,8 +357,8 @@ class EngineClient:
     def _resolve_lost(self) -> None:
         lost, self.lost = self.lost, []
         for msg in lost:
-            for rid, sid in list(self.direct.items()):
-                if sid != msg.spawn_id:
+            for rid, lease in list(self.direct.items()):
+                if lease.spawn_id != msg.spawn_id:
                     continue
                 del self.direct[rid]
                 sent = self.sent.get(rid)

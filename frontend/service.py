@@ -122,10 +122,9 @@ class FrontendService:
 
     # ---- client shared memory -------------------------------------------------------------------
     def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> None:
-        region = self.registry.register_system(name, key, offset, byte_size, peer)
-        # the key may name a segment the client unlinked and re-created: workers must drop a
-        # mapping of the old one before any request uses the region
-        self.client.forget_segments([region.segment])
+        # a key that names a segment the client unlinked and re-created needs nothing here:
+        # readers look a client segment up by name on every use (ipc/shm.py ShmMapCache)
+        self.registry.register_system(name, key, offset, byte_size, peer)
 
     def unregister_system(self, name: str) -> None:
         gone = self.registry.unregister_system(name)

@@ -121,6 +121,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
     # whether that death allows a retry; the scheduler runs it again alone or fails it
     lost: str = ""
     lost_retry: bool = True
+    # the frontend holds a lease for this version but could not use it (the worker's inbox
+    # full, or gone): the scheduler must queue it rather than hand it back
+    no_lease: bool = False
 
 
 class LeasedDone(msgspec.Struct, array_like=True, tag=6):
@@ -389,11 +392,16 @@ class LeaseBounced(msgspec.Struct, array_like=True, tag=42):
 # ---- scheduler -> frontend: leases ---------------------------------------------------------------
 class LeaseGranted(msgspec.Struct, array_like=True, tag=14):
     """The idle instance ``spawn_id`` of a model version takes this frontend's requests
-    directly (LeasedExecute), one at a time, until the lease is revoked."""
+    directly (LeasedExecute), up to ``depth`` at a time (0: no limit; the worker runs them in
+    order), until the lease is revoked. ``returned``: requests of this frontend the scheduler
+    held for the version (queued, or arrived after the grant); the frontend sends them under
+    the lease, first. Sent again with the same id to return more."""
     lease_id: int
     model: str
     version: int
     spawn_id: int
+    depth: int = 1
+    returned: list[int] = []
 
 
 class LeaseRevoked(msgspec.Struct, array_like=True, tag=15):

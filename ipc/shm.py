@@ -111,13 +111,18 @@ def create_segment(name: str, size: int) -> mmap.mmap:
 
 
 def attach_segment(name: str, writable: bool = True) -> mmap.mmap:
+    return _attach(name, writable)[0]
+
+
+def _attach(name: str, writable: bool = True) -> tuple[mmap.mmap, int]:
+    """The mapping, and the segment's inode (which tells a re-created segment of that name)."""
     fd = _posixshmem.shm_open("/" + name, os.O_RDWR if writable else os.O_RDONLY, 0)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ShmError(f"'{name}' is not a shared memory segment")
         return mmap.mmap(fd, st.st_size,
-                         access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ)
+                         access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ), st.st_ino
     finally:
         os.close(fd)
 
@@ -354,11 +359,15 @@ class ShmMapCache:
     Every mapping holds a file descriptor (Python's mmap keeps a dup of it), so at most
     ``max_maps`` are cached, least recently used going first: a client with 20,000 regions
     must not exhaust the process's descriptors. A client's segment can shrink after it was
-    mapped, and touching a page past its end is SIGBUS: its size is checked on every use
-    (one fstat); the server's own segments never shrink and skip the check."""
+    mapped, and touching a page past its end is SIGBUS; or its owner can unlink it and create
+    another under the same name, which a mapping of the old one would not see. So a client
+    segment is looked up by name on every use (one stat): a new inode is mapped afresh, and the
+    size is checked. That keeps a re-registered region correct whatever order messages take
+    (a frontend's leased requests reach a worker on another socket than the scheduler's
+    ForgetSegments). The server's own segments are never re-created or shrunk and skip it."""
 
     def __init__(self, idle_unmap_s: float = 30.0, max_maps: int = 512):
-        self._maps: dict[str, tuple[mmap.mmap, memoryview]] = {}
+        self._maps: dict[str, tuple[mmap.mmap, memoryview, int]] = {}
         self._last_used: dict[str, float] = {}
         self.idle_unmap_s = idle_unmap_s
         self.max_maps = max_maps
@@ -366,9 +375,21 @@ class ShmMapCache:
 
     def view(self, ref: ShmRef) -> memoryview:
         entry = self._maps.get(ref.segment)
+        client = not ref.segment.startswith(PREFIX)
+        st = None
+        if client:
+            try:
+                st = os.stat(f"{SHM_DIR}/{ref.segment}")
+            except FileNotFoundError:
+                pass    # unlinked by its owner: a mapping we hold still reads its pages
+            except OSError as e:
+                raise ShmError(f"shared memory segment '{ref.segment}': {e}") from None
+            if entry is not None and st is not None and st.st_ino != entry[2]:
+                self._drop(ref.segment)         # re-created under the same name
+                entry = None
         if entry is None:
             try:
-                m = attach_segment(ref.segment)
+                m, ino = _attach(ref.segment)
             except FileNotFoundError:
                 raise ShmError(f"shared memory segment '{ref.segment}' does not exist") from None
             except OSError as e:        # a directory, a symlink, no permission, EMFILE, ...
@@ -376,15 +397,16 @@ class ShmMapCache:
                                f"{e.strerror or e}") from None
             if len(self._maps) >= self.max_maps:
                 self._drop(min(self._last_used, key=self._last_used.__getitem__))
-            entry = (m, memoryview(m))
+            entry = (m, memoryview(m), ino)
             self._maps[ref.segment] = entry
         end = ref.offset + ref.nbytes
         if ref.offset < 0 or ref.nbytes < 0 or end > len(entry[1]):
             raise ShmError(f"range [{ref.offset}, {end}) is outside segment "
                            f"'{ref.segment}' of {len(entry[1])} bytes")
-        if not ref.segment.startswith(PREFIX):
+        if client:
             try:
-                size = entry[0].size()      # fstat: what the segment holds now
+                # what the segment holds now
+                size = st.st_size if st is not None and st.st_ino == entry[2] else entry[0].size()
             except OSError as e:
                 raise ShmError(f"shared memory segment '{ref.segment}': {e}") from None
             if end > size:

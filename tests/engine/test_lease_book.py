@@ -252,3 +252,78 @@ def test_leases_can_be_turned_off(repo):
     h.submit("plain")
     h.finish(sid)
     assert grants(h) == [] and instance(h, "plain").state is InstanceState.IDLE
+
+
+# ---- single-instance versions: no depth limit, the queue handed over ---------------------------
+def test_a_single_instance_is_lent_without_a_limit_and_one_of_several_one_at_a_time(repo):
+    h = leased_harness(repo)
+    _, grant = first_request_leases(h)
+    assert grant.depth == 0 and grant.returned == []
+    h.submit("pair")                             # runs on one; the other idles: lent
+    [pair] = [g for g in grants(h) if g.model == "pair"]
+    assert pair.depth == 1
+
+
+def test_one_frontends_queue_is_handed_over_with_the_lease(repo):
+    h = leased_harness(repo)
+    sid = sid_of(h, "plain")
+    first, *queued = (h.submit("plain") for _ in range(3))
+    assert grants(h) == []                       # the instance is busy: they queue
+    h.finish(sid)                                # idle, and only this frontend's requests wait
+    [grant] = grants(h)
+    assert grant.depth == 0 and grant.returned == queued
+    assert len(h.core.versions[("plain", 1)].queue) == 0
+    assert len(h.batches()) == 1                 # the frontend sends them, not the scheduler
+    assert instance(h, "plain").state is InstanceState.LEASED
+
+
+def test_no_hand_over_while_two_frontends_queue(repo):
+    h = leased_harness(repo)
+    sid = sid_of(h, "plain")
+    h.submit("plain")
+    h.submit("plain")
+    h.core.handle(SubmitRequest(500, OTHER, "plain", 1, 1, h.clock()), [b"p"])
+    h.finish(sid)
+    assert grants(h) == [] and grants(h, OTHER) == []
+    assert len(h.batches()) == 2                 # the scheduler serves both, in order
+
+
+def test_a_request_sent_before_the_grant_arrived_is_given_back(repo):
+    h = leased_harness(repo)
+    sid, grant = first_request_leases(h)
+    rid = h.submit("plain")                      # crossed the grant on its way
+    again = grants(h)[-1]
+    assert (again.lease_id, again.returned, again.depth) == (grant.lease_id, [rid], 0)
+    assert h.to_worker(RevokeLease) == []
+    # the frontend could not use its lease (the worker's inbox full): it queues, and the
+    # lease comes back
+    h.core.handle(SubmitRequest(600, FRONTEND, "plain", 1, 1, h.clock(), no_lease=True),
+                  [b"p"])
+    assert h.to_worker(RevokeLease) == [(sid, RevokeLease(grant.lease_id))]
+    h.core.handle(LeaseEnded(sid, grant.lease_id))
+    assert [r.req_id for r in h.last_batch(sid).routes] == [600]
+
+
+def test_a_lease_that_makes_progress_is_not_renewed(repo):
+    h = leased_harness(repo)
+    sid, grant = first_request_leases(h, "timed")
+    for i in range(5):
+        h.tick(TERM_NS / 1e9 / 2)
+        head = SubmitRequest(900 + i, FRONTEND, "timed", 1, 1, h.clock())
+        h.core.handle(LeasedDone([BatchDone(sid, 0, [], 1, 1, 1, leased=head,
+                                            finished_ns=h.clock())]))
+    assert h.to_worker(RevokeLease) == []        # its progress shows it is alive
+    h.tick(TERM_NS / 1e9)
+    assert h.to_worker(RevokeLease) == [(sid, RevokeLease(grant.lease_id))]
+
+
+def test_a_single_instance_dynamic_batching_model_under_load_keeps_dispatching(repo):
+    h = leased_harness(repo)
+    sid = sid_of(h, "batched")
+    for _ in range(3):
+        h.submit("batched")
+    h.tick(0.01)
+    n = len(h.batches(sid))
+    h.finish(sid)                                # idle, one frontend's requests queued
+    h.tick(0.01)
+    assert len(h.batches(sid)) == n + 1 and grants(h) == []

@@ -339,6 +339,25 @@ def test_a_segment_that_shrank_is_an_error_not_a_sigbus():
         os.unlink(f"/dev/shm/{name}")
 
 
+def test_a_segment_recreated_under_the_same_name_is_mapped_afresh():
+    """No ForgetSegments needed: a client that unlinks its segment and creates another under
+    the same key (and registers it again) is read from the new one, whatever order messages
+    took to the worker."""
+    name = _client_segment(4096)
+    maps = shm.ShmMapCache()
+    try:
+        assert bytes(maps.view(ShmRef(name, 0, 4))) == b"\1" * 4
+        os.unlink(f"/dev/shm/{name}")
+        # unlinked: the mapping still reads the old pages, as the owner's own mapping would
+        assert bytes(maps.view(ShmRef(name, 0, 4))) == b"\1" * 4
+        with open(f"/dev/shm/{name}", "wb") as f:
+            f.write(b"\2" * 4096)
+        assert bytes(maps.view(ShmRef(name, 0, 4))) == b"\2" * 4
+    finally:
+        maps.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
 def test_a_directory_or_symlink_in_place_of_a_segment_is_an_error():
     import uuid
     d = f"shmtest_dir_{uuid.uuid4().hex}"
