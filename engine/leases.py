@@ -83,8 +83,9 @@ class LeaseBook:
         self.stopping = False
 
     def leasable(self, ver: ModelVersion) -> bool:
+        # a sequence batcher (not built yet) would need its slots: never lent
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
-                and not ver.batching)
+                and not ver.batching and not ver.config.HasField("sequence_batching"))
 
     def note_request(self, ver: ModelVersion, frontend: int) -> None:
         self.last_frontend[(ver.name, ver.version)] = frontend
