@@ -60,6 +60,10 @@ class OnnxBackend:
             raise BackendLoadError("KIND_GPU was requested but onnxruntime did not activate the CUDA "
                                    "execution provider (is a GPU visible?)")
         self.input_names = [i.name for i in self.session.get_inputs()]
+        # BYTES arrive as numpy object arrays of bytes; onnxruntime's string tensors take str
+        # (given bytes, it feeds their repr, "b'0'", to the graph)
+        self.string_inputs = {i.name for i in self.session.get_inputs()
+                              if i.type == "tensor(string)"}
         self.output_types = {o.name: _ORT_TYPES.get(o.type, "") for o in self.session.get_outputs()}
         self.output_names = list(self.output_types)
         declared = {i["name"] for i in self.cfg.get("input", [])}
@@ -76,7 +80,9 @@ class OnnxBackend:
         for name in requests[0].inputs:
             feeds[name] = np.concatenate([r.inputs[name] for r in requests], axis=0)
         try:
-            results = self.session.run(self.output_names, feeds)
+            results = self.session.run(self.output_names, self._text(feeds))
+        except _NotText as e:
+            return [WorkResponse(error=str(e), code=ErrorCode.INVALID_ARG) for _ in requests]
         except Exception as e:
             return [WorkResponse(error=f"onnxruntime execution failed: {e}", code=ErrorCode.INTERNAL)
                     for _ in requests]
@@ -89,10 +95,28 @@ class OnnxBackend:
 
     def _run_one(self, r: WorkRequest) -> WorkResponse:
         try:
-            results = self.session.run(self.output_names, r.inputs)
+            results = self.session.run(self.output_names, self._text(r.inputs))
+        except _NotText as e:
+            return WorkResponse(error=str(e), code=ErrorCode.INVALID_ARG)
         except Exception as e:
             return WorkResponse(error=f"onnxruntime execution failed: {e}", code=ErrorCode.INTERNAL)
         return self._response(r, results)
+
+    def _text(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """String inputs as onnxruntime wants them: str elements (UTF-8 decoded)."""
+        if not self.string_inputs:
+            return feeds
+        out = dict(feeds)
+        for name in self.string_inputs.intersection(feeds):
+            arr = feeds[name]
+            try:
+                text = [x.decode("utf-8") if type(x) is bytes else str(x)
+                        for x in arr.ravel().tolist()]
+            except UnicodeDecodeError:
+                raise _NotText(f"input '{name}' holds an element that is not UTF-8 text, which "
+                               f"onnxruntime's string tensors need") from None
+            out[name] = np.array(text, dtype=object).reshape(arr.shape)
+        return out
 
     def _response(self, r: WorkRequest, results) -> WorkResponse:
         wanted = r.requested_outputs or self.output_names
@@ -101,3 +125,7 @@ class OnnxBackend:
 
     def finalize(self) -> None:
         self.session = None
+
+
+class _NotText(ValueError):
+    """A BYTES input that onnxruntime cannot take as a string tensor."""
