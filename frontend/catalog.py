@@ -91,8 +91,10 @@ def version_number(name: str, version: str) -> int:
     """A version as a request spells it; every protocol and endpoint refuses a bad one alike."""
     if not (version.isascii() and version.isdigit()) or int(version) >= 1 << 63:
         raise InferError(ErrorCode.INVALID_ARG,
-                         f"invalid model version '{version}' for model '{name}': a version "
-                         f"is a non-negative 64-bit integer")
+                         # Triton's words, which its clients and tests look for
+                         f"failed to get model version from specified version string "
+                         f"'{version}' for model '{name}': a version is a non-negative 64-bit "
+                         f"integer")
     return int(version)
 
 

@@ -105,7 +105,7 @@ def test_resolve_unknown_version(catalog, version):
 
 @pytest.mark.parametrize("version", ["abc", "-1", "1.0", " 1", "+1", "\u0661", "\u00b2"])
 def test_resolve_non_numeric_version(catalog, version):
-    with pytest.raises(InferError, match="invalid model version") as e:
+    with pytest.raises(InferError, match="failed to get model version from specified version string") as e:
         catalog.resolve("simple", version)
     assert e.value.code == ErrorCode.INVALID_ARG
     assert f"'{version}'" in e.value.message

@@ -52,7 +52,7 @@ def test_model_ready_of_a_model_without_versions_is_false():
 def test_model_ready_unknown_model_and_bad_version_are_errors():
     svc = make_service()
     assert "no_such" in raises(ErrorCode.NOT_FOUND, svc.model_ready, "no_such", "")
-    assert "invalid model version 'x'" in raises(ErrorCode.INVALID_ARG, svc.model_ready,
+    assert "failed to get model version from specified version string 'x'" in raises(ErrorCode.INVALID_ARG, svc.model_ready,
                                                  "simple", "x")
 
 
@@ -132,7 +132,7 @@ def test_statistics_queries_the_version_asked_for():
 def test_statistics_errors():
     client = FakeClient()
     svc = make_service(client)
-    assert "invalid model version '1a'" in raises(ErrorCode.INVALID_ARG, svc.statistics,
+    assert "failed to get model version from specified version string '1a'" in raises(ErrorCode.INVALID_ARG, svc.statistics,
                                                   "simple", "1a")
     assert "is not available" in raises(ErrorCode.INVALID_ARG, svc.statistics, "nope", "")
     client.stats_raises = asyncio.TimeoutError()
