@@ -242,8 +242,9 @@ class SchedulerCore:
         if self.leases.by_version and (len(queue) or ver.state != ModelState.READY):
             # requests wait for an instance, or the version drains: a leased one comes back
             self.leases.revoke(ver)
-        elif not len(queue) and self.leases.enabled and getattr(queue, "idle", None):
-            self.leases.offer(ver, queue.idle)      # type: ignore[attr-defined]
+        elif not len(queue) and self.leases.enabled and isinstance(queue, DefaultQueue) \
+                and queue.idle:
+            self.leases.offer(ver, queue.idle)
         if not batches:
             return
         queued_in = self.queued_in

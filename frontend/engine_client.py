@@ -291,7 +291,7 @@ class EngineClient:
         try:
             lease.box.send(LeasedExecute(lease.lease_id, head), (payload,), channel.NOBLOCK)
         except packets.PeerGone:
-            self._drop_lease(lease)
+            self._forget_leases(lambda held: held is lease)
             return False
         except zmq.Again:
             return False
@@ -310,14 +310,12 @@ class EngineClient:
         key = (msg.model, msg.version)
         lease = self.leases.get(key)
         if lease is None or lease.lease_id != msg.lease_id:
+            self.leases.pop(key, None)
             try:
                 box = self._worker_box(channel.worker_address(self.run_dir, msg.spawn_id))
+                lease = self.leases[key] = Lease(msg.lease_id, msg.spawn_id, box, msg.depth)
             except packets.PeerGone:
-                box = None      # it died already: LeaseLost follows
-            lease = self.leases[key] = Lease(msg.lease_id, msg.spawn_id, box, msg.depth) \
-                if box is not None else None
-            if lease is None:
-                del self.leases[key]
+                lease = None    # it died already: LeaseLost follows
         for rid in msg.returned:        # ours, held by the scheduler: they go first
             sent = self.sent.get(rid)
             if sent is None or rid not in self.pending:
@@ -328,13 +326,12 @@ class EngineClient:
                 self._resubmit(head, payload)
 
     def _lease_revoked(self, msg: LeaseRevoked) -> None:
-        for key, lease in list(self.leases.items()):
-            if lease.lease_id == msg.lease_id:
-                del self.leases[key]
+        self._forget_leases(lambda held: held.lease_id == msg.lease_id)
 
-    def _drop_lease(self, gone: Lease) -> None:
+    def _forget_leases(self, match: Callable[[Lease], bool]) -> None:
+        """Stop using the leases ``match`` picks (requests sent under them still finish)."""
         for key, lease in list(self.leases.items()):
-            if lease is gone:
+            if match(lease):
                 del self.leases[key]
 
     def _lease_bounced(self, msg: LeaseBounced) -> None:
@@ -345,9 +342,7 @@ class EngineClient:
             self._resubmit(sent[0], sent[1])
 
     def _lease_lost(self, msg: LeaseLost) -> None:
-        for key, lease in list(self.leases.items()):
-            if lease.spawn_id == msg.spawn_id:
-                del self.leases[key]
+        self._forget_leases(lambda held: held.spawn_id == msg.spawn_id)
         gone = self.workers.pop(channel.worker_address(self.run_dir, msg.spawn_id), None)
         if gone is not None:
             gone.close()

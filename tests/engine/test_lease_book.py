@@ -327,3 +327,12 @@ def test_a_single_instance_dynamic_batching_model_under_load_keeps_dispatching(r
     h.finish(sid)                                # idle, one frontend's requests queued
     h.tick(0.01)
     assert len(h.batches(sid)) == n + 1 and grants(h) == []
+
+
+def test_a_version_with_a_sequence_batcher_is_never_lent(repo):
+    # refused at load today; the guard keeps a future sequence batcher's slots its own
+    h = leased_harness(repo)
+    ver = h.core.versions[("plain", 1)]
+    assert h.core.leases.leasable(ver)
+    ver.config.sequence_batching.SetInParent()
+    assert not h.core.leases.leasable(ver)
