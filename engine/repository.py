@@ -101,20 +101,25 @@ class ModelRepository:
 
 
     def _config_or_stub(self, path: str, name: str) -> model_config.ModelConfig:
-        """config.pbtxt; or, with auto-complete on and a model.onnx present, a bare config that
-        the workers complete from the model (Triton: docs/triton-compat.md §3.4)."""
+        """config.pbtxt; or, with auto-complete on and a model.onnx or model.py present, a bare
+        config that the workers complete from the model (Triton: docs/triton-compat.md §3.4)."""
         try:
             return model_config.read_config(path, name, self.config_name)
         except ConfigError:
-            if not self.auto_complete or not self._has_onnx(path):
+            backend = self._backend_from_files(path) if self.auto_complete else None
+            if backend is None:
                 raise
         cfg = model_config.ModelConfig()
-        cfg.backend = "onnxruntime"
+        cfg.backend = backend
         return cfg
 
     @staticmethod
-    def _has_onnx(path: str) -> bool:
-        return any(os.path.exists(os.path.join(path, str(v), "model.onnx")) for v in version_dirs(path))
+    def _backend_from_files(path: str) -> str | None:
+        """The backend a config-less model's default file names (ONNX first, as Triton tries it)."""
+        for filename, backend in (("model.onnx", "onnxruntime"), ("model.py", "python")):
+            if any(os.path.exists(os.path.join(path, str(v), filename)) for v in version_dirs(path)):
+                return backend
+        return None
 
     def _wants_completion(self, entry: ModelEntry) -> bool:
         if not self.auto_complete:

@@ -39,6 +39,8 @@ def ac_repo(tmp_path_factory, example_repo):
     os.makedirs(repo / "py_ac" / "1")
     (repo / "py_ac" / "1" / "model.py").write_text(PY_AUTOCOMPLETE)
     (repo / "py_ac" / "config.pbtxt").write_text('backend: "python"\n')
+    os.makedirs(repo / "py_noconfig" / "1")      # python_backend's auto_complete example: no config
+    (repo / "py_noconfig" / "1" / "model.py").write_text(PY_AUTOCOMPLETE)
     return str(repo)
 
 
@@ -74,6 +76,10 @@ def test_configs_are_completed(ac_repo):
         i.set_data_from_numpy(a)
         np.testing.assert_array_equal(c.infer("py_ac", [i]).as_numpy("OUT"), a * 2)
         assert c.get_model_metadata("py_ac")["inputs"][0]["shape"] == [-1, 3]
+        bare = _config(srv, "py_noconfig")
+        assert bare["backend"] == "python" and bare["max_batch_size"] == 8
+        assert bare["input"][0]["name"] == "IN" and bare["output"][0]["name"] == "OUT"
+        np.testing.assert_array_equal(c.infer("py_noconfig", [i]).as_numpy("OUT"), a * 2)
     finally:
         assert srv.stop() == 0
 
@@ -81,12 +87,14 @@ def test_configs_are_completed(ac_repo):
 def test_disable_auto_complete(ac_repo):
     srv = Server(ac_repo, "--disable-auto-complete-config", wait_ready=False)
     try:
-        wait_for(lambda: all(_state(srv, n) for n in ("onnx_noconfig", "onnx_partial", "py_ac")),
+        wait_for(lambda: all(_state(srv, n) for n in ("onnx_noconfig", "onnx_partial", "py_ac",
+                                                       "py_noconfig")),
                  60, "every model to finish loading")
         idx = {e["name"]: e for e in
                requests.post(f"{srv.base}/v2/repository/index", timeout=10).json()}
         assert idx["onnx_noconfig"]["state"] == "UNAVAILABLE"
         assert "model configuration is not provided" in idx["onnx_noconfig"]["reason"]
+        assert "model configuration is not provided" in idx["py_noconfig"]["reason"]
         assert _config(srv, "py_ac")["input"] == []           # the hook did not run
     finally:
         assert srv.stop() == 0

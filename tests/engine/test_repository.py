@@ -104,12 +104,22 @@ def test_config_errors_are_per_model(tmp_path):
     make_model(tmp_path, "noconfig")
     os.remove(tmp_path / "noconfig" / "config.pbtxt")
     make_model(tmp_path, "good")
-    models = ModelRepository([str(tmp_path)]).scan()
+    models = ModelRepository([str(tmp_path)], auto_complete=False).scan()
     assert models["bad"].error.startswith(f"failed to parse {tmp_path / 'bad' / 'config.pbtxt'}")
     assert models["bad"].config is None
     assert "does not match the directory name 'wrongname'" in models["wrongname"].error
     assert "model configuration is not provided" in models["noconfig"].error
     assert models["good"].error == "" and plans(models["good"]) == [(1, "")]
+
+
+def test_config_less_models_get_their_backend_from_the_file(tmp_path):
+    make_model(tmp_path, "py")
+    os.remove(tmp_path / "py" / "config.pbtxt")
+    os.makedirs(tmp_path / "nofile" / "1")
+    models = ModelRepository([str(tmp_path)]).scan()
+    assert models["py"].error == "" and models["py"].config.backend == "python"
+    assert models["py"].config.name == "py"
+    assert "model configuration is not provided" in models["nofile"].error
 
 
 def test_duplicate_model_across_repositories(tmp_path):
