@@ -175,15 +175,19 @@ class _CapsuleHolder:
 
 
 def _params_json(parameters):
+    """Triton's rules for a request's or response's parameters: a dict (or None), str keys,
+    bool/int/str values (no float), with its error texts."""
     if parameters is None:
         return "{}"
-    parsed = json.loads(parameters) if isinstance(parameters, str) else parameters
-    if not isinstance(parsed, dict):
-        raise ValueError("parameters must be a dict or a JSON object string")
-    for k, v in parsed.items():
-        if not isinstance(k, str) or not isinstance(v, (bool, int, float, str)):
-            raise ValueError(f"parameter {k!r}: keys must be str and values bool, int, float or str")
-    return parameters if isinstance(parameters, str) else json.dumps(parameters)
+    if not isinstance(parameters, dict):
+        raise TritonModelException(f"Expect dict, got {type(parameters)}")
+    for k, v in parameters.items():
+        if not isinstance(k, str):
+            raise TritonModelException(f"Expect parameters keys to have type str, found type {type(k)}")
+        if not isinstance(v, (bool, int, str)):
+            raise TritonModelException(
+                f"Expect parameters values to have type bool/int/str, found type {type(v)}")
+    return json.dumps(parameters)
 
 
 class PreferredMemory:

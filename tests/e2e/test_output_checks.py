@@ -26,6 +26,16 @@ WRONG = textwrap.dedent('''
                     out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)],
                                                           parameters={"big": 2 ** 70}))
                     continue
+                if how == 5:            # Triton's python backend takes no float parameter
+                    try:
+                        pb_utils.InferenceResponse([], parameters={"ratio": 0.5})
+                    except pb_utils.TritonModelException as e:
+                        out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))))
+                    continue
+                if how == 6:            # the types it takes reach the client
+                    out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x)],
+                        parameters={"s": "text", "i": -7, "b": True}))
+                    continue
                 y = {0: x, 1: x.astype(np.float64), 2: x[:, :3], 3: x.reshape(1, 2, 2)}[how]
                 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", y)]))
             return out
@@ -54,6 +64,7 @@ def server(tmp_path_factory):
         "expecting [-1, 4]"),
     (3, "unexpected shape [1, 2, 2] for inference output 'OUTPUT0'"),
     (4, "response parameter 'big' is out of the 64-bit integer range"),     # killed the worker
+    (5, "Expect parameters values to have type bool/int/str, found type <class 'float'>"),
 ])
 def test_an_output_that_breaks_the_config_is_an_error(server, client_mod, how, text):
     url = server.url if client_mod is httpclient else server.grpc_url
@@ -67,3 +78,18 @@ def test_an_output_that_breaks_the_config_is_an_error(server, client_mod, how, t
     inp.set_data_from_numpy(np.zeros((1, 4), dtype=np.float32))
     np.testing.assert_array_equal(c.infer("wrong_outputs", [inp]).as_numpy("OUTPUT0"),
                                   np.zeros((1, 4), dtype=np.float32))
+
+
+@pytest.mark.parametrize("client_mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_response_parameters_reach_the_client(server, client_mod):
+    url = server.url if client_mod is httpclient else server.grpc_url
+    c = client_mod.InferenceServerClient(url)
+    inp = client_mod.InferInput("INPUT0", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.full((1, 4), 6, dtype=np.float32))
+    result = c.infer("wrong_outputs", [inp])
+    if client_mod is httpclient:
+        params = result.get_response()["parameters"]
+    else:
+        raw = result.get_response().parameters
+        params = {k: getattr(raw[k], raw[k].WhichOneof("parameter_choice")) for k in raw}
+    assert params == {"s": "text", "i": -7, "b": True}

@@ -1,6 +1,7 @@
 """In-process tests of shmserve's triton_python_backend_utils replacement."""
 import json
 import logging
+import re
 import struct
 
 import ml_dtypes
@@ -183,8 +184,10 @@ def test_inference_request_accessors():
 
     d = pb.InferenceRequest()
     assert d.parameters() == "{}" and d.correlation_id() == 0 and d.model_version() == -1 and d.inputs() == []
-    assert json.loads(pb.InferenceRequest(parameters='{"a": "b"}').parameters()) == {"a": "b"}
-    with pytest.raises(ValueError):
+    with pytest.raises(pb.TritonModelException, match="Expect dict, got <class 'str'>"):
+        pb.InferenceRequest(parameters='{"a": "b"}')          # Triton takes a dict only
+    with pytest.raises(pb.TritonModelException, match="values to have type bool/int/str, found "
+                                                      "type <class 'list'>"):
         pb.InferenceRequest(parameters={"a": [1]})
     with pytest.raises(TypeError):
         pb.InferenceRequest(inputs=[np.zeros(1)])
@@ -217,6 +220,15 @@ def test_inference_response():
     resp = pb.InferenceResponse(output_tensors=[y], parameters={"p": "q"})
     assert resp.output_tensors() == [y] and not resp.has_error() and resp.error() is None
     assert json.loads(resp.parameters()) == {"p": "q"}
+    assert json.loads(pb.InferenceResponse(parameters={"i": -3, "b": False}).parameters()) == \
+        {"i": -3, "b": False}
+    for bad, words in (({"f": 0.5}, "values to have type bool/int/str, found type <class 'float'>"),
+                       ({1: "x"}, "keys to have type str, found type <class 'int'>"),
+                       ({"n": None}, "found type <class 'NoneType'>"),
+                       ('{"p": "q"}', "Expect dict, got <class 'str'>"),
+                       ([("p", "q")], "Expect dict, got <class 'list'>")):
+        with pytest.raises(pb.TritonModelException, match=re.escape(words)):
+            pb.InferenceResponse(parameters=bad)
     assert pb.get_output_tensor_by_name(resp, "y") is y
     assert pb.get_output_tensor_by_name(resp, "z") is None
     err = pb.InferenceResponse(error=pb.TritonError("boom", pb.TritonError.INVALID_ARG))
