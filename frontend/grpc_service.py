@@ -208,7 +208,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     # ---- repository -----------------------------------------------------------------------------
     async def RepositoryIndex(self, request, context):
         resp = pb.RepositoryIndexResponse()
-        for e in self.service.index(request.ready):
+        for e in await self.service.index(request.ready):
             resp.models.add(name=e["name"], version=e.get("version", ""),
                             state=e.get("state", ""), reason=e.get("reason", ""))
         return resp

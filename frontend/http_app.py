@@ -251,7 +251,7 @@ class KServeHttpApp(HttpApp):
             if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
                 raise invalid("repository index request: 'ready' must be a boolean")
             ready = doc.get("ready", False)
-        conn.respond(req, 200, http_codec.encode_json(self.service.index(ready)))
+        self.later(conn, req, self.service.index(ready), http_codec.encode_json)
 
     def control_in_repository(self, action: str, conn, req, repository: str, model: str):
         self.control(action, conn, req, model, repository)     # the service refuses it

@@ -26,6 +26,8 @@ EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
               "statistics"]
 
+FIRST_TABLE_WAIT_S = 30.0
+
 
 class FrontendService:
     def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
@@ -70,7 +72,15 @@ class FrontendService:
         """The model and version a metadata, config or infer request addresses."""
         return self.catalog.resolve(name, version)
 
-    def index(self, ready_only: bool) -> list[dict]:
+    async def index(self, ready_only: bool) -> list[dict]:
+        # Until the scheduler's first model table arrives the catalog is empty, which a client
+        # would read as "no models": wait for the table instead (it follows the frontend's hello).
+        if not self.client.table_event.is_set():
+            try:
+                await asyncio.wait_for(self.client.table_event.wait(), FIRST_TABLE_WAIT_S)
+            except asyncio.TimeoutError:
+                raise InferError(ErrorCode.UNAVAILABLE, "the model repository has not been read "
+                                 "yet; try again") from None
         return self.catalog.index(ready_only)
 
     # ---- model control --------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
-from repo_builder import build_bad_repository
+from repo_builder import build_bad_repository, write_model
 from serverproc import Server, alive, descendants, segments_of, send_sleeping, wait_for
 
 
@@ -214,3 +214,45 @@ def test_exit_timeout_cancels_what_is_left(test_repo):
         slow.get_result()
     assert "shutting down" in str(e.value) or "503" in str(e.value) or "closed" in str(e.value).lower()
     assert segments_of(srv.proc.pid) == []
+
+
+GATED_LOAD = '''
+import os, time
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        gate = os.path.join(args["model_repository"], "open")
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.02)        # the test opens the gate once it has looked at the server
+
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([r.inputs()[0]]) for r in requests]
+'''
+
+
+def test_while_the_startup_load_runs_live_is_up_ready_is_not_and_the_index_lists_it(tmp_path):
+    repo = str(tmp_path)
+    write_model(repo, "gated", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+        output [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 4 ] } ]
+    ''', GATED_LOAD)
+    srv = Server(repo, wait_ready=False)
+    try:
+        wait_for(lambda: requests.get(f"{srv.base}/v2/health/live", timeout=5).status_code == 200,
+                 30, "the server to be live")
+        # the first index a client reads is never empty-and-final: it names the loading model
+        assert [(e["name"], e["state"]) for e in
+                requests.post(f"{srv.base}/v2/repository/index", timeout=10).json()] == \
+            [("gated", "LOADING")]
+        assert requests.get(f"{srv.base}/v2/health/ready", timeout=5).status_code == 400
+        with open(os.path.join(repo, "gated", "open"), "w"):
+            pass
+        wait_for(lambda: requests.get(f"{srv.base}/v2/health/ready", timeout=5).status_code == 200,
+                 60, "the server to be ready once the load finished")
+        assert _index(srv)["gated"]["state"] == "READY"
+    finally:
+        assert srv.stop() == 0

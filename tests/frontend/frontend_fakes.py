@@ -53,6 +53,8 @@ class FakeClient:
     def __init__(self):
         self.catalog = ModelCatalog()
         self.catalog.update(table())
+        self.table_event = asyncio.Event()
+        self.table_event.set()
         self.controls: list[tuple] = []
         self.control_reply = ControlReply(0)
         self.control_raises: BaseException | None = None

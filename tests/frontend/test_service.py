@@ -8,9 +8,11 @@ import secrets
 
 import grpc
 import pytest
-from frontend_fakes import FakeClient, http, make_service, rpc
+from frontend_fakes import FakeClient, http, make_service, rpc, table
 from tritonclient.grpc import service_pb2 as pb
 
+from shmserve.frontend import service as service_mod
+from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError, grpc_status, http_status
 from shmserve.frontend.grpc_service import InferenceService
 from shmserve.frontend.http_app import KServeHttpApp
@@ -31,6 +33,30 @@ def raises(code: ErrorCode, call, *args):
 
 
 # ---- readiness ----------------------------------------------------------------------------------
+def test_index_waits_for_the_first_model_table():
+    client = FakeClient()
+    client.catalog = ModelCatalog()             # nothing heard from the scheduler yet
+    client.table_event.clear()
+    svc = make_service(client)
+
+    async def scenario():
+        pending = asyncio.ensure_future(svc.index(False))
+        await asyncio.sleep(0)                  # let it start waiting
+        assert not pending.done()
+        client.catalog.update(table())
+        client.table_event.set()
+        return await asyncio.wait_for(pending, 5)
+    assert [e["name"] for e in run(scenario())] == ["never", "simple", "simple"]
+
+
+def test_index_without_a_model_table_is_unavailable(monkeypatch):
+    client = FakeClient()
+    client.table_event.clear()
+    monkeypatch.setattr(service_mod, "FIRST_TABLE_WAIT_S", 0.01)
+    text = raises(ErrorCode.UNAVAILABLE, make_service(client).index, False)
+    assert text == "the model repository has not been read yet; try again"
+
+
 def test_server_ready_rules():
     svc = make_service()
     assert not svc.server_ready()           # strict: 'simple' version 2 is still loading
