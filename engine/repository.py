@@ -75,6 +75,10 @@ class ModelRepository:
                 cfg.CopyFrom(override)
             else:
                 cfg = self._config_or_stub(entry.path, name)
+            if not cfg.backend and not cfg.platform:
+                # Triton fills the backend from the model file's name (an override config with
+                # just max_batch_size, as its model-control example sends, included)
+                cfg.backend = self._backend_from_files(entry.path) or ""
             entry.config = model_config.normalize(cfg, name, self.gpu_count)
         except ConfigError as e:
             entry.error = str(e)

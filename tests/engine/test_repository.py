@@ -3,6 +3,7 @@ import os
 
 import pytest
 
+from shmserve.engine import model_config
 from shmserve.engine.model_config import ConfigError
 from shmserve.engine.repository import ModelRepository, version_dirs
 
@@ -120,6 +121,16 @@ def test_config_less_models_get_their_backend_from_the_file(tmp_path):
     assert models["py"].error == "" and models["py"].config.backend == "python"
     assert models["py"].config.name == "py"
     assert "model configuration is not provided" in models["nofile"].error
+
+
+def test_a_config_without_backend_gets_it_from_the_model_file(tmp_path):
+    make_model(tmp_path, "py", config="max_batch_size: 16")
+    override = model_config.ModelConfig(max_batch_size=4)
+    repo = ModelRepository([str(tmp_path)])
+    assert repo.scan()["py"].config.backend == "python"
+    entry = repo.read_model("py", [str(tmp_path / "py")], override)
+    assert entry.error == "" and entry.config.backend == "python"
+    assert entry.config.max_batch_size == 4
 
 
 def test_duplicate_model_across_repositories(tmp_path):

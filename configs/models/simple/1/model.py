@@ -5,6 +5,19 @@ import triton_python_backend_utils as pb_utils
 
 
 class TritonPythonModel:
+    @staticmethod
+    def auto_complete_config(auto_complete_model_config):
+        # Triton's own `simple` is an ONNX model whose inputs and outputs onnxruntime fills in, so
+        # clients load it with an override config that names none (its model-control example
+        # sends just max_batch_size): fill them in the same way.
+        for name in ("INPUT0", "INPUT1"):
+            auto_complete_model_config.add_input({"name": name, "data_type": "TYPE_INT32",
+                                                  "dims": [16]})
+        for name in ("OUTPUT0", "OUTPUT1"):
+            auto_complete_model_config.add_output({"name": name, "data_type": "TYPE_INT32",
+                                                   "dims": [16]})
+        return auto_complete_model_config
+
     def initialize(self, args):
         config = json.loads(args["model_config"])
         self.out0_dtype = pb_utils.triton_string_to_numpy(
