@@ -1,0 +1,198 @@
+"""What Triton's Python client examples do, in our own words, against the models in configs/:
+the same calls with the same arguments and the same checks (tests/compat/run_triton_examples.py
+runs the real examples where their repository is at hand)."""
+import os
+import shutil
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from serverproc import Server
+from tritonclient import utils
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+
+@pytest.fixture(scope="module")
+def srv(example_repo):
+    s = Server(example_repo)
+    yield s
+    assert s.stop() == 0
+
+
+def _strings(values):
+    return np.array([str(v).encode() for v in values], dtype=np.object_).reshape(1, 16)
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_http_string_example(srv, binary):
+    # simple_http_string_infer_client: simple_string sums numbers held in strings
+    c = httpclient.InferenceServerClient(srv.url)
+    a, b = np.arange(16, dtype=np.int32), np.ones(16, dtype=np.int32)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "BYTES"),
+              httpclient.InferInput("INPUT1", [1, 16], "BYTES")]
+    inputs[0].set_data_from_numpy(_strings(a), binary_data=binary)
+    inputs[1].set_data_from_numpy(_strings(b), binary_data=binary)
+    outputs = [httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary),
+               httpclient.InferRequestedOutput("OUTPUT1", binary_data=binary)]
+    r = c.infer("simple_string", inputs, outputs=outputs)
+    sums, diffs = r.as_numpy("OUTPUT0"), r.as_numpy("OUTPUT1")
+    for i in range(16):
+        assert int(sums[0][i]) == a[i] + b[i] and int(diffs[0][i]) == a[i] - b[i]
+    # then simple_identity with NUL characters and with raw bytes, binary and JSON
+    for data in (np.array(["he\x00llo".encode()] * 16, dtype=np.object_).reshape(1, 16),
+                 np.array([b"\x00\x01\x02\x03"] * 16, dtype=np.bytes_).reshape(1, 16)):
+        i = httpclient.InferInput("INPUT0", [1, 16], "BYTES")
+        i.set_data_from_numpy(data, binary_data=binary)
+        out = c.infer("simple_identity", [i], outputs=[
+            httpclient.InferRequestedOutput("OUTPUT0", binary_data=binary)]).as_numpy("OUTPUT0")
+        # JSON carries strings, which tritonclient hands back as str
+        got = [x if isinstance(x, bytes) else str(x).encode() for x in out.flatten()]
+        assert got == [bytes(x) for x in data.flatten()]
+
+
+def test_grpc_string_example(srv):
+    c = grpcclient.InferenceServerClient(srv.grpc_url)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "BYTES"),
+              grpcclient.InferInput("INPUT1", [1, 16], "BYTES")]
+    inputs[0].set_data_from_numpy(_strings(range(16)))
+    inputs[1].set_data_from_numpy(_strings([1] * 16))
+    r = c.infer("simple_string", inputs)
+    assert [int(x) for x in r.as_numpy("OUTPUT0")[0]] == [i + 1 for i in range(16)]
+    assert [int(x) for x in r.as_numpy("OUTPUT1")[0]] == [i - 1 for i in range(16)]
+
+
+def _raw_request(model, datatype, fill):
+    request = service_pb2.ModelInferRequest(model_name=model, model_version="")
+    for name, values in (("INPUT0", list(range(16))), ("INPUT1", [1] * 16)):
+        t = request.inputs.add(name=name, datatype=datatype, shape=[1, 16])
+        fill(t.contents, values)
+    request.outputs.add(name="OUTPUT0")
+    request.outputs.add(name="OUTPUT1")
+    return request
+
+
+def test_grpc_explicit_contents_examples(srv):
+    # grpc_explicit_{byte,int8,int}_content_client: raw stubs, tensors in `contents`
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        r = stub.ModelInfer(_raw_request(
+            "simple_string", "BYTES", lambda c, v: c.bytes_contents.extend(str(x).encode() for x in v)))
+        got = [utils.deserialize_bytes_tensor(raw) for raw in r.raw_output_contents]
+        assert [int(x) for x in got[0]] == [i + 1 for i in range(16)]
+        assert [int(x) for x in got[1]] == [i - 1 for i in range(16)]
+        for model, datatype, dtype in (("simple_int8", "INT8", np.int8),
+                                       ("simple", "INT32", np.int32)):
+            r = stub.ModelInfer(_raw_request(model, datatype, lambda c, v: c.int_contents.extend(v)))
+            assert len(r.raw_output_contents) == 2
+            np.testing.assert_array_equal(np.frombuffer(r.raw_output_contents[0], dtype),
+                                          np.arange(16) + 1)
+            np.testing.assert_array_equal(np.frombuffer(r.raw_output_contents[1], dtype),
+                                          np.arange(16) - 1)
+
+
+def test_int8_wraps_like_int8(srv):
+    c = httpclient.InferenceServerClient(srv.url)
+    a = np.array([[127, -128] + [0] * 14], dtype=np.int8)
+    b = np.array([[1, 1] + [0] * 14], dtype=np.int8)
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT8"),
+              httpclient.InferInput("INPUT1", [1, 16], "INT8")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    r = c.infer("simple_int8", inputs)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0")[0][:2], [-128, -127])
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1")[0][:2], [126, 127])
+
+
+def test_grpc_shm_string_example(srv):
+    # simple_grpc_shm_string_client: serialized strings in system shared memory, both ways
+    c = grpcclient.InferenceServerClient(srv.grpc_url)
+    c.unregister_system_shared_memory()
+    a, b = _strings(range(16)).flatten(), _strings([1] * 16).flatten()
+    ser = [utils.serialize_byte_tensor(x) for x in (a, b)]
+    sums = utils.serialize_byte_tensor(np.array([str(i + 1).encode() for i in range(16)],
+                                                dtype=np.object_))
+    key = f"/ex_shm_{os.getpid()}"
+    sizes = [utils.serialized_byte_size(s) for s in ser]
+    out_size = utils.serialized_byte_size(sums)
+    handles = [shm.create_shared_memory_region(f"in{i}", f"{key}_in{i}", sizes[i])
+               for i in range(2)]
+    handles += [shm.create_shared_memory_region(f"out{i}", f"{key}_out{i}", out_size + 16)
+                for i in range(2)]
+    try:
+        for i in range(2):
+            shm.set_shared_memory_region(handles[i], [ser[i]])
+            c.register_system_shared_memory(f"in{i}", f"{key}_in{i}", sizes[i])
+            c.register_system_shared_memory(f"out{i}", f"{key}_out{i}", out_size + 16)
+        inputs = [grpcclient.InferInput(f"INPUT{i}", [1, 16], "BYTES") for i in range(2)]
+        for i in range(2):
+            inputs[i].set_shared_memory(f"in{i}", sizes[i])
+        outputs = [grpcclient.InferRequestedOutput(f"OUTPUT{i}") for i in range(2)]
+        for i in range(2):
+            outputs[i].set_shared_memory(f"out{i}", out_size + 16)
+        r = c.infer("simple_string", inputs, outputs=outputs)
+        o0 = r.get_output("OUTPUT0")
+        got = shm.get_contents_as_numpy(handles[2], utils.triton_to_np_dtype(o0.datatype),
+                                        o0.shape)
+        assert [int(x) for x in got.flatten()] == [i + 1 for i in range(16)]
+        assert len(c.get_system_shared_memory_status().regions) == 4
+    finally:
+        c.unregister_system_shared_memory()
+        for h in handles:
+            shm.destroy_shared_memory_region(h)
+
+
+def test_grpc_custom_args_and_headers_example(srv):
+    # simple_grpc_custom_args_client / keepalive client: channel arguments and custom headers
+    args = [("grpc.max_send_message_length", 1024 * 1024),
+            ("grpc.max_receive_message_length", 1024 * 1024),
+            ("grpc.keepalive_time_ms", 2 ** 31 - 1), ("grpc.keepalive_timeout_ms", 20000),
+            ("grpc.keepalive_permit_without_calls", False),
+            ("grpc.http2.max_pings_without_data", 2)]
+    c = grpcclient.InferenceServerClient(srv.grpc_url, channel_args=args)
+    inputs = [grpcclient.InferInput("INPUT0", [1, 16], "INT32"),
+              grpcclient.InferInput("INPUT1", [1, 16], "INT32")]
+    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    r = c.infer("simple", inputs, headers={"test": "1"})
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), a + 1)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), a - 1)
+
+
+@pytest.fixture
+def explicit_srv(tmp_path, example_repo):
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(example_repo, "simple"), repo / "simple")
+    s = Server(str(repo), "--model-control-mode=explicit", "--load-model=simple")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.mark.parametrize("client_mod", [httpclient, grpcclient], ids=["http", "grpc"])
+def test_model_control_example(explicit_srv, client_mod):
+    # simple_{http,grpc}_model_control: reload with a broken override, then with one that sets
+    # only max_batch_size (the model fills in its inputs and outputs), unload, a missing model
+    url = explicit_srv.url if client_mod is httpclient else explicit_srv.grpc_url
+    c = client_mod.InferenceServerClient(url)
+    c.load_model("simple")
+    assert c.is_model_ready("simple")
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        c.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+    c.load_model("simple", config='{"max_batch_size":"16"}')
+    cfg = c.get_model_config("simple")
+    cfg = cfg if client_mod is httpclient else \
+        {"max_batch_size": cfg.config.max_batch_size, "input": cfg.config.input}
+    assert cfg["max_batch_size"] == 16 and len(cfg["input"]) == 2
+    inputs = [client_mod.InferInput(f"INPUT{i}", [1, 16], "INT32") for i in range(2)]
+    for i in inputs:
+        i.set_data_from_numpy(np.full((1, 16), 3, dtype=np.int32))
+    np.testing.assert_array_equal(c.infer("simple", inputs).as_numpy("OUTPUT0"),
+                                  np.full((1, 16), 6, dtype=np.int32))
+    c.unload_model("simple")
+    assert not c.is_model_ready("simple")
+    with pytest.raises(InferenceServerException, match="failed to load"):
+        c.load_model("wrong_model_name")
