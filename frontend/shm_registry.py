@@ -19,6 +19,7 @@ from shmserve.ipc.shm import PREFIX
 from .errors import InferError, invalid
 
 CUDA_UNSUPPORTED = "CUDA shared memory is not supported on this server"
+_UINT64_MAX = 2 ** 64 - 1
 
 
 @dataclass
@@ -81,7 +82,7 @@ class ShmRegistry:
         byte_size = _non_negative_int(byte_size, f"shared memory region '{name}': 'byte_size'")
         if name in self.system:
             raise InferError(ErrorCode.ALREADY_EXISTS,
-                             f"shared memory region '{name}' is already registered")
+                             f"shared memory region '{name}' already in manager")
         segment = key[1:] if key.startswith("/") else key
         if "/" in segment or "\0" in segment or segment in (".", ".."):
             raise invalid(f"shared memory key '{key}' is not a valid POSIX shared memory name")
@@ -91,25 +92,26 @@ class ShmRegistry:
         try:
             fd = _posixshmem.shm_open("/" + segment, os.O_RDWR, 0)
         except FileNotFoundError:
-            raise invalid(f"Unable to open shared memory region '{name}': no segment with key "
-                          f"'{key}' exists") from None
+            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': no "
+                          f"segment with that key exists)") from None
         except PermissionError:
-            raise invalid(f"Unable to open shared memory region '{name}': permission denied for "
-                          f"key '{key}'") from None
+            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': "
+                          f"permission denied)") from None
         except OSError as e:        # a directory, a symlink (shm_open refuses to follow), ...
-            raise invalid(f"Unable to open shared memory region '{name}': key '{key}' is not a "
-                          f"shared memory segment ({e.strerror})") from None
+            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': not "
+                          f"a shared memory segment: {e.strerror})") from None
         try:
             st = os.fstat(fd)
         finally:
             os.close(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise invalid(f"Unable to open shared memory region '{name}': key '{key}' is not a "
-                          f"shared memory segment")
+            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': not "
+                          f"a shared memory segment)")
         size = st.st_size
         if offset + byte_size > size:
-            raise invalid(f"shared memory region '{name}': offset {offset} + byte_size "
-                          f"{byte_size} exceeds the {size} bytes of segment '{key}'")
+            raise invalid(f"failed to register shared memory region '{name}': invalid args "
+                          f"(offset {offset} + byte_size {byte_size} exceeds the {size} bytes "
+                          f"of segment '{key}')")
         region = SystemRegion(name, key, offset, byte_size, segment)
         self.system[name] = region
         return region
@@ -177,8 +179,18 @@ class ShmRegistry:
                           f"shared_memory_region")
         byte_size = _non_negative_int(byte_size, f"{what}: shared_memory_byte_size")
         offset = _non_negative_int(offset or 0, f"{what}: shared_memory_offset")
-        if offset + byte_size > region.byte_size:
-            raise invalid(f"{what}: shared_memory_offset {offset} + shared_memory_byte_size "
-                          f"{byte_size} exceeds the {region.byte_size} bytes of region "
+        # Triton's texts (its QA greps them), then the numbers
+        if offset >= region.byte_size:
+            raise invalid(f"{what}: Invalid offset for shared memory region: '{region_name}' "
+                          f"(shared_memory_offset {offset}, the region has {region.byte_size} "
+                          f"bytes)")
+        if offset + byte_size > _UINT64_MAX:
+            raise invalid(f"{what}: Integer overflow detected: byte_size ({byte_size}) + offset "
+                          f"({offset}) exceeds maximum value ({_UINT64_MAX}) for region "
                           f"'{region_name}'")
+        if offset + byte_size > region.byte_size:
+            raise invalid(f"{what}: Invalid offset + byte size for shared memory region: "
+                          f"'{region_name}' (shared_memory_offset {offset} + "
+                          f"shared_memory_byte_size {byte_size} exceeds the {region.byte_size} "
+                          f"bytes of the region)")
         return region, ShmRef(region.segment, region.offset + offset, byte_size)

@@ -162,11 +162,16 @@ def test_bad_registrations(server, proto, regions):
     _, mod, c = proto
     r = regions(128)
     _expect_error(lambda: c.register_system_shared_memory("ghost", "/shmtest_does_not_exist", 64),
-                  "no segment with key")
-    _expect_error(lambda: c.register_system_shared_memory("big", r.key, 256), "exceeds the 128 bytes")
-    _expect_error(lambda: c.register_system_shared_memory("off", r.key, 64, offset=100), "exceeds")
+                  "Unable to open shared memory region: '/shmtest_does_not_exist' (region 'ghost': "
+                  "no segment with that key exists)")
+    # Triton's words (its QA matches "failed to register shared memory region.*invalid args")
+    for size, offset in ((129, 0), (128, 1), (64, 100)):
+        _expect_error(lambda: c.register_system_shared_memory("big", r.key, size, offset=offset),
+                      "failed to register shared memory region 'big': invalid args (offset "
+                      f"{offset} + byte_size {size} exceeds the 128 bytes")
     c.register_system_shared_memory(r.name, r.key, 128)
-    _expect_error(lambda: c.register_system_shared_memory(r.name, r.key, 128), "already registered",
+    _expect_error(lambda: c.register_system_shared_memory(r.name, r.key, 128),
+                  f"shared memory region '{r.name}' already in manager",
                   ("400", "StatusCode.ALREADY_EXISTS"))
     # a large HTTP body makes the frontend put it into one of its own segments
     big = np.zeros((1, 1 << 18), dtype=np.float32)
@@ -197,7 +202,16 @@ def test_bad_references_in_requests(proto, regions):
         return c.infer("identity_fp32", [i], outputs=outs)
 
     _expect_error(lambda: infer(in_region="nowhere"), "Unable to find shared memory region: 'nowhere'")
-    _expect_error(lambda: infer(in_offset=200), "exceeds the 256 bytes of region")
+    _expect_error(lambda: infer(in_offset=200),
+                  f"Invalid offset + byte size for shared memory region: '{r.name}'")
+    _expect_error(lambda: infer(in_offset=256),
+                  f"Invalid offset for shared memory region: '{r.name}'")
+    if mod is httpclient:       # JSON carries unsigned 64-bit values; gRPC's int64 cannot
+        _expect_error(lambda: infer(in_offset=2 ** 64 - 32),
+                      f"Invalid offset for shared memory region: '{r.name}'")
+        _expect_error(lambda: infer(in_offset=32, in_size=2 ** 64 - 32),
+                      "Integer overflow detected: byte_size (18446744073709551584) + offset (32) "
+                      f"exceeds maximum value (18446744073709551615) for region '{r.name}'")
     _expect_error(lambda: infer(in_size=60), "byte size mismatch")
     _expect_error(lambda: infer(out_size=32), "should be at least 64 bytes")
     _expect_error(lambda: infer(out_size=64, out_region="nowhere"), "Unable to find shared memory region")
