@@ -22,6 +22,10 @@ class ConfigError(Exception):
     """A model configuration that cannot be served; the message names the problem."""
 
 
+class ConfigMissing(ConfigError):
+    """No config file at all (auto-complete may build one); a file that fails to parse is not this."""
+
+
 def read_config(model_dir: str, name: str, config_name: str | None = None) -> mc.ModelConfig:
     filename = os.path.join("configs", f"{config_name}.pbtxt") if config_name else "config.pbtxt"
     path = os.path.join(model_dir, filename)
@@ -31,7 +35,7 @@ def read_config(model_dir: str, name: str, config_name: str | None = None) -> mc
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except FileNotFoundError:
-        raise ConfigError(f"model configuration is not provided: {path} does not exist") from None
+        raise ConfigMissing(f"model configuration is not provided: {path} does not exist") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"failed to parse {path}: it is not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None

@@ -109,7 +109,7 @@ class ModelRepository:
         config that the workers complete from the model (Triton: docs/triton-compat.md §3.4)."""
         try:
             return model_config.read_config(path, name, self.config_name)
-        except ConfigError:
+        except model_config.ConfigMissing:
             backend = self._backend_from_files(path) if self.auto_complete else None
             if backend is None:
                 raise

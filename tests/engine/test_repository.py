@@ -121,6 +121,10 @@ def test_config_less_models_get_their_backend_from_the_file(tmp_path):
     assert models["py"].error == "" and models["py"].config.backend == "python"
     assert models["py"].config.name == "py"
     assert "model configuration is not provided" in models["nofile"].error
+    # a config that fails to parse stays an error, model file or not
+    make_model(tmp_path, "broken", config='backend: "python"\nmax_batch_size: eight')
+    broken = ModelRepository([str(tmp_path)]).scan()["broken"]
+    assert broken.error.startswith("failed to parse") and broken.config is None
 
 
 def test_a_config_without_backend_gets_it_from_the_model_file(tmp_path):
