@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import msgspec
 
 from shmserve.frontend import restricted
-from shmserve.ipc.messages import ServerSettings
+from shmserve.ipc.messages import LogFormat, ServerSettings
 
 from . import launcher
 
@@ -97,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-tensor-bytes", type=int, default=D["max_request_tensor_bytes"],
                    help="bytes of all input tensors of one request, by their shapes and "
                         "datatypes, checked before anything is allocated (400 past it)")
+    p.add_argument("--model-upload-max-bytes", type=int, default=D["model_upload_max_bytes"],
+                   help="bytes of model files one load request may upload as 'file:' "
+                        "parameters, all together (400 past it; 0 refuses uploads)")
     p.add_argument("--request-deadline-secs", type=float, default=D["request_deadline_secs"],
                    help="the frontend answers every accepted request within this time, with "
                         "an error if nothing else answered it (the last line of defence)")
@@ -118,7 +122,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who may register shared-memory regions: 'local' accepts only clients "
                         "on this host (loopback or unix socket peers), 'any' every client")
     p.add_argument("--id", default=D["server_id"], help="server name reported by GET /v2")
-    p.add_argument("--log-verbose", type=int, default=D["log_verbose"])
+    p.add_argument("--log-verbose", type=int, default=D["log_verbose"], metavar="N",
+                   help="verbose logging level: 0 disables verbose lines, N >= 1 enables them")
+    p.add_argument("--log-info", type=triton_bool, default=D["log_info"])
+    p.add_argument("--log-warning", type=triton_bool, default=D["log_warning"])
+    p.add_argument("--log-error", type=triton_bool, default=D["log_error"])
+    p.add_argument("--log-format", default=D["log_format"].value,
+                   choices=[f.value for f in LogFormat],
+                   help="default: 'I0520 20:03:25.829575 <pid> <file>:<line>] <message>'; "
+                        "ISO8601: '2024-05-20T20:03:25Z I <pid> <file>:<line>] <message>'")
+    p.add_argument("--log-file", default=D["log_file"], metavar="PATH",
+                   help="append every process's log lines to this file instead of stderr "
+                        "(what models print still goes to stdout/stderr)")
     p.add_argument("--exit-timeout-secs", type=float, default=D["exit_timeout_secs"],
                    help="how long shutdown waits for in-flight requests")
     p.add_argument("--strict-readiness", type=triton_bool, default=D["strict_readiness"],
@@ -155,8 +170,19 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         parser.error("--load-model=* must be the only --load-model")
     if a.repository_poll_secs < 0:
         parser.error("--repository-poll-secs must be >= 0")
+    if a.model_upload_max_bytes < 0:
+        parser.error("--model-upload-max-bytes must be >= 0")
     if a.metrics_interval_ms <= 0:
         parser.error("--metrics-interval-ms must be positive")
+    if a.log_verbose < 0:
+        parser.error("--log-verbose must be >= 0")
+    if a.log_file:
+        a.log_file = os.path.abspath(a.log_file)    # the processes may not share a cwd forever
+        try:
+            with open(a.log_file, "a"):
+                pass
+        except OSError as e:
+            parser.error(f"--log-file: cannot open '{a.log_file}' for appending: {e.strerror}")
     for flag in ("http_max_header_size", "http_max_connections", "http_request_timeout_secs",
                  "http_idle_timeout_secs", "http_max_json_elements", "grpc_max_message_size",
                  "max_request_tensor_bytes", "request_deadline_secs", "model_load_timeout_secs"):
@@ -186,13 +212,16 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         http_max_json_elements=a.http_max_json_elements,
         grpc_max_message_size=a.grpc_max_message_size,
         max_request_tensor_bytes=a.max_request_tensor_bytes,
+        model_upload_max_bytes=a.model_upload_max_bytes,
         request_deadline_secs=a.request_deadline_secs,
         model_load_timeout_secs=a.model_load_timeout_secs,
         client_shm_from=a.client_shm_from, http_restricted_api=a.http_restricted_api,
         grpc_restricted_protocol=a.grpc_restricted_protocol,
         exit_timeout_secs=a.exit_timeout_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
-        log_verbose=a.log_verbose, port_file=a.port_file,
+        log_verbose=a.log_verbose, log_info=a.log_info, log_warning=a.log_warning,
+        log_error=a.log_error, log_format=LogFormat(a.log_format), log_file=a.log_file,
+        port_file=a.port_file,
         model_control_mode=a.model_control_mode, repository_poll_secs=a.repository_poll_secs,
         load_models=a.load_model,
         auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True),

@@ -32,9 +32,11 @@ from shmserve.ipc.messages import (
     InferResult,
     LeasedDone,
     LeaseEnded,
+    LogSettings,
     Pong,
     RequestRoute,
     ServerSettings,
+    SetLogSettings,
     StateCause,
     StatsQuery,
     StatsReply,
@@ -76,6 +78,7 @@ class SchedulerCore:
         self.frontends: set[int] = set()
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
         self.custom_metrics: dict[int, CustomMetrics] = {}          # spawn id -> latest
+        self.log_settings: LogSettings | None = None    # set by a client (SetLogSettings)
         self.batch_counter = 0
         self.next_poll = 0.0
         # seconds on the clock when housekeeping() is next due (0 = now); the shell reads it
@@ -88,6 +91,7 @@ class SchedulerCore:
             ControlRequest: self.lifecycle.control, StatsQuery: self.stats_query,
             CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
             LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
+            SetLogSettings: self.set_log_settings,
         }
 
     @property
@@ -145,6 +149,21 @@ class SchedulerCore:
         for sid, (_, inst) in self.supervisor.by_spawn.items():
             if inst.connected:
                 self.port.send_worker(sid, msg)
+
+    def set_log_settings(self, msg: SetLogSettings) -> None:
+        """A client changed the log settings at a frontend: this process, every connected
+        worker and every other frontend obey them, then that frontend hears it is done."""
+        self.log_settings = msg.settings
+        self.port.apply_log_settings(msg.settings)
+        out = SetLogSettings(msg.settings)
+        for sid, (_, inst) in self.supervisor.by_spawn.items():
+            if inst.connected:
+                self.port.send_worker(sid, out)
+        for fid in self.frontends:
+            if fid != msg.frontend:
+                self.port.send_frontend(fid, out)
+        if msg.query_id:
+            self.port.send_frontend(msg.frontend, ControlReply(msg.query_id))
 
     def custom_metrics_in(self, msg: CustomMetrics) -> None:
         if msg.spawn_id in self.supervisor.by_spawn:
@@ -357,6 +376,9 @@ class SchedulerCore:
         if found is None:
             return
         ver, inst = found
+        if self.log_settings is not None:
+            # a change made while it loaded went only to the workers connected then
+            self.port.send_worker(msg.spawn_id, SetLogSettings(self.log_settings))
         if ver.auto_complete and msg.config_json and \
                 not self.lifecycle.apply_completed_config(ver, msg.config_json):
             return

@@ -87,7 +87,7 @@ def _kill_now(children: dict[str, subprocess.Popen]) -> None:
 
 
 def run(settings: ServerSettings) -> int:
-    logs.setup("launcher", settings.log_verbose)
+    logs.setup("launcher", settings=logs.from_server(settings), path=settings.log_file)
     # orphans of a scheduler that died (its workers, their children) come to us, not to init
     become_subreaper()
     for path in settings.model_repositories:
@@ -102,6 +102,9 @@ def run(settings: ServerSettings) -> int:
     if stale:
         log.info("removed %d run director(ies) left by a server that was killed", stale)
     settings.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    # models uploaded through the load API live here (frontend/model_upload.py), so they go with
+    # the run directory: at exit, and at the next start after a kill
+    settings.model_upload_dir = os.path.join(settings.run_dir, "uploads")
     settings.segment_prefix = shm.new_server_prefix()
     settings.launcher_pid = os.getpid()
     if settings.port_file and os.path.exists(settings.port_file):
@@ -139,6 +142,7 @@ def run(settings: ServerSettings) -> int:
             poller.register(fd, select.POLLIN)
         while not stop.set:
             exited = [fds[fd] for fd, _ in poller.poll() if fd in fds]
+            logs.reload(settings.run_dir)   # the settings a client set since (logging extension)
             if exited:
                 rc = children[exited[0]].wait()
                 log.error("%s process exited (%s); stopping the server", exited[0],

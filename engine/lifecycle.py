@@ -34,6 +34,7 @@ from .model_config import ConfigError
 from .models import Instance, ModelVersion
 from .repository import ModelEntry, ModelRepository
 from .states import ModelState
+from .uploads import UploadDirs
 
 log = logging.getLogger("shmserve.scheduler")
 
@@ -48,6 +49,7 @@ class Load:
     entry: ModelEntry
     versions: list[ModelVersion]
     waiters: list[Waiter] = field(default_factory=list)
+    upload: str = ""            # the uploaded model directory it loads from, if any
 
 
 class ModelLifecycle:
@@ -70,6 +72,7 @@ class ModelLifecycle:
         self.retired: dict[tuple[str, int], str] = {}   # unloaded versions and why
         self.fingerprints: dict[str, tuple] = {}    # model name -> files when last loaded
         self.batching: list[ModelVersion] = []      # serving versions whose queue has deadlines
+        self.uploads = UploadDirs(settings.model_upload_dir)
         self.startup_done = False
         self.exit_requested = False                 # --exit-on-error and a model failed
 
@@ -110,25 +113,40 @@ class ModelLifecycle:
     # ---- control requests ---------------------------------------------------------------------
     def control(self, req: ControlRequest) -> None:
         waiter = (req.frontend, req.query_id)
-        if self.settings.model_control_mode != "explicit":
-            return self.reply(waiter, ErrorCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
-        if req.action == ControlAction.LOAD:
-            self.start_load(req.name, req.config, waiter)
-        else:
-            self.unload(req.name, waiter)
+        if req.upload_dir and not self.uploads.adopt(req.upload_dir):
+            return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(
+                req.name, "the uploaded model directory is not one of this server's"))
+        try:
+            if self.settings.model_control_mode != "explicit":
+                return self.reply(waiter, ErrorCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
+            if req.action == ControlAction.LOAD:
+                self.start_load(req.name, req.config, waiter, req.upload_dir)
+            else:
+                self.unload(req.name, waiter)
+        finally:
+            if req.upload_dir and self.sweep_uploads():    # refused, or joined another load
+                self.publish()
 
     # ---- load -----------------------------------------------------------------------------------
-    def start_load(self, name: str, config_json: str = "", waiter: Waiter | None = None) -> None:
+    def start_load(self, name: str, config_json: str = "", waiter: Waiter | None = None,
+                   upload: str = "") -> None:
+        """``upload``: load from this uploaded model directory instead of the repository's."""
         if name in self.loads:
             if waiter:
                 self.loads[name].waiters.append(waiter)   # the same load answers both
             return
-        dirs = self.repository.model_dirs().get(name)
-        if not dirs:
-            return self.reply(waiter, ErrorCode.INTERNAL,
-                              f"failed to load '{name}', failed to poll from model "
-                              f"repository: no model directory named '{name}'")
-        self.fingerprints[name] = fingerprint(dirs)
+        if upload:
+            if not config_json:         # the frontend refuses this first (Triton's rule)
+                return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(
+                    name, "uploaded model files need the 'config' load parameter"))
+            dirs = [upload]
+        else:
+            dirs = self.repository.model_dirs().get(name, [])
+            if not dirs:
+                return self.reply(waiter, ErrorCode.INTERNAL,
+                                  f"failed to load '{name}', failed to poll from model "
+                                  f"repository: no model directory named '{name}'")
+            self.fingerprints[name] = fingerprint(dirs)
         override = None
         if config_json:
             try:
@@ -137,7 +155,8 @@ class ModelLifecycle:
                 return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(name, str(e)))
         entry = self.repository.read_model(name, dirs, override)
         if entry.error:
-            if not self.serving_versions(name):
+            # an upload of a model the index does not list stays out of it, as in Triton
+            if not self.serving_versions(name) and (not upload or name in self.entries):
                 self.entries[name] = entry
                 self.publish()
             return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(name, entry.error))
@@ -157,7 +176,7 @@ class ModelLifecycle:
             versions.append(ver)
             if plan.error:
                 ver.set_state(ModelState.UNAVAILABLE, plan.error, StateCause.LOAD_FAILED)
-        load = Load(name, entry, versions, [waiter] if waiter else [])
+        load = Load(name, entry, versions, [waiter] if waiter else [], upload)
         self.loads[name] = load
         failed = [v for v in versions if v.state == ModelState.UNAVAILABLE]
         if failed:
@@ -214,7 +233,8 @@ class ModelLifecycle:
                 self.supervisor.stop(ver, kill=True)
                 ver.set_state(ModelState.UNAVAILABLE, ver.reason or error,
                               ver.cause if ver.reason else StateCause.LOAD_FAILED)
-            if not any(v.state == ModelState.READY for v in old):
+            if not any(v.state == ModelState.READY for v in old) and \
+                    (not load.upload or name in self.entries):
                 # nothing else serves: show the failed versions and why
                 for v in old:
                     del self.versions[(name, v.version)]
@@ -226,13 +246,15 @@ class ModelLifecycle:
             self.entries[name] = load.entry
             for v in old:
                 del self.versions[(name, v.version)]
-                self.begin_drain(v)
             for ver in load.versions:
                 self.versions[(name, ver.version)] = ver
                 self.retired.pop((name, ver.version), None)
                 if ver.batching:
                     self.batching.append(ver)
                 log.info("model '%s' version %d is READY", name, ver.version)
+            for v in old:       # after the swap: a drain that ends at once sees the new ones
+                self.begin_drain(v)
+        self.sweep_uploads()
         # the table goes first: a client that hears "loaded" must find the model ready
         self.check_startup()
         self.publish()
@@ -272,6 +294,7 @@ class ModelLifecycle:
         if (ver.name, ver.version) not in self.versions:
             self.retired[(ver.name, ver.version)] = "unloaded"
         log.info("model '%s' version %d unloaded", ver.name, ver.version)
+        self.sweep_uploads()
         self.publish()
 
     def fail_version(self, ver: ModelVersion, reason: str, cause: StateCause) -> None:
@@ -281,7 +304,33 @@ class ModelLifecycle:
         if ver in self.batching:
             self.batching.remove(ver)
         self.supervisor.stop(ver, kill=False)
+        self.sweep_uploads()
         self.publish()
+
+    # ---- uploaded models --------------------------------------------------------------------------
+    def sweep_uploads(self) -> bool:
+        """Remove the uploaded model directories nothing loads, serves or drains from. A model
+        whose upload is gone and serves no version is the repository's again, or is forgotten
+        if it only came from uploads (Triton's index lists the repository's models). Returns
+        whether the model table changed."""
+        if not self.uploads.root:
+            return False
+        in_use = {v.path for load in self.loads.values() for v in load.versions}
+        in_use.update(v.path for v in self.draining)
+        in_use.update(v.path for v in self.versions.values() if v.state != ModelState.UNAVAILABLE)
+        self.uploads.sweep(in_use)
+        stale = [name for name, entry in self.entries.items()
+                 if self.uploads.removed(entry.path) and not self.serving_versions(name)
+                 and name not in self.loads]
+        found = self.repository.model_dirs() if stale else {}
+        for name in stale:
+            if name in found:       # the repository's model again, as before the upload
+                self.entries[name] = ModelEntry(name=name, path=found[name][0])
+                continue
+            del self.entries[name]
+            for key in [k for k in self.retired if k[0] == name]:
+                del self.retired[key]
+        return bool(stale)
 
     # ---- poll mode --------------------------------------------------------------------------------
     def poll_repository(self) -> None:

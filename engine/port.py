@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from shmserve.ipc.messages import InstanceSpec
+from shmserve.ipc.messages import InstanceSpec, LogSettings
 
 
 class SchedulerPort(Protocol):
@@ -48,3 +48,7 @@ class SchedulerPort(Protocol):
 
     def unlink(self, spawn_id: int) -> None:
         """Remove the shared-memory segments a worker created."""
+
+    def apply_log_settings(self, settings: LogSettings) -> None:
+        """This process logs by ``settings`` from now on, and workers spawned later start
+        with them."""

@@ -21,7 +21,7 @@ import msgspec
 import zmq
 
 from shmserve.ipc import channel, logs, packets, shm
-from shmserve.ipc.messages import ProcessExited, ServerSettings
+from shmserve.ipc.messages import LogSettings, ProcessExited, ServerSettings
 from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
 
 from . import supervision
@@ -92,7 +92,7 @@ class SchedulerShell:
 
     def spawn(self, spawn_id: int, spec) -> None:
         proc = spawn_worker(spawn_id, self.settings.run_dir, self.inbox.worker_address,
-                            self.segment_prefix(spawn_id), spec, self.settings.log_verbose)
+                            self.segment_prefix(spawn_id), spec, logs.current(), logs.log_file())
         self.procs[spawn_id] = proc
         self.exits.watch(proc.pidfd, spawn_id)
 
@@ -121,6 +121,10 @@ class SchedulerShell:
 
     def unlink(self, spawn_id: int) -> None:
         shm.unlink_prefixed(self.segment_prefix(spawn_id))
+
+    def apply_log_settings(self, settings: LogSettings) -> None:
+        logs.apply(settings)
+        logs.save(settings, self.settings.run_dir)      # for the launcher
 
     def segment_prefix(self, spawn_id: int) -> str:
         return f"{self.settings.segment_prefix}w{spawn_id}_"
@@ -228,7 +232,7 @@ class SchedulerShell:
 def main() -> None:
     settings = msgspec.json.decode(sys.argv[1].encode(), type=ServerSettings)
     die_with_parent(settings.launcher_pid)
-    logs.setup("scheduler", settings.log_verbose)
+    logs.setup("scheduler", settings=logs.from_server(settings), path=settings.log_file)
     supervision.become_subreaper()
     shell = SchedulerShell(settings)
     shell.install_signals()

@@ -24,7 +24,7 @@ from typing import Collection
 
 import msgspec
 
-from shmserve.ipc.messages import InstanceSpec, WorkerArgs, WorkerLabel
+from shmserve.ipc.messages import InstanceSpec, LogSettings, WorkerArgs, WorkerLabel
 from shmserve.ipc.proc import failure_path
 
 
@@ -115,10 +115,10 @@ class WorkerProcess:
 
 
 def spawn_worker(spawn_id: int, run_dir: str, scheduler_addr: str, segment_prefix: str,
-                 spec: InstanceSpec, log_verbose: int) -> WorkerProcess:
+                 spec: InstanceSpec, log: LogSettings, log_file: str = "") -> WorkerProcess:
     args = WorkerArgs(spawn_id=spawn_id, parent=os.getpid(), run_dir=run_dir,
                       scheduler=scheduler_addr, segment_prefix=segment_prefix, spec=spec,
-                      log_verbose=log_verbose)
+                      log_verbose=log.verbose, log=log, log_file=log_file)
     return WorkerProcess(args)
 
 

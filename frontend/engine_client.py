@@ -27,7 +27,7 @@ from typing import Callable
 
 import zmq
 
-from shmserve.ipc import channel, packets
+from shmserve.ipc import channel, logs, packets
 from shmserve.ipc.messages import (
     CancelRequest,
     ControlAction,
@@ -44,8 +44,10 @@ from shmserve.ipc.messages import (
     LeaseGranted,
     LeaseLost,
     LeaseRevoked,
+    LogSettings,
     ModelTable,
     ReleaseOutputs,
+    SetLogSettings,
     ShmRef,
     StatsQuery,
     StatsReply,
@@ -113,7 +115,7 @@ class EngineClient:
             ModelTable: self._update_table, StatsReply: self._answer_query,
             ControlReply: self._answer_query, LeaseGranted: self._lease_granted,
             LeaseRevoked: self._lease_revoked, LeaseBounced: self._lease_bounced,
-            LeaseLost: self._lease_lost,
+            LeaseLost: self._lease_lost, SetLogSettings: self._log_settings,
         }
         loop.add_reader(self.inbox.fileno(), self._drain)
         loop.call_soon(self._drain)     # collect anything that came before the reader
@@ -377,18 +379,36 @@ class EngineClient:
         self.scheduler.send(ForgetSegments(segments))
 
     async def control(self, action: ControlAction, name: str, config: str = "",
-                      unload_dependents: bool = False, timeout: float = 600.0) -> ControlReply:
-        """Load or unload a model; answers once the scheduler has finished it."""
+                      unload_dependents: bool = False, timeout: float = 600.0,
+                      upload_dir: str = "") -> ControlReply:
+        """Load or unload a model; answers once the scheduler has finished it. ``upload_dir``:
+        the model's uploaded files (frontend/model_upload.py), the scheduler's once sent."""
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut
         self.flush_done()
         self.scheduler.send(ControlRequest(self.frontend_id, qid, action, name, config,
-                                           unload_dependents))
+                                           unload_dependents, upload_dir))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.queries.pop(qid, None)
+
+    async def log_settings(self, settings: LogSettings, timeout: float = 5.0) -> ControlReply:
+        """Tell the scheduler, which passes them on to every worker and other frontend;
+        answers once it has (frontend/log_settings.py)."""
+        qid = next(self.ids)
+        fut = self.loop.create_future()
+        self.queries[qid] = fut
+        self.scheduler.send(SetLogSettings(settings, self.frontend_id, qid))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.queries.pop(qid, None)
+
+    def _log_settings(self, msg: SetLogSettings) -> None:
+        """Another frontend's client changed them."""
+        logs.apply(msg.settings)
 
     async def statistics(self, model: str = "", version: int = -1,
                          timeout: float = 5.0) -> StatsReply:

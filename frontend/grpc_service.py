@@ -28,7 +28,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
 from shmserve.ipc.messages import ErrorCode  # noqa: E402
 
-from . import grpc_codec, restricted, statistics  # noqa: E402
+from . import grpc_codec, log_settings, restricted, statistics  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
 from .service import FrontendService  # noqa: E402
 
@@ -37,6 +37,22 @@ log = logging.getLogger("shmserve.grpc")
 MAX_MESSAGE = 2 ** 31 - 1
 # requests of one ModelStreamInfer stream running or waiting to be written (back-pressure)
 STREAM_MAX_INFLIGHT = 16
+# a ModelStreamInfer client that sends this header with the value "true" (exactly, as Triton
+# compares it) gets a failed answer as the stream's gRPC status, which ends the stream
+STREAM_ERROR_HEADER = "triton_grpc_error"
+
+
+class Refused(InferError):
+    """An InferError raised before the request was submitted (unknown model, bad inputs): the
+    request was refused, as opposed to its answer failing. On a stream in Triton's
+    triton_grpc_error mode the former stays a message and only the latter ends the stream, as
+    in Triton, whose refusals come back from the call that enqueues and whose failed answers
+    come back through the response callback."""
+
+
+def stream_error_mode(context) -> bool:
+    metadata = context.invocation_metadata() if context is not None else None
+    return any(k == STREAM_ERROR_HEADER and v == "true" for k, v in metadata or ())
 
 
 def translated(rpc):
@@ -138,8 +154,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, req: pb.ModelInferRequest) -> pb.ModelInferResponse:
         """One request through the service; raises InferError."""
         svc = self.service
-        view, v = svc.infer_target(req.model_name, req.model_version)
-        prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
+        try:
+            view, v = svc.infer_target(req.model_name, req.model_version)
+            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
+        except InferError as e:
+            raise Refused(e.code, e.message) from None
         result = await svc.infer(view, v, prepared)
         refs = svc.release_inputs(prepared, result)
         try:
@@ -165,10 +184,14 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Answers in request order; an error is a message on the stream, which stays open.
+        With the header ``triton_grpc_error: true`` a failed answer instead ends the stream
+        with its gRPC status (after the answers before it); a refused request (``Refused``)
+        is still a message, as in Triton. The stream's other requests are then cancelled.
 
         At most STREAM_MAX_INFLIGHT requests of a stream run or wait to be written at once: a
         client that sends without reading its answers stops being read from (HTTP/2 flow
         control then holds it), instead of growing the server by every answer it leaves."""
+        error_mode = stream_error_mode(context)
         pending: asyncio.Queue = asyncio.Queue()
         slots = asyncio.Semaphore(STREAM_MAX_INFLIGHT)
 
@@ -188,10 +211,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 try:
                     response = pb.ModelStreamInferResponse(infer_response=await task)
                 except InferError as e:
+                    if error_mode and not isinstance(e, Refused):
+                        await context.abort(grpc_status(e.code), e.message)
                     response = pb.ModelStreamInferResponse(
                         error_message=e.message, infer_response=pb.ModelInferResponse(id=req_id))
                 except Exception as e:      # a bug must cost one request, not the stream
                     log.exception("error answering a ModelStreamInfer request")
+                    if error_mode:
+                        await context.abort(grpc.StatusCode.INTERNAL,
+                                            f"internal error: {type(e).__name__}: {e}")
                     response = pb.ModelStreamInferResponse(
                         error_message=f"internal error: {type(e).__name__}: {e}",
                         infer_response=pb.ModelInferResponse(id=req_id))
@@ -267,9 +295,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         await context.abort(grpc.StatusCode.UNIMPLEMENTED,
                             "the trace extension is not available on this server yet")
 
+    @translated
     async def LogSettings(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "the logging extension is not available on this server yet")
+        control = self.service.logging
+        now = await control.update(log_settings.from_grpc(request)) if request.settings \
+            else control.get()
+        return log_settings.to_grpc(*now)
 
 
 class HealthService(health_pb2_grpc.HealthServicer):

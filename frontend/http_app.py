@@ -13,11 +13,13 @@ import zlib
 from functools import partial
 from typing import Any, Awaitable, Callable
 
+import msgspec
+
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult, ShmRef
 from shmserve.ipc.shm import ShmError
 
-from . import http_codec, restricted, statistics
+from . import http_codec, log_settings, restricted, statistics
 from .errors import InferError, http_status, invalid, shm_error
 from .http_server import HttpApp, HttpConnection, HttpRequest
 from .request import PreparedRequest
@@ -35,12 +37,21 @@ _MODEL = "/v2/models/{model}"
 _VERSION = "/v2/models/{model}/versions/{version}"
 
 
+class _IndexRequest(msgspec.Struct):
+    ready: bool = False
+
+
+_decode_index = msgspec.json.Decoder(_IndexRequest).decode
+
+
 def api_group(pattern: str) -> str:
     """The restricted-API group (frontend/restricted.py) an endpoint belongs to."""
     if pattern.startswith("/v2/health") or pattern.endswith("/ready"):
         return "health"
     if pattern.startswith("/v2/repository"):
         return "model-repository"
+    if pattern == "/v2/logging":
+        return "logging"
     if "sharedmemory" in pattern:
         return "shared-memory"
     for suffix, group in (("/stats", "statistics"), ("/config", "model-config"),
@@ -122,6 +133,8 @@ class KServeHttpApp(HttpApp):
             ("POST", "/v2/repository/{repository}/models/{model}/unload",
              partial(self.control_in_repository, "unload")),
             ("GET", "/v2/models/stats", self.statistics),
+            ("GET", "/v2/logging", self.get_logging),
+            ("POST", "/v2/logging", self.update_logging),
         ]
         for base in (_MODEL, _VERSION):
             table += [("GET", base, self.model_metadata),
@@ -138,7 +151,13 @@ class KServeHttpApp(HttpApp):
 
     # ---- body buffers ---------------------------------------------------------------------------
     def check_body_size(self, req: HttpRequest, n: int) -> str:
-        if not req.path.endswith("/infer"):
+        uploads = self.service.uploads
+        if uploads is not None and req.path.startswith("/v2/repository/") \
+                and req.path.endswith("/load"):
+            # a load may carry model files, as base64: the upload limit's worth on top
+            limit = self.max_input_size + uploads.base64_bytes
+            why = "--http-max-input-size plus --model-upload-max-bytes as base64"
+        elif not req.path.endswith("/infer"):
             limit, why = self.max_input_size, "--http-max-input-size"
         else:
             # its JSON part and its tensors' bytes are bounded each: refused before the body is
@@ -146,7 +165,10 @@ class KServeHttpApp(HttpApp):
             limit = min(MAX_BODY, self.max_input_size + self.service.limits.max_tensor_bytes)
             why = "--http-max-input-size plus --max-request-tensor-bytes"
         if n > limit:
-            return f"request body of {n} bytes exceeds the limit of {limit} bytes ({why})"
+            # Triton's words (its /infer says "request JSON size" of the JSON part alone, below)
+            what = "request size" if req.path.endswith("/infer") else "request JSON size"
+            return (f"{what} of {n} bytes exceeds the maximum allowed input size of {limit} "
+                    f"bytes ({why}). Use --http-max-input-size to increase the limit.")
         return ""
 
     def body_buffer(self, req: HttpRequest, n: int):
@@ -245,12 +267,17 @@ class KServeHttpApp(HttpApp):
         ready = False
         if req.body:
             try:
-                doc = http_codec.decode_json(req.body)
-            except Exception:
-                raise invalid("failed to parse the repository index request JSON") from None
-            if not isinstance(doc, dict) or not isinstance(doc.get("ready", False), bool):
-                raise invalid("repository index request: 'ready' must be a boolean")
-            ready = doc.get("ready", False)
+                # typed: a 'ready' that is not a boolean is refused before it is decoded, however
+                # deeply it nests (Triton's test sends 250,000 levels)
+                ready = _decode_index(req.body).ready
+            except msgspec.ValidationError as e:
+                if "$.ready" in str(e):
+                    raise invalid("Invalid value for 'ready': expected a boolean") from None
+                raise invalid(f"failed to parse the repository index request JSON: {e}") from None
+            except msgspec.DecodeError as e:
+                raise invalid(f"failed to parse the repository index request JSON: {e}") from None
+            except RecursionError:
+                raise invalid(http_codec.TOO_DEEP) from None
         self.later(conn, req, self.service.index(ready), http_codec.encode_json)
 
     def control_in_repository(self, action: str, conn, req, repository: str, model: str):
@@ -266,12 +293,30 @@ class KServeHttpApp(HttpApp):
             params = doc.get("parameters", {}) if isinstance(doc, dict) else None
             if not isinstance(params, dict):
                 raise invalid(f"{action} request 'parameters' must be a JSON object")
-        call = self.service.load if action == "load" else self.service.unload
-        self.later(conn, req, call(model, params, repository))
+        if action == "load":       # model files come as base64 text in JSON
+            self.later(conn, req, self.service.load(model, params, repository, base64_files=True))
+        else:
+            self.later(conn, req, self.service.unload(model, params, repository))
 
     def statistics(self, conn, req, model: str = "", version: str = ""):
         self.later(conn, req, self.service.statistics(model, version),
                    lambda models: http_codec.encode_json(statistics.to_json(models)))
+
+    # ---- logging --------------------------------------------------------------------------------
+    def get_logging(self, conn, req):
+        conn.respond(req, 200, http_codec.encode_json(log_settings.render(
+            *self.service.logging.get())))
+
+    def update_logging(self, conn, req):
+        changes: dict = {}
+        if req.body:                # an empty body changes nothing, as in Triton
+            try:
+                doc = http_codec.decode_json(req.body)
+            except Exception:
+                raise invalid("failed to parse the log settings request JSON") from None
+            changes = log_settings.from_json(doc)
+        self.later(conn, req, self.service.logging.update(changes),
+                   lambda now: http_codec.encode_json(log_settings.render(*now)))
 
     # ---- shared memory --------------------------------------------------------------------------
     def shm_status(self, system: bool, conn, req, region: str = ""):
@@ -327,14 +372,19 @@ class KServeHttpApp(HttpApp):
             try:
                 hlen = int(hlen)
             except ValueError:
-                raise invalid(f"Inference-Header-Content-Length must be an integer, got "
-                              f"'{hlen}'") from None
+                raise invalid(f"Unable to parse Inference-Header-Content-Length, got: {hlen} "
+                              f"(it must be an integer)") from None
+            if hlen < 0 or hlen > len(body):
+                raise invalid(http_codec.header_size_error(hlen, len(body)))
             if hlen > self.max_input_size:
-                raise invalid(f"request JSON of {hlen} bytes exceeds --http-max-input-size "
-                              f"({self.max_input_size})")
+                raise invalid(self._json_too_large(hlen))
         elif len(body) > self.max_input_size:
-            raise invalid(f"request JSON of {len(body)} bytes exceeds --http-max-input-size "
-                          f"({self.max_input_size})")
+            if encoding != "identity":
+                raise invalid(f"Decompressed data size of {len(body)} bytes exceeds the maximum "
+                              f"allowed value of {self.max_input_size} bytes for a request "
+                              f"without binary data. Use --http-max-input-size to increase the "
+                              f"limit.")
+            raise invalid(self._json_too_large(len(body)))
         if req.body_slot is None and len(body) > INLINE_LIMIT:
             # chunked or compressed bodies arrive in memory: large tensors still must not ride
             # in a message, so move the body into shared memory (the one extra copy of this path)
@@ -351,6 +401,10 @@ class KServeHttpApp(HttpApp):
         conn.inflight = self.service.submit(
             view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
 
+    def _json_too_large(self, n: int) -> str:
+        return (f"request JSON size of {n} bytes exceeds the maximum allowed input size of "
+                f"{self.max_input_size} bytes. Use --http-max-input-size to increase the limit.")
+
     def _decompress(self, body, encoding: str) -> bytes:
         """At most MAX_INFLATED bytes: a small bomb must not become gigabytes in the frontend,
         and a body cut short must be an error, never a silently shorter request."""
@@ -359,8 +413,9 @@ class KServeHttpApp(HttpApp):
             d = zlib.decompressobj(wbits)
             out = d.decompress(bytes(body), MAX_INFLATED)
             if d.unconsumed_tail:
-                raise invalid(f"the {encoding} request body decompresses to more than "
-                              f"{MAX_INFLATED} bytes")
+                raise invalid(f"Decompressed data size exceeds the maximum allowed value of "
+                              f"{MAX_INFLATED} bytes: the {encoding} request body decompresses "
+                              f"to more than this server inflates")
             out += d.flush()
             if not d.eof:
                 raise invalid(f"the {encoding} request body is truncated")

@@ -44,6 +44,7 @@ def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], d
     if datatype in ("FP16", "BF16"):
         raise invalid(f"receiving input '{name}' of datatype {datatype} via JSON is not "
                       f"supported. Please use the binary data format for input data")
+    _check_depth(name, data)
     flat = _flatten(data)
     if len(flat) != count:
         raise invalid(f"unexpected number of elements for input '{name}' for model "
@@ -67,10 +68,31 @@ def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], d
     return arr.tobytes()
 
 
+# Triton's HTTP_MAX_JSON_NESTING_DEPTH: how deep a tensor's JSON 'data' may nest
+MAX_DATA_DEPTH = 100
+
+
+def _check_depth(name: str, data: Any) -> None:
+    """Nested data is read along its first elements (as ``_flatten`` recurses): its depth must
+    stay under Triton's limit."""
+    depth = 0
+    while isinstance(data, list):
+        if depth >= MAX_DATA_DEPTH - 1:
+            raise invalid(f"JSON nesting depth exceeds maximum allowed limit "
+                          f"({MAX_DATA_DEPTH}) in the 'data' of input '{name}'")
+        depth += 1
+        data = data[0] if data else None
+
+
 def _shape(name: str, value: Any) -> list[int]:
-    if not isinstance(value, list) or not all(isinstance(d, int) and not isinstance(d, bool)
-                                              and d >= 0 for d in value):
-        raise invalid(f"input '{name}': 'shape' must be a list of non-negative integers")
+    if not isinstance(value, list):
+        raise invalid(f"Unable to parse 'shape' of input '{name}': expected an array of "
+                      f"non-negative integers")
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+        # Triton answers this one with a 500 (its JSON reader's words); it is the client's: 400
+        raise invalid(f"Unable to parse 'shape': attempt to access JSON non-unsigned-integer as "
+                      f"unsigned-integer (input '{name}' has shape {value}; the dims must be "
+                      f"non-negative integers)")
     return value
 
 
@@ -85,14 +107,14 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
     if header_len is None:
         header_len = len(mv)
     elif header_len < 0 or header_len > len(mv):
-        raise invalid(f"Inference-Header-Content-Length {header_len} is larger than the request "
-                      f"body ({len(mv)} bytes)")
+        raise invalid(header_size_error(header_len, len(mv)))
     try:
         doc = _json_decode(mv[:header_len])
     except msgspec.DecodeError as e:
         raise invalid(f"failed to parse the request JSON buffer: {e}") from None
     except RecursionError:
-        raise invalid(TOO_DEEP) from None
+        raise invalid(f"JSON nesting depth exceeds maximum allowed limit ({MAX_DATA_DEPTH}): "
+                      f"{TOO_DEEP}") from None
     if not isinstance(doc, dict):
         raise invalid("the request JSON must be an object")
     inputs = doc.get("inputs")
@@ -188,18 +210,22 @@ def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,
                budget: TensorBudget) -> PreparedRequest:
     """Inference-Header-Content-Length: 0 — the whole body is the data of the only input."""
     if len(model.inputs) != 1:
-        raise invalid(f"raw binary request (Inference-Header-Content-Length: 0) needs a model with "
-                      f"exactly one input; model '{model.name}' has {len(model.inputs)}")
+        raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got "
+                      f"{len(model.inputs)} inputs in '{model.name}' model configuration "
+                      f"(Inference-Header-Content-Length: 0 sends the data of exactly one input)")
     spec = next(iter(model.inputs.values()))
     dims = list(spec.dims)
     if spec.datatype == "BYTES":
         if dims != [1]:
-            raise invalid(f"raw binary request for BYTES input '{spec.name}' needs input dims [1]")
+            raise invalid(f"For BYTE datatype raw input '{spec.name}', the model must have input "
+                          f"shape [1] (model '{model.name}' has dims {dims})")
         shape = dims
     else:
         variable = [i for i, d in enumerate(dims) if d == -1]
         if len(variable) > 1:
-            raise invalid(f"raw binary request: input '{spec.name}' has more than one variable dim")
+            raise invalid(f"The shape of the raw input '{spec.name}' can not be deduced because "
+                          f"there are more than one variable-sized dimension (dims {dims} of "
+                          f"model '{model.name}')")
         size = dtypes.ELEMENT_SIZE[spec.datatype]
         fixed = size * dtypes.element_count([d for d in dims if d != -1])
         if variable:
@@ -273,6 +299,14 @@ def render_response(result: InferResult, prepared: PreparedRequest, views: list,
 
 encode_json = _json_encode
 TOO_DEEP = "failed to parse the request JSON buffer: it is nested too deeply"
+
+
+def header_size_error(header_len: int, body_len: int) -> str:
+    """An Inference-Header-Content-Length that does not fit the body, in Triton's words."""
+    why = "negative" if header_len < 0 else \
+        f"larger than the request body of {body_len} bytes"
+    return (f"inference header size should be in range (0, {body_len}), got: {header_len} "
+            f"(Inference-Header-Content-Length is {why})")
 
 
 def decode_json(data):

@@ -24,6 +24,7 @@ from . import grpc_service, http_server, restricted
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
+from .model_upload import ModelUploads
 from .request import RequestLimits
 from .service import FrontendService
 from .shm_registry import ShmRegistry
@@ -53,8 +54,11 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                            local_only=settings.client_shm_from != "any")
     limits = RequestLimits(max_tensor_bytes=settings.max_request_tensor_bytes,
                            max_json_elements=settings.http_max_json_elements)
+    uploads = (ModelUploads(settings.model_upload_dir, settings.model_upload_max_bytes)
+               if settings.model_upload_dir else None)
     service = FrontendService(client, arena, maps, registry, settings.server_id,
-                              settings.server_version, settings.strict_readiness, limits)
+                              settings.server_version, settings.strict_readiness, limits,
+                              uploads)
     servers, ports = [], {}
     grpc_server = sampler_task = None
     try:
@@ -149,7 +153,8 @@ def main() -> None:
     frontend_id = int(sys.argv[2]) if len(sys.argv) > 2 else 0
     die_with_parent(settings.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logs.setup("frontend", settings.log_verbose)     # a log call never blocks the loop
+    # a log call never blocks the loop
+    logs.setup("frontend", settings=logs.from_server(settings), path=settings.log_file)
     uvloop.run(run(settings, frontend_id))
     logs.flush()
     os._exit(0)

@@ -52,7 +52,11 @@ class TensorBudget:
         naming it when a dim or the count does not fit int64, or when the request's inputs pass
         --max-request-tensor-bytes. A BYTES element counts its 4-byte length prefix."""
         count = shape_elements(t.shape, f"input '{t.name}'")
-        self._add(t, count * (dtypes.ELEMENT_SIZE[t.datatype] or 4))
+        size = dtypes.ELEMENT_SIZE[t.datatype] or 4
+        if count * size > INT64_MAX:
+            raise invalid(f"byte size overflow for input '{t.name}': element count ({count}) * "
+                          f"data type size ({size}) exceeds maximum allowed size ({INT64_MAX})")
+        self._add(t, count * size)
         return count
 
     def data(self, t: Tensor, nbytes: int) -> None:
@@ -80,17 +84,19 @@ class TensorBudget:
 
 
 def shape_elements(shape: list[int], what: str) -> int:
-    """The element count of ``shape``; a 400 naming ``what`` if it does not fit int64."""
+    """The element count of ``shape``; a 400 naming ``what`` if it does not fit int64 (in
+    Triton's words)."""
     if any(d > INT64_MAX for d in shape):
-        raise invalid(f"{what}: shape {shape} has a dim larger than a 64-bit integer holds")
+        raise invalid(f"invalid shape for {what}: shape {shape} contains one or more invalid "
+                      f"dimensions (a dim larger than a 64-bit integer holds)")
     if 0 in shape:
         return 0
     count = 1
     for d in shape:
         count *= d
         if count > INT64_MAX:
-            raise invalid(f"{what}: shape {shape} has more elements than a 64-bit integer "
-                          f"counts")
+            raise invalid(f"invalid shape for {what}: shape {shape} causes total element count "
+                          f"to exceed maximum size of {INT64_MAX}")
     return count
 
 
@@ -117,6 +123,7 @@ class OutputWanted:
     binary: bool = False                  # HTTP: return as binary data
     region: str = ""                      # client region the output is written into
     ref: ShmRef | None = None
+    classification: int = 0               # > 0: the top K entries instead (§1.9)
 
 
 @dataclass
@@ -160,11 +167,15 @@ def input_from_region(registry: ShmRegistry, model: ModelView, t: Tensor, params
 
 def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default: bool,
                   regions: list[SystemRegion]) -> OutputWanted:
+    classes = 0
     if "classification" in params:
         if "shared_memory_region" in params:
             raise invalid(f"output '{name}': classification cannot be written to shared memory")
-        raise invalid(f"output '{name}': the classification extension is not supported on this "
-                      f"server yet")
+        classes = params["classification"]
+        if not isinstance(classes, int) or isinstance(classes, bool) or \
+                not 0 < classes < 1 << 64:
+            raise invalid(f"output '{name}': invalid value for 'classification' parameter, "
+                          f"expected a positive integer, got {classes!r}")
     if "shared_memory_region" in params:
         if params.get("binary_data") is True:
             raise invalid(f"output '{name}': binary_data cannot be combined with "
@@ -175,7 +186,7 @@ def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default
         regions.append(region)
         return OutputWanted(name, False, region.name, ref)
     binary = params.get("binary_data", binary_default)
-    return OutputWanted(name, binary is True)
+    return OutputWanted(name, binary is True, classification=classes)
 
 
 def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted] | None,
@@ -188,10 +199,12 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         outputs = [OutputWanted(n, binary_default) for n in model.output_names]
     else:
         validation.check_outputs(model, [o.name for o in outputs])
+        _check_classification(model, outputs)
     wanted = {}
     for o in outputs:
         if o.name in wanted:
-            raise invalid(f"output '{o.name}' is requested more than once")
+            raise invalid(f"output '{o.name}' already exists in request for model "
+                          f"'{model.name}'")
         wanted[o.name] = o
     if json_outputs:
         _json_outputs_fit(model, batch, outputs, limits.max_json_elements)
@@ -208,12 +221,24 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         correlation_id, flags = _sequence(params)
         model_params = {k: v for k, v in params.items() if k not in RESERVED_PARAMS}
         _check_custom(model_params)
-    payload = InferPayload(request_id, tensors, [OutputSpec(o.name, o.ref) for o in outputs],
+    payload = InferPayload(request_id, tensors,
+                           [OutputSpec(o.name, o.ref, o.classification) for o in outputs],
                            model_params, correlation_id, flags)
     for r in regions:
         r.in_use += 1
     return PreparedRequest(payload, batch, wanted, request_id, scratch, regions, priority,
                            timeout_us, shape_key(model, tensors))
+
+
+def _check_classification(model: ModelView, outputs: list[OutputWanted]) -> None:
+    """Classification ranks numbers: an output of another datatype is refused before the model
+    runs, with Triton's words (it says so only after the execution)."""
+    for o in outputs:
+        if o.classification:
+            datatype = model.outputs[o.name].datatype
+            if datatype not in dtypes.CLASSIFIABLE:
+                raise invalid(f"output '{o.name}': class result not available for output due "
+                              f"to unsupported type '{datatype}'")
 
 
 def _json_outputs_fit(model: ModelView, batch: int, outputs: list[OutputWanted],
@@ -226,7 +251,11 @@ def _json_outputs_fit(model: ModelView, batch: int, outputs: list[OutputWanted],
     for o in outputs:
         spec = model.outputs.get(o.name)
         if not o.binary and not o.region and spec is not None and -1 not in spec.dims:
-            shapes.append((o.name, lead + list(spec.dims)))
+            if o.classification:        # K strings per batch item, at most one per entry
+                count = shape_elements(list(spec.dims), f"output '{o.name}'")
+                shapes.append((o.name, lead + [min(o.classification, count)]))
+            else:
+                shapes.append((o.name, lead + list(spec.dims)))
     if shapes:
         check_json_outputs(model.name, shapes, limit)
 

@@ -15,16 +15,18 @@ from typing import Any, Callable
 from shmserve.ipc.messages import ControlAction, ErrorCode, InferResult, ModelStatistics, ShmRef
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import request
+from . import request, validation
 from .catalog import ModelCatalog, ModelView, version_number
 from .engine_client import EngineClient
 from .errors import InferError, invalid
+from .log_settings import LogControl
+from .model_upload import FILE_PREFIX, ModelUploads
 from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits
 from .shm_registry import ShmRegistry
 
-EXTENSIONS = ["model_repository", "schedule_policy", "model_configuration",
+EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
-              "statistics"]
+              "statistics", "logging"]
 
 FIRST_TABLE_WAIT_S = 30.0
 
@@ -32,8 +34,10 @@ FIRST_TABLE_WAIT_S = 30.0
 class FrontendService:
     def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
                  registry: ShmRegistry, server_id: str, server_version: str,
-                 strict_readiness: bool, limits: RequestLimits = DEFAULT_LIMITS):
+                 strict_readiness: bool, limits: RequestLimits = DEFAULT_LIMITS,
+                 uploads: ModelUploads | None = None):
         self.client = client
+        self.uploads = uploads          # where 'file:' load parameters go; None: refused
         self.limits = limits            # per-request tensor bounds both codecs apply
         self.arena = arena
         self.maps = maps
@@ -42,6 +46,7 @@ class FrontendService:
         self.server_version = server_version
         self.strict_readiness = strict_readiness
         self.accepting = True           # False once shutdown begins: not ready, no new requests
+        self.logging = LogControl(client)   # the logging extension (frontend/log_settings.py)
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -84,16 +89,37 @@ class FrontendService:
         return self.catalog.index(ready_only)
 
     # ---- model control --------------------------------------------------------------------------
-    async def load(self, name: str, params: dict[str, Any], repository: str = "") -> None:
+    async def load(self, name: str, params: dict[str, Any], repository: str = "",
+                   base64_files: bool = False) -> None:
+        """``base64_files``: 'file:' values are base64 text (HTTP), not raw bytes (gRPC)."""
         _no_repository(repository)
-        # checked before 'config' so a client sending model files hears that files are the issue
-        if any(k.startswith("file:") for k in params):
-            raise invalid("load parameters 'file:<version>/<name>' are not supported yet")
+        validation.check_load_name(name)
         config = params.get("config", "")
         if not isinstance(config, str):
             raise invalid(f"load parameter 'config' must be a string holding the model "
                           f"configuration as JSON, got {config!r}")
-        await self._control(ControlAction.LOAD, name, config, False)
+        upload_dir = ""
+        if any(k.startswith(FILE_PREFIX) for k in params):
+            upload_dir = await self._upload(name, params, base64_files)
+        await self._control(ControlAction.LOAD, name, config, False, upload_dir)
+
+    async def _upload(self, name: str, params: dict[str, Any], base64_files: bool) -> str:
+        """Write the load's model files into a directory of their own (frontend/model_upload.py)
+        and return its path; the load request then hands it to the scheduler."""
+        if self.uploads is None:
+            raise InferError(ErrorCode.UNSUPPORTED, f"failed to load '{name}': load parameters "
+                             f"'file:<path>' are not supported by this frontend")
+        files = self.uploads.check(name, params, base64_files)
+        # decoding and writing up to --model-upload-max-bytes must not stall the event loop
+        written = asyncio.get_running_loop().run_in_executor(
+            None, self.uploads.write, name, files, base64_files)
+        try:
+            return await asyncio.shield(written)
+        except asyncio.CancelledError:      # the client left: remove what is still being written
+            uploads = self.uploads
+            written.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                      or uploads.discard(f.result()))
+            raise
 
     async def unload(self, name: str, params: dict[str, Any], repository: str = "") -> None:
         _no_repository(repository)
@@ -106,12 +132,19 @@ class FrontendService:
         await self._control(ControlAction.UNLOAD, name, "", dependents)
 
     async def _control(self, action: ControlAction, name: str, config: str,
-                       dependents: bool) -> None:
+                       dependents: bool, upload_dir: str = "") -> None:
         try:
-            reply = await self.client.control(action, name, config, dependents)
+            reply = await self.client.control(action, name, config, dependents,
+                                              upload_dir=upload_dir)
         except asyncio.TimeoutError:
             raise InferError(ErrorCode.UNAVAILABLE,
                              f"{action.value} of '{name}' did not finish in time") from None
+        except asyncio.CancelledError:
+            raise                           # it was sent: the scheduler owns the upload
+        except Exception:
+            if upload_dir and self.uploads is not None:
+                self.uploads.discard(upload_dir)    # it never reached the scheduler
+            raise
         if reply.error:
             raise InferError(reply.code or ErrorCode.INTERNAL, reply.error)
 

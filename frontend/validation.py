@@ -28,7 +28,7 @@ def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
         if spec is None:
             raise invalid(f"unexpected inference input '{t.name}' for model '{model.name}'")
         if t.name in seen:
-            raise invalid(f"input '{t.name}' is given more than once in the request for model "
+            raise invalid(f"input '{t.name}' already exists in request for model "
                           f"'{model.name}'")
         seen.add(t.name)
         if t.datatype != spec.datatype:
@@ -53,10 +53,27 @@ def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
             check_shape(model, t.name, spec.dims, shape)
     missing = [n for n in model.required_inputs if n not in seen]
     if missing:
-        raise invalid(f"expected {len(model.required_inputs)} inputs but got {len(inputs)} inputs "
-                      f"for model '{model.name}'. Got input(s) {sorted(seen)}, but missing "
-                      f"required input(s) {missing}. Please provide all required input(s).")
+        required, total = len(model.required_inputs), len(model.inputs)
+        expected = f"expected {required} inputs" if required == total else \
+            f"expected number of inputs between {required} and {total}"
+        raise invalid(f"{expected} but got {len(inputs)} inputs for model '{model.name}'. Got "
+                      f"input(s) {_names(sorted(seen))}, but missing required input(s) "
+                      f"{_names(missing)}. Please provide all required input(s).")
     return batch if batch is not None else 1
+
+
+def _names(names) -> str:
+    """A list of names as Triton writes it: ['A','B']."""
+    return "[" + ",".join(f"'{n}'" for n in names) + "]"
+
+
+def check_load_name(name: str) -> None:
+    """A model name to load must name a directory of the repository: Triton refuses an empty one
+    and one that could leave the repository, before it looks."""
+    if not name.strip():
+        raise invalid("Model name cannot be empty. Please enter a valid name to deploy.")
+    if "/" in name or "\\" in name or name.strip() in (".", ".."):
+        raise invalid(f"model name must not contain path traversal characters (got '{name}')")
 
 
 def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None) -> None:
@@ -71,6 +88,12 @@ def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None) -> None
         count = dtypes.element_count(t.shape)
         try:
             dtypes.count_bytes_elements(data, count)
+        except dtypes.BytesCountError as e:
+            where = f"for inference input '{t.name}' for model '{model.name}'"
+            if e.count > count:
+                raise invalid(f"unexpected number of string elements {e.count} {where}, "
+                              f"expecting {count}") from None
+            raise invalid(f"expected {count} string elements {where}, got {e.count}") from None
         except ValueError as e:
             raise invalid(f"input '{t.name}' for model '{model.name}' has invalid BYTES data: "
                           f"{e}") from None

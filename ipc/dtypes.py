@@ -32,6 +32,9 @@ CONFIG_TO_WIRE = {cfg: wire for wire, (cfg, _, _) in _TABLE.items()}
 WIRE_TO_CONFIG = {wire: cfg for wire, (cfg, _, _) in _TABLE.items()}
 ELEMENT_SIZE = {wire: size for wire, (_, _, size) in _TABLE.items()}
 WIRE_TO_NUMPY = {wire: dt for wire, (_, dt, _) in _TABLE.items()}
+# what the classification extension can rank (Triton's set: the integer types, FP32 and FP64)
+CLASSIFIABLE = frozenset(("UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
+                          "INT64", "FP32", "FP64"))
 
 _NUMPY_TO_WIRE = {
     np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "UINT8", np.dtype(np.uint16): "UINT16",
@@ -123,8 +126,18 @@ def deserialize_bytes(buffer, count: int | None = None) -> np.ndarray:
     return result
 
 
+class BytesCountError(ValueError):
+    """BYTES data that is well formed but holds a different number of elements: ``count`` is
+    how many were found (``expected + 1`` when there are more)."""
+
+    def __init__(self, message: str, count: int):
+        super().__init__(message)
+        self.count = count
+
+
 def count_bytes_elements(buffer, expected: int) -> None:
-    """Walk the length prefixes of BYTES data without copying; ValueError unless exactly ``expected``."""
+    """Walk the length prefixes of BYTES data without copying; ValueError unless exactly
+    ``expected`` (BytesCountError when only the count is wrong)."""
     mv = memoryview(buffer).cast("B")
     total = len(mv)
     pos = 0
@@ -139,4 +152,5 @@ def count_bytes_elements(buffer, expected: int) -> None:
         if n > expected:
             break
     if n != expected:
-        raise ValueError(f"expected {expected} elements, got {'more' if n > expected else n}")
+        raise BytesCountError(f"expected {expected} elements, got "
+                              f"{'more' if n > expected else n}", n)

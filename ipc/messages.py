@@ -73,6 +73,9 @@ class Tensor(msgspec.Struct, array_like=True):
 class OutputSpec(msgspec.Struct, array_like=True):
     name: str
     shm: ShmRef | None = None   # write the output here (a client's region) instead of returning it
+    # classification extension: > 0 asks for the top K entries per batch item as BYTES
+    # "<value>:<index>[:<label>]" instead of the tensor (never with shm; workers/classification.py)
+    classification: int = 0
 
 
 def parameter_problem(params: dict) -> str:
@@ -156,6 +159,38 @@ class ControlRequest(msgspec.Struct, array_like=True, tag=4):
     name: str
     config: str = ""            # load: JSON ModelConfig overriding config.pbtxt
     unload_dependents: bool = False
+    # load: the model directory the frontend wrote a client's 'file:' parameters into (under
+    # ServerSettings.model_upload_dir); the scheduler owns and removes it from here on
+    upload_dir: str = ""
+
+
+# ---- log settings: frontend -> scheduler -> every worker and other frontend --------------------
+class LogFormat(str, enum.Enum):
+    """How a log line starts (Triton's --log-format; docs/triton-compat.md §1.14)."""
+    DEFAULT = "default"         # I1201 12:00:00.123456 <pid> <file>:<line>] <message>
+    ISO8601 = "ISO8601"         # 2026-12-01T12:00:00Z I <pid> <file>:<line>] <message>
+
+
+class LogSettings(msgspec.Struct, array_like=True, frozen=True):
+    """What every process's log lines obey: --log-info/-warning/-error/-verbose/-format at
+    start, the logging extension (GET/POST /v2/logging, gRPC LogSettings) after that. The log
+    file is fixed at start (ServerSettings.log_file) and is not part of it."""
+    info: bool = True
+    warning: bool = True
+    error: bool = True
+    verbose: int = 0
+    format: LogFormat = LogFormat.DEFAULT
+
+
+class SetLogSettings(msgspec.Struct, array_like=True, tag=7):
+    """New log settings for every process. From the frontend a client asked (``query_id`` > 0):
+    the scheduler applies them, passes them on to every connected worker and every other
+    frontend (``query_id`` 0), then answers with a ControlReply. They travel the scheduler's
+    sockets ahead of any request the client sends after its answer, so a worker reads them
+    before such a request."""
+    settings: LogSettings
+    frontend: int = -1
+    query_id: int = 0
 
 
 # ---- scheduler -> frontend -------------------------------------------------------------------
@@ -424,6 +459,7 @@ Message = Union[
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
     BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
     RevokeLease, LeasedExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted, LeaseRevoked, LeaseLost,
+    SetLogSettings,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -473,6 +509,8 @@ class ServerSettings(msgspec.Struct):
     http_max_json_elements: int = 1 << 23     # tensor elements in a JSON request or JSON output
     grpc_max_message_size: int = 2 ** 31 - 1  # bytes of one gRPC message, either way
     max_request_tensor_bytes: int = 1 << 32   # all input tensors of one request together
+    model_upload_max_bytes: int = 1 << 30     # all 'file:' parameters of one load together
+    model_upload_dir: str = ""                # uploaded models' directories (<run_dir>/uploads)
     request_deadline_secs: float = 3600.0     # the frontend answers every request by then
     model_load_timeout_secs: float = 600.0    # a worker that is not ready by then is killed
     allow_client_shm: bool = True
@@ -490,6 +528,11 @@ class ServerSettings(msgspec.Struct):
     max_inflight_requests: int = 10000
     instance_leases: bool = True           # lend idle instances to frontends (engine/leases.py)
     log_verbose: int = 0
+    log_info: bool = True
+    log_warning: bool = True
+    log_error: bool = True
+    log_format: LogFormat = LogFormat.DEFAULT
+    log_file: str = ""                     # every process appends its log lines here ("" = stderr)
     port_file: str = ""
 
 
@@ -525,3 +568,5 @@ class WorkerArgs(msgspec.Struct):
     segment_prefix: str
     spec: InstanceSpec
     log_verbose: int = 0
+    log: LogSettings = LogSettings()    # the scheduler's settings when it spawned the worker
+    log_file: str = ""

@@ -36,6 +36,7 @@ from shmserve.ipc.messages import (
     ReleaseOutputs,
     RequestRoute,
     RevokeLease,
+    SetLogSettings,
     Shutdown,
     Wake,
     WorkerArgs,
@@ -47,7 +48,7 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.proc import PacketWaker, StopFlag, die_with_parent, failure_path
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
-from . import autocomplete, pb_metrics, tensors, warmup
+from . import autocomplete, classification, pb_metrics, tensors, warmup
 from .backend import WorkRequest, load_backend
 
 log = logging.getLogger("shmserve.worker")
@@ -76,6 +77,7 @@ class Worker:
         self.maps = ShmMapCache()
         self.spec = args.spec
         self.use_config(args.spec.config_json)
+        self.labels: dict[str, list[bytes]] = {}    # output -> class labels (label_filename)
         self.backend = None
         # messages that request.is_cancelled() read while execute() ran; handled first, in order
         self.backlog: deque = deque()
@@ -89,7 +91,7 @@ class Worker:
         # longer running needs nothing
         self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
                          Ping: self.pong, Wake: _ignore, CancelRequest: _ignore,
-                         RevokeLease: self.revoke_lease}
+                         RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings}
 
     def use_config(self, config_json: str) -> None:
         """What the config decides about every answer: reshapes and the output checks."""
@@ -128,11 +130,13 @@ class Worker:
                     self.spec.version)
             self.backend = load_backend(self.spec, self.poll_cancelled)
             self.use_config(self.spec.config_json)
+            self.labels = classification.read_labels(json.loads(self.spec.config_json),
+                                                     self.spec.model_dir)
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
             reason = str(e) or type(e).__name__
             log.error("loading %s failed: %s", self.spec.instance_name, reason)
-            if self.args.log_verbose:
+            if logs.current().verbose:
                 traceback.print_exc()
             self.write_last_words(reason)
             self.tell(WorkerLoadFailed(self.args.spawn_id, reason))
@@ -228,6 +232,10 @@ class Worker:
         for ref in msg.refs:
             self.arena.free(ref)
 
+    def log_settings(self, msg: SetLogSettings) -> None:
+        """The logging extension changed them (pb_utils.Logger obeys them too)."""
+        logs.apply(msg.settings)
+
     def forget(self, msg: ForgetSegments) -> None:
         for name in msg.segments:
             self.maps.forget(name)
@@ -278,7 +286,7 @@ class Worker:
     def execute(self, batch: ExecuteBatch, frames, leased=None) -> None:
         clock = time.monotonic_ns
         t0 = clock()
-        work, ready, targets = [], [], []
+        work, ready, targets, classes = [], [], [], []
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
             try:
@@ -293,6 +301,7 @@ class Worker:
                                         (route.frontend, route.req_id)))
                 ready.append(i)
                 targets.append({o.name: o.shm for o in p.outputs if o.shm is not None})
+                classes.append({o.name: o.classification for o in p.outputs if o.classification})
             except (ShmError, ValueError, msgspec.DecodeError) as e:
                 results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
@@ -315,8 +324,8 @@ class Worker:
             if responses is None:
                 t2 = clock()
             else:
-                for i, resp, target in zip(ready, responses, targets):
-                    results[i] = self.result(batch.routes[i].req_id, resp, target)
+                for i, resp, target, top in zip(ready, responses, targets, classes):
+                    results[i] = self.result(batch.routes[i].req_id, resp, target, top)
         t3 = clock()
         if leased is not None:
             # its statistics ride with the answer; the frontend passes them on in bulk
@@ -339,7 +348,9 @@ class Worker:
     def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
 
-    def result(self, req_id: int, resp, targets: dict) -> InferResult:
+    def result(self, req_id: int, resp, targets: dict, top: dict) -> InferResult:
+        """``targets``: outputs to write into clients' regions; ``top``: outputs to return as
+        their top K classes (the classification extension)."""
         if resp.error:
             return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
         outs, uses_shm = [], False
@@ -350,6 +361,10 @@ class Worker:
                 if problem:
                     self.free_outputs(outs, targets)
                     return self.error(req_id, problem, ErrorCode.INTERNAL)
+                if top and name in top:
+                    arr = classification.classify(arr, datatype, top[name],
+                                                  self.checks.batching, self.labels.get(name, ()))
+                    datatype = "BYTES"
                 target = targets.get(name)
                 if target is not None:
                     outs.append(tensors.into_region(name, datatype, arr, target, self.maps))
@@ -357,7 +372,7 @@ class Worker:
                 t = tensors.from_numpy(name, datatype, arr, self.arena)
                 uses_shm |= t.shm is not None
                 outs.append(t)
-        except tensors.OutputTooLarge as e:
+        except (tensors.OutputTooLarge, classification.ClassificationError) as e:
             self.free_outputs(outs, targets)
             return self.error(req_id, str(e), ErrorCode.INVALID_ARG)
         except ShmFull as e:            # /dev/shm is full: this request fails, we carry on
@@ -416,7 +431,7 @@ def read_args(path: str) -> WorkerArgs:
 def main() -> None:
     args = read_args(sys.argv[2])
     die_with_parent(args.parent)
-    logs.setup(f"worker {args.spec.instance_name}", args.log_verbose)
+    logs.setup(f"worker {args.spec.instance_name}", settings=args.log, path=args.log_file)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C; we obey Shutdown
     waker = PacketWaker()
 

@@ -196,3 +196,37 @@ def test_model_control_example(explicit_srv, client_mod):
     assert not c.is_model_ready("simple")
     with pytest.raises(InferenceServerException, match="failed to load"):
         c.load_model("wrong_model_name")
+
+
+def test_grpc_client_example_on_densenet_onnx(srv):
+    # grpc_client.py: health, metadata and config of densenet_onnx, then one raw infer of a
+    # [3, 224, 224] FP32 image given as 602,112 raw bytes
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        assert stub.ServerLive(service_pb2.ServerLiveRequest()).live
+        assert stub.ModelReady(service_pb2.ModelReadyRequest(name="densenet_onnx")).ready
+        meta = stub.ModelMetadata(service_pb2.ModelMetadataRequest(name="densenet_onnx"))
+        assert [(i.name, list(i.shape)) for i in meta.inputs] == [("data_0", [3, 224, 224])]
+        cfg = stub.ModelConfig(service_pb2.ModelConfigRequest(name="densenet_onnx")).config
+        assert cfg.output[0].label_filename == "labels.txt"
+        request = service_pb2.ModelInferRequest(model_name="densenet_onnx", id="my request id")
+        request.inputs.add(name="data_0", datatype="FP32", shape=[3, 224, 224])
+        request.outputs.add(name="fc6_1")
+        request.raw_input_contents.append(b"a" * 602112)
+        r = stub.ModelInfer(request)
+        assert r.id == "my request id" and list(r.outputs[0].shape) == [12]
+        probabilities = np.frombuffer(r.raw_output_contents[0], np.float32)
+        assert abs(float(probabilities.sum()) - 1.0) < 1e-4        # a softmax
+
+
+def test_image_client_classification_on_densenet_onnx(srv):
+    # image_client.py -m densenet_onnx -c 3 -s INCEPTION: a red picture scaled to [-1, 1]
+    c = httpclient.InferenceServerClient(srv.url)
+    image = np.empty((3, 224, 224), dtype=np.float32)
+    image[0], image[1], image[2] = 1.0, -1.0, -1.0
+    i = httpclient.InferInput("data_0", [3, 224, 224], "FP32")
+    i.set_data_from_numpy(image)
+    out = c.infer("densenet_onnx", [i], outputs=[
+        httpclient.InferRequestedOutput("fc6_1", class_count=3)]).as_numpy("fc6_1")
+    first = out[0].decode().split(":")
+    assert out.shape == (3,) and first[1:] == ["3", "red"]

@@ -85,9 +85,11 @@ def test_tensor_bytes_by_shape_are_refused_before_anything_is_made(server):
     _refused(server, "ident", doc, "input 'INPUT0'", "--max-request-tensor-bytes",
              str(TENSOR_BYTES))
     doc["inputs"][0]["shape"] = [1 << 62, 8]
-    _refused(server, "ident", doc, "input 'INPUT0'", "64-bit")
+    _refused(server, "ident", doc, "invalid shape for input 'INPUT0'",
+             "causes total element count to exceed maximum size of")
     doc["inputs"][0]["shape"] = [1 << 64]
-    _refused(server, "ident", doc, "input 'INPUT0'", "64-bit")
+    _refused(server, "ident", doc, "invalid shape for input 'INPUT0'",
+             "contains one or more invalid dimensions")
     # BYTES: each element is at least its 4-byte length prefix
     doc = {"inputs": [{"name": "INPUT0", "shape": [1 << 21], "datatype": "BYTES",
                        "data": ["a"]}]}
@@ -132,7 +134,8 @@ def test_tensor_bytes_and_overflow_over_grpc(server):
     with grpc.insecure_channel(server.grpc_url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)
         for shape, words in (([1 << 21], "--max-request-tensor-bytes"),
-                             ([1 << 62, 4], "64-bit")):
+                             ([1 << 62, 4], "causes total element count to exceed"),
+                             ([4, (1 << 60) + 2], "byte size overflow for input 'INPUT0'")):
             req = pb.ModelInferRequest(model_name="ident")
             req.inputs.add(name="INPUT0", datatype="FP32", shape=shape)
             req.raw_input_contents.append(b"\0" * 4)

@@ -50,6 +50,7 @@ class FakePort:
         self.exit_codes: dict[int, int] = {}        # what reap() reports, per spawn id
         self.stopped_workers: set[int] = set()      # spawn ids whose process is stopped
         self.failures: dict[int, str] = {}          # last words of workers that failed to load
+        self.log_settings = None                    # what apply_log_settings was given last
 
     def connect_frontend(self, frontend, address):
         self.frontend_addresses[frontend] = address
@@ -85,6 +86,9 @@ class FakePort:
 
     def unlink(self, spawn_id):
         self.unlinked.append(spawn_id)
+
+    def apply_log_settings(self, settings):
+        self.log_settings = settings
 
 
 def write_model(repo: str, name: str, config: str, versions=(1,)) -> None:

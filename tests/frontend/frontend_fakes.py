@@ -56,15 +56,19 @@ class FakeClient:
         self.table_event = asyncio.Event()
         self.table_event.set()
         self.controls: list[tuple] = []
+        self.upload_dirs: list[str] = []        # upload_dir of each control, in order
         self.control_reply = ControlReply(0)
         self.control_raises: BaseException | None = None
         self.stats_queries: list[tuple] = []
         self.stats_raises: BaseException | None = None
         self.forgotten: list[list[str]] = []
         self.cancelled: list[int] = []
+        self.log_changes: list = []             # LogSettings sent on (the logging extension)
+        self.log_raises: BaseException | None = None
 
-    async def control(self, action, name, config="", unload_dependents=False):
+    async def control(self, action, name, config="", unload_dependents=False, upload_dir=""):
         self.controls.append((action, name, config, unload_dependents))
+        self.upload_dirs.append(upload_dir)
         if self.control_raises is not None:
             raise self.control_raises
         return self.control_reply
@@ -76,6 +80,12 @@ class FakeClient:
         if model and model != "simple":
             return StatsReply(0, [], {}, f"requested model '{model}' is not available")
         return StatsReply(0, [ModelStatistics("simple", 1)], {})
+
+    async def log_settings(self, settings, timeout=5.0):
+        self.log_changes.append(settings)
+        if self.log_raises is not None:
+            raise self.log_raises
+        return ControlReply(0)
 
     def forget_segments(self, segments):
         self.forgotten.append(list(segments))

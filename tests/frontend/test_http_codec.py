@@ -12,7 +12,7 @@ from shmserve.engine.model_config import normalize
 from shmserve.frontend import http_codec
 from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
-from shmserve.frontend.request import OutputWanted, PreparedRequest
+from shmserve.frontend.request import OutputWanted, PreparedRequest, RequestLimits
 from shmserve.frontend.shm_registry import ShmRegistry
 from shmserve.ipc import dtypes, shm
 from shmserve.ipc.channel import INLINE_LIMIT
@@ -273,10 +273,12 @@ def test_large_raw_body_is_passed_by_reference(catalog, arena):
 
 
 @pytest.mark.parametrize("model, body, match", [
-    ("multi", b"\x00" * 16, "exactly one input; model 'multi' has 3"),
+    ("multi", b"\x00" * 16, "Raw request must only have 1 input (found 1) to be deduced but got 3 "
+                            "inputs in 'multi' model configuration"),
     ("raw", b"\x00" * 12, "12 bytes do not fit input 'R' with dims [2, -1]"),
     ("raw_fixed", b"\x00" * 4, "input byte size mismatch for input 'R'"),
-    ("raw_two_var", b"\x00" * 8, "input 'R' has more than one variable dim"),
+    ("raw_two_var", b"\x00" * 8, "The shape of the raw input 'R' can not be deduced because there "
+                                 "are more than one variable-sized dimension"),
     ("raw_bytes", b"\x05\x00\x00\x00ab", "input 'S' for model 'raw_bytes' has invalid BYTES data"),
 ])
 def test_raw_body_errors(catalog, arena, model, body, match):
@@ -323,10 +325,10 @@ B_OK = t_in("B", "BYTES", [1], ["s"])
 INPUT_ERRORS = [
     ("datatype", "multi", [t_in("A", "FLOAT", [2, 2], [0] * 4), B_OK], "input 'A' has invalid datatype 'FLOAT'"),
     ("no-datatype", "multi", [{"name": "A", "shape": [2, 2], "data": [0] * 4}, B_OK], "input 'A' has invalid datatype 'None'"),
-    ("shape-negative", "multi", [t_in("A", "FP32", [2, -2], [0] * 4), B_OK], "input 'A': 'shape' must be"),
-    ("shape-missing", "multi", [{"name": "A", "datatype": "FP32", "data": [0] * 4}, B_OK], "input 'A': 'shape' must be"),
-    ("shape-float", "multi", [t_in("A", "FP32", [2.0, 2], [0] * 4), B_OK], "input 'A': 'shape' must be"),
-    ("shape-bool", "multi", [t_in("A", "FP32", [True, 2], [0] * 4), B_OK], "input 'A': 'shape' must be"),
+    ("shape-negative", "multi", [t_in("A", "FP32", [2, -2], [0] * 4), B_OK], "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A'"),
+    ("shape-missing", "multi", [{"name": "A", "datatype": "FP32", "data": [0] * 4}, B_OK], "Unable to parse 'shape' of input 'A'"),
+    ("shape-float", "multi", [t_in("A", "FP32", [2.0, 2], [0] * 4), B_OK], "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A'"),
+    ("shape-bool", "multi", [t_in("A", "FP32", [True, 2], [0] * 4), B_OK], "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A'"),
     ("data-and-binary", "multi", [t_in("A", "FP32", [2, 2], [0] * 4, binary_data_size=16), B_OK],
      "input 'A' must set only one of"),
     ("neither", "multi", [t_in("A", "FP32", [2, 2]), B_OK], "input 'A' must set only one of"),
@@ -358,7 +360,7 @@ INPUT_ERRORS = [
     ("bf16-json", "half", [t_in("BF", "BF16", [2], [1, 2]), t_in("H", "FP16", [2], [1, 2])],
      "receiving input 'BF' of datatype BF16 via JSON is not supported"),
     ("unknown-input", "multi", [A_OK, B_OK, t_in("Q", "INT32", [1], [1])], "unexpected inference input 'Q' for model 'multi'"),
-    ("duplicate", "multi", [A_OK, A_OK, B_OK], "input 'A' is given more than once"),
+    ("duplicate", "multi", [A_OK, A_OK, B_OK], "input 'A' already exists in request"),
     ("dtype-mismatch", "multi", [t_in("A", "FP64", [2, 2], [1, 2, 3, 4]), B_OK],
      "inference input 'A' data-type is 'FP64', but model 'multi' expects 'FP32'"),
     ("shape-mismatch", "multi", [t_in("A", "FP32", [4], [1, 2, 3, 4]), B_OK],
@@ -392,7 +394,7 @@ BINARY_ERRORS = [
      "input 'B' for model 'multi' has invalid BYTES data: element 1 extends past the end"),
     ("bytes-count", "multi", lambda: binary_request({"inputs": [A_OK, t_in("B", "BYTES", [2], binary_data_size=5)]},
                                                     b"\x01\x00\x00\x00a"),
-     "input 'B' for model 'multi' has invalid BYTES data: expected 2 elements, got 1"),
+     "expected 2 string elements for inference input 'B' for model 'multi', got 1"),
     ("short-body", "blob", lambda: binary_request({"inputs": [t_in("U", "UINT8", [4], binary_data_size=4),
                                                               t_in("V", "UINT8", [4], binary_data_size=4)]}, b"\x00" * 6),
      "unexpected size for input 'V', expecting 4 additional bytes for model 'blob' but the body has only 2 left"),
@@ -416,8 +418,8 @@ REQUEST_ERRORS = [
     ("input-no-name", b'{"inputs": [{"datatype": "FP32"}]}', None, "each entry of 'inputs' must be an object"),
     ("params", b'{"inputs": [], "parameters": [1]}', None, "request 'parameters' must be a JSON object"),
     ("id", b'{"inputs": [], "id": 5}', None, "request 'id' must be a string"),
-    ("header-len", b'{"inputs": []}', 100, "Inference-Header-Content-Length 100 is larger than the request body (14 bytes)"),
-    ("header-len-negative", b'{"inputs": []}', -1, "Inference-Header-Content-Length -1"),
+    ("header-len", b'{"inputs": []}', 100, "inference header size should be in range (0, 14), got: 100 (Inference-Header-Content-Length is larger than the request body of 14 bytes)"),
+    ("header-len-negative", b'{"inputs": []}', -1, "inference header size should be in range (0, 14), got: -1 (Inference-Header-Content-Length is negative)"),
     ("trailing", b'{"inputs": []}xyz', 14, "unexpected additional input data for model 'multi': 3 bytes after the last binary input"),
     ("header-cut", b'{"inputs": []}', 5, "failed to parse the request JSON buffer"),
 ]
@@ -436,9 +438,49 @@ OUTPUT_ERRORS = [
     ("no-name", [{"parameters": {}}], "each entry of 'outputs' must be an object with a string 'name'"),
     ("shm", [{"name": "OUT0", "parameters": {"shared_memory_region": "r"}}],
      "output 'OUT0': Unable to find shared memory region: 'r'"),
-    ("classification", [{"name": "OUT1", "parameters": {"classification": 2}}],
-     "output 'OUT1': the classification extension is not supported"),
+    ("classification-bytes", [{"name": "OUT1", "parameters": {"classification": 2}}],
+     "output 'OUT1': class result not available for output due to unsupported type 'BYTES'"),
+    ("classification-zero", [{"name": "OUT0", "parameters": {"classification": 0}}],
+     "output 'OUT0': invalid value for 'classification' parameter, expected a positive integer, "
+     "got 0"),
+    ("classification-negative", [{"name": "OUT0", "parameters": {"classification": -3}}],
+     "output 'OUT0': invalid value for 'classification' parameter"),
+    ("classification-string", [{"name": "OUT0", "parameters": {"classification": "2"}}],
+     "output 'OUT0': invalid value for 'classification' parameter"),
+    ("classification-bool", [{"name": "OUT0", "parameters": {"classification": True}}],
+     "output 'OUT0': invalid value for 'classification' parameter"),
+    ("classification-float", [{"name": "OUT0", "parameters": {"classification": 2.0}}],
+     "output 'OUT0': invalid value for 'classification' parameter"),
+    ("classification-huge", [{"name": "OUT0", "parameters": {"classification": 1 << 64}}],
+     "output 'OUT0': invalid value for 'classification' parameter"),
+    ("classification-shm", [{"name": "OUT0", "parameters": {"classification": 2,
+                                                            "shared_memory_region": "r"}}],
+     "output 'OUT0': classification cannot be written to shared memory"),
 ]
+
+
+def test_classification_rides_on_the_output_spec(catalog, arena):
+    doc = {"inputs": [A_OK, B_OK], "outputs": [
+        {"name": "OUT0", "parameters": {"classification": 3}}, {"name": "OUT1"}]}
+    p = parse(catalog, arena, "multi", jbody(doc))
+    assert [(o.name, o.classification) for o in p.payload.outputs] == [("OUT0", 3), ("OUT1", 0)]
+    assert not p.outputs["OUT0"].binary     # JSON unless asked for binary, like any output
+
+
+def test_json_limit_counts_a_classified_output_as_its_k_strings(catalog, arena):
+    x, y = np.arange(6, dtype=np.int64).tobytes(), b"\x01\x00"
+    doc = {"inputs": [t_in("X", "INT64", [2, 3], binary_data_size=len(x)),
+                      t_in("Y", "BOOL", [2, 1], binary_data_size=len(y))],
+           "outputs": [{"name": "Z", "parameters": {"classification": 1}}]}
+    limits = RequestLimits(max_json_elements=4)
+    # [2, 3] as JSON would pass the limit; its top 1 per item is 2 strings
+    body, hlen = binary_request(doc, x, y)
+    http_codec.parse_infer(catalog.get("batched"), body, hlen, None, arena, ShmRegistry(), limits)
+    doc["outputs"] = [{"name": "Z"}]
+    body, hlen = binary_request(doc, x, y)
+    with pytest.raises(InferError, match="output 'Z' of model 'batched' has 6 elements"):
+        http_codec.parse_infer(catalog.get("batched"), body, hlen, None, arena, ShmRegistry(),
+                               limits)
 
 
 @pytest.mark.parametrize("outputs, match", [c[1:] for c in OUTPUT_ERRORS], ids=[c[0] for c in OUTPUT_ERRORS])

@@ -40,6 +40,7 @@ def test_every_http_endpoint_has_its_group():
         "model-repository"
     assert groups["/v2/systemsharedmemory/region/{region}/register"] == "shared-memory"
     assert groups["/v2/cudasharedmemory/status"] == "shared-memory"
+    assert groups["/v2/logging"] == "logging"
     assert set(groups.values()) <= set(restricted.GROUPS)
 
 

@@ -99,12 +99,19 @@ def test_load_sends_the_config_override():
 @pytest.mark.parametrize("params, text", [
     ({"config": 5}, "load parameter 'config' must be a string"),
     ({"config": True}, "load parameter 'config' must be a string"),
-    ({"file:1/model.py": b"x"}, "'file:<version>/<name>' are not supported"),
 ])
 def test_load_parameter_checks(params, text):
     client = FakeClient()
     assert text in raises(ErrorCode.INVALID_ARG, make_service(client).load, "simple", params)
     assert client.controls == []            # refused before anything reached the scheduler
+
+
+def test_load_files_without_an_upload_directory_are_unsupported():
+    # model upload itself: tests/frontend/test_upload_paths.py, tests/e2e/test_model_upload.py
+    client = FakeClient()
+    msg = raises(ErrorCode.UNSUPPORTED, make_service(client).load, "simple",
+                 {"config": "{}", "file:1/model.py": b"x"})
+    assert "'file:<path>' are not supported" in msg and client.controls == []
 
 
 @pytest.mark.parametrize("value", [True, False])

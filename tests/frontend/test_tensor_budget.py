@@ -39,8 +39,14 @@ def test_budget_counts_shapes_bytes_and_overflow():
              "--max-request-tensor-bytes")
     b = TensorBudget(LIMITS)
     assert b.declare(Tensor("Z", "FP64", [0, 1 << 62, 1 << 62])) == 0     # no elements
-    _refused(lambda: b.declare(Tensor("O", "INT8", [1 << 62, 4])), "input 'O'", "64-bit")
-    _refused(lambda: b.declare(Tensor("D", "INT8", [1 << 64])), "input 'D'", "64-bit")
+    _refused(lambda: b.declare(Tensor("O", "INT8", [1 << 62, 4])), "invalid shape for input 'O'",
+             "causes total element count to exceed maximum size of 9223372036854775807")
+    _refused(lambda: b.declare(Tensor("D", "INT8", [1 << 64])), "invalid shape for input 'D'",
+             "contains one or more invalid dimensions")
+    # the element count fits int64 but its bytes do not (Triton's test_buffer_size_overflow)
+    _refused(lambda: b.declare(Tensor("F", "FP32", [4, (1 << 60) + 2])),
+             "byte size overflow for input 'F': element count (4611686018427387912) * data type "
+             "size (4) exceeds maximum allowed size (9223372036854775807)")
     b = TensorBudget(LIMITS)
     assert b.declare(Tensor("S", "BYTES", [200])) == 200          # 4 bytes an element
     b.data(Tensor("S", "BYTES", [200]), 900)

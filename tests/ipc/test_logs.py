@@ -61,13 +61,13 @@ def test_logging_to_a_full_pipe_returns_then_reports_what_it_dropped(full_pipe):
     while b"dropped" not in out and time.monotonic() < deadline:
         time.sleep(0.01)                        # the reader thread catching up
     text = out.replace(b"x", b"").decode()
-    assert "tester INFO line 0" in text
+    assert re.search(r'^I\d{4} [\d:.]+ \d+ test_logs\.py:\d+\] "line 0"$', text, re.M), text
     # the queue held ten (the blocked writer perhaps one more); the rest were dropped, counted
     # and reported after the held ones
-    found = re.search(r"WARNING (\d+) log line\(s\) dropped: the log output was not being read",
-                      text)
+    found = re.search(r'^W.* logs\.py:\d+\] "(\d+) log line\(s\) dropped: the log output was not '
+                      r'being read"$', text, re.M)
     assert found and int(found[1]) in (89, 90), text
-    assert text.index("line 9\n") < found.start()
+    assert text.index('line 9"\n') < found.start()
     assert "line 99" not in text
 
 
@@ -83,8 +83,9 @@ def test_records_keep_their_arguments_and_tracebacks(tmp_path):
         assert logs.flush(5)
         logs.stop()
     text = path.read_text()
-    assert "tester ERROR failed with style" in text and "ValueError: boom" in text
-    assert "tester DEBUG debug shows with verbose" in text
+    # the traceback is part of the message, escaped with it: one line per record
+    assert re.search(r'^E.*\] "failed with style\\nTraceback .*ValueError: boom"$', text, re.M), text
+    assert re.search(r'^I.*\] "debug shows with verbose"$', text, re.M), text
 
 
 def test_a_forked_child_gets_a_writer_of_its_own(tmp_path):
@@ -99,4 +100,4 @@ def test_a_forked_child_gets_a_writer_of_its_own(tmp_path):
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0
         logs.stop()
-    assert "tester INFO from the child" in path.read_text()
+    assert '] "from the child"' in path.read_text()

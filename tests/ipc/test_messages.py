@@ -59,6 +59,8 @@ MESSAGES = [
     m.Shutdown(),
     m.ReleaseOutputs([REF, m.ShmRef("seg", 0, 0)]),
     m.ForgetSegments(["shmtest_a", "shmtest_b"]),
+    m.SetLogSettings(m.LogSettings(info=False, verbose=2, format=m.LogFormat.ISO8601), 0, 4),
+    m.SetLogSettings(m.LogSettings()),
     m.InferResults([m.InferResult(1, "a", 1), m.InferResult(2, "a", 1, error="x", code="INTERNAL")]),
     m.WorkerReady(spawn_id=4, pid=1234, address="ipc:///tmp/w4"),
     m.WorkerLoadFailed(4, "ImportError: no module named foo"),

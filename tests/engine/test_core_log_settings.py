@@ -1,0 +1,54 @@
+"""SchedulerCore and the logging extension: a change a client made at a frontend reaches the
+scheduler itself, every connected worker, the other frontends and workers that connect later;
+the frontend that sent it hears it is done."""
+import pytest
+from fakes import IO, ONE, TWO, Harness, write_model
+
+from shmserve.ipc.messages import (
+    ControlReply,
+    FrontendHello,
+    LogFormat,
+    LogSettings,
+    SetLogSettings,
+)
+
+FRONTEND = 0
+
+
+@pytest.fixture
+def repo(tmp_path):
+    r = str(tmp_path / "models")
+    write_model(r, "plain", f"max_batch_size: 8\n{IO}\n{ONE}")
+    write_model(r, "pair", f"max_batch_size: 8\n{IO}\n{TWO}")
+    return r
+
+
+def test_a_change_reaches_every_process(repo):
+    h = Harness(repo).start()
+    h.core.handle(FrontendHello(1, "inproc://frontend-1"))
+    workers = set(h.port.connected)
+    assert len(workers) == 3
+    new = LogSettings(info=False, verbose=2, format=LogFormat.ISO8601)
+    h.core.handle(SetLogSettings(new, FRONTEND, 7))
+    assert h.port.log_settings == new                       # the scheduler's own
+    assert {sid for sid, m in h.to_worker(SetLogSettings) if m.settings == new} == workers
+    to_frontends = [(f, m) for f, m in h.port.to_frontend if isinstance(m, (SetLogSettings, ControlReply))]
+    # the other frontend gets the settings; the sender only its answer
+    assert to_frontends == [(1, SetLogSettings(new)), (FRONTEND, ControlReply(7))]
+
+
+def test_a_worker_that_connects_later_gets_the_change(repo):
+    h = Harness(repo).start(ready=False)
+    first = h.waiting()
+    h.ready(first[0])
+    new = LogSettings(verbose=1)
+    h.core.handle(SetLogSettings(new, FRONTEND, 1))
+    assert [sid for sid, _ in h.to_worker(SetLogSettings)] == [first[0]]
+    h.ready_all()                           # these were loading while the change went out
+    got = {sid for sid, m in h.to_worker(SetLogSettings) if m.settings == new}
+    assert got == set(h.port.connected)
+
+
+def test_no_change_no_message(repo):
+    h = Harness(repo).start()
+    assert not h.to_worker(SetLogSettings) and h.port.log_settings is None
