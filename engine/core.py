@@ -76,6 +76,7 @@ class SchedulerCore:
                                         self.publish, self.reply_control, self.dispatch)
         self.versions = self.lifecycle.versions         # the serving map, shared
         self.frontends: set[int] = set()
+        self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
         self.custom_metrics: dict[int, CustomMetrics] = {}          # spawn id -> latest
         self.log_settings: LogSettings | None = None    # set by a client (SetLogSettings)
@@ -125,6 +126,8 @@ class SchedulerCore:
 
     def frontend_hello(self, msg: FrontendHello) -> None:
         self.frontends.add(msg.frontend)
+        if msg.leases:
+            self.lease_takers.add(msg.frontend)
         self.port.connect_frontend(msg.frontend, msg.address)
         self.port.send_frontend(msg.frontend, self.lifecycle.model_table())
 
@@ -202,6 +205,17 @@ class SchedulerCore:
                              f"Request for unknown model: '{msg.model}' version {msg.version} is "
                              f"not at ready state")
             return
+        if msg.chain and ver.name in msg.chain and not any(
+                i.state == InstanceState.IDLE for i in ver.instances):
+            # any instance that is not idle may be the one whose execution waits for this
+            # answer (a leased one too: it cannot give its lease back while it waits)
+            self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+                             ErrorCode.UNAVAILABLE,
+                             f"BLS request for model '{ver.name}' refused: it comes from "
+                             f"{' -> '.join(msg.chain)}, whose executions hold the instances "
+                             f"of '{ver.name}', so it would wait for itself (deadlock); give "
+                             f"'{ver.name}' more instances or break the cycle")
+            return
         req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
                             priority=msg.priority, timeout_us=msg.timeout_us,
                             shape_key=msg.shape_key, received_ns=msg.received_ns)
@@ -212,10 +226,11 @@ class SchedulerCore:
                                  ErrorCode.INTERNAL, msg.lost)
                 return
             req.alone = True
-        elif self.leases.by_version and not msg.no_lease and \
+        elif self.leases.by_version and not msg.no_lease and not msg.chain and \
                 self.leases.give_back(ver, msg.frontend, msg.req_id):
             return
-        self.leases.note_request(ver, msg.frontend)
+        if not msg.chain:           # a worker's BLS requests never get a lease
+            self.leases.note_request(ver, msg.frontend)
         try:
             ver.queue.enqueue(req)
         except QueueFull as e:
@@ -290,7 +305,8 @@ class SchedulerCore:
         (engine/leases.py), instead of dispatching them here one by one."""
         reqs = queue.queue
         frontend = reqs[0].frontend
-        if any(r.frontend != frontend or r.alone for r in reqs) or \
+        if frontend not in self.lease_takers or any(r.frontend != frontend or r.alone
+                                                    for r in reqs) or \
                 not self.leases.can_hand_over(ver, frontend):
             return False
         taken = queue.drain()
@@ -420,6 +436,13 @@ class SchedulerCore:
             inst.answered.clear()
             for fid, rids in by_frontend.items():
                 self.port.send_frontend(fid, WorkerGone(spawn_id, rids))
+        if ver.config.model_transaction_policy.decoupled:
+            # its requests may still be streaming after their batch was done: every frontend
+            # ends the ones this worker answered with the reason
+            reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
+                      f"{death.how} while sending responses")
+            for fid in self.frontends:
+                self.port.send_frontend(fid, WorkerGone(spawn_id, [], reason))
         if death.batch:
             self.requests_of_dead_worker(death)
         if death.outcome == Outcome.LOAD_FAILED:

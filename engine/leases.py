@@ -83,9 +83,11 @@ class LeaseBook:
         self.stopping = False
 
     def leasable(self, ver: ModelVersion) -> bool:
-        # a sequence batcher (not built yet) would need its slots: never lent
+        # a sequence batcher (not built yet) would need its slots, and a decoupled model answers
+        # past its execution (the lease's completion records ride with one answer): never lent
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
-                and not ver.batching and not ver.config.HasField("sequence_batching"))
+                and not ver.batching and not ver.config.HasField("sequence_batching")
+                and not ver.config.model_transaction_policy.decoupled)
 
     def note_request(self, ver: ModelVersion, frontend: int) -> None:
         self.last_frontend[(ver.name, ver.version)] = frontend

@@ -182,8 +182,10 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         raise ConfigError(f"model '{name}': instance_group asks for {total} instances, more than "
                           f"the limit of {MAX_INSTANCES_PER_MODEL} (each is a process)")
     cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
-    if cfg.model_transaction_policy.decoupled:
-        raise ConfigError(f"model '{name}': decoupled models are not supported yet")
+    if cfg.model_transaction_policy.decoupled and cfg.backend != "python":
+        raise ConfigError(f"model '{name}': the {cfg.backend} backend cannot serve a decoupled "
+                          f"model (model_transaction_policy {{ decoupled: true }}); the python "
+                          f"backend can")
     if not cfg.optimization.HasField("input_pinned_memory"):
         cfg.optimization.input_pinned_memory.enable = True
     if not cfg.optimization.HasField("output_pinned_memory"):

@@ -89,8 +89,9 @@ class ModelVersion:
 
     def configure_timeout(self, default_s: float) -> None:
         retry = self.config.parameters.get("retry_on_worker_death")
-        self.retry_on_death = retry is None or retry.string_value.strip().lower() not in (
-            "false", "no", "off", "0")
+        # a decoupled model may have streamed part of its answer before it died: never re-run
+        self.retry_on_death = not self.config.model_transaction_policy.decoupled and (
+            retry is None or retry.string_value.strip().lower() not in ("false", "no", "off", "0"))
         param = self.config.parameters.get("execution_timeout_ms")
         self.execution_timeout_s = default_s
         if param is not None and param.string_value.strip():

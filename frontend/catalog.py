@@ -39,6 +39,7 @@ class ModelView:
     variable_inputs: frozenset = frozenset()     # inputs whose dims have -1 (and not ragged)
     has_optional: bool = False
     preserve_ordering: bool = False
+    decoupled: bool = False             # any number of answers per request (streams only)
 
     @property
     def batch_sensitive(self) -> bool:
@@ -72,8 +73,9 @@ def _view(info) -> ModelView:
     view.variable_inputs = frozenset(t.name for t in cfg.input
                                      if -1 in t.dims and not t.allow_ragged_batch)
     view.has_optional = any(t.optional for t in cfg.input)
+    view.decoupled = cfg.model_transaction_policy.decoupled
     view.preserve_ordering = cfg.HasField("dynamic_batching") and \
-        cfg.dynamic_batching.preserve_ordering
+        cfg.dynamic_batching.preserve_ordering and not view.decoupled
     for t in cfg.input:
         spec = TensorSpec(t.name, CONFIG_TO_WIRE[DataType.Name(t.data_type)], list(t.dims),
                           t.optional)

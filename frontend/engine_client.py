@@ -108,6 +108,9 @@ class EngineClient:
         self.done: list = []                    # leased completion records not yet sent
         self.flusher: asyncio.TimerHandle | None = None
         self.ids = itertools.count(1)
+        # requests of decoupled models that have answered and go on answering:
+        # req_id -> (spawn id, worker address) of the worker sending them
+        self.streaming: dict[int, tuple[int, str]] = {}
         self.table_event = asyncio.Event()
         self.handlers: dict[type, Callable] = {
             InferResult: self._deliver, InferResults: self._deliver_many,
@@ -159,6 +162,11 @@ class EngineClient:
         return req_id
 
     def _deliver(self, msg: InferResult) -> None:
+        if not msg.final:
+            self._deliver_partial(msg)
+            return
+        if self.streaming:
+            self.streaming.pop(msg.req_id, None)
         sent = self.sent.pop(msg.req_id, None)
         if self.direct:
             self._lease_done(msg.req_id)
@@ -190,6 +198,17 @@ class EngineClient:
                     cb(result)
                 except Exception:       # the answers held behind this one must still go out
                     log.exception("error answering request %d", rid)
+
+    def _deliver_partial(self, msg: InferResult) -> None:
+        """One of a decoupled model's answers, more to come: the request stays pending. Once
+        part of its answer is out it can never run again (WorkerGone with a reason ends it)."""
+        cb = self.pending.get(msg.req_id)
+        if cb is None:
+            self._drop_late(msg)
+            return
+        self.sent.pop(msg.req_id, None)
+        self.streaming[msg.req_id] = (msg.spawn_id, msg.worker)
+        cb(msg)
 
     # ---- deadlines ----------------------------------------------------------------------------
     def _arm(self, until_next_ns: int) -> None:
@@ -233,6 +252,11 @@ class EngineClient:
         """A dead worker had answered these; an answer we have not seen died in its queue.
         Each is submitted again, once: its inputs are still held, and a late original answer,
         should one still arrive, is dropped like any answer nobody waits for."""
+        if msg.reason:              # a decoupled model's worker: end what it was streaming
+            for rid, (spawn_id, _) in list(self.streaming.items()):
+                if spawn_id == msg.spawn_id:
+                    self._deliver(InferResult(rid, "", 0, error=msg.reason,
+                                              code=ErrorCode.INTERNAL))
         for rid in msg.requests:
             sent = self.sent.pop(rid, None)
             if sent is None or rid not in self.pending:
@@ -262,11 +286,24 @@ class EngineClient:
             except (packets.PeerGone, zmq.Again):
                 pass
             return
+        streaming = self.streaming.get(req_id)
+        if streaming is not None:       # answering past its execution: its worker hears it
+            try:
+                self._worker_box(streaming[1]).send(CancelRequest(self.frontend_id, req_id),
+                                                    flags=channel.NOBLOCK)
+            except (packets.PeerGone, zmq.Again):
+                pass
+            return
         if req_id in self.pending:
             try:
                 self.scheduler.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
             except zmq.Again:
                 pass
+
+    def drain_abandoned(self, req_id: int, handler: ResultCallback) -> None:
+        """The caller stopped listening to a request: its further answers go to ``handler``."""
+        if req_id in self.pending:
+            self.pending[req_id] = handler
 
     def flush_done(self) -> None:
         """Send the scheduler the completion records of leased requests (statistics)."""
@@ -462,6 +499,7 @@ class EngineClient:
     def fail_all(self, message: str) -> None:
         pending, self.pending = self.pending, {}
         self.sent.clear()
+        self.streaming.clear()
         self.direct.clear()
         self.leases.clear()
         self.deadlines.clear()

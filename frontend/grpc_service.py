@@ -7,7 +7,6 @@ with ``errors.grpc_status`` of its code, the same mapping for every RPC.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import os
@@ -30,6 +29,7 @@ from shmserve.ipc.messages import ErrorCode  # noqa: E402
 
 from . import grpc_codec, log_settings, restricted, statistics  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
+from .grpc_stream import Refused, StreamSession  # noqa: E402
 from .service import FrontendService  # noqa: E402
 
 log = logging.getLogger("shmserve.grpc")
@@ -40,14 +40,6 @@ STREAM_MAX_INFLIGHT = 16
 # a ModelStreamInfer client that sends this header with the value "true" (exactly, as Triton
 # compares it) gets a failed answer as the stream's gRPC status, which ends the stream
 STREAM_ERROR_HEADER = "triton_grpc_error"
-
-
-class Refused(InferError):
-    """An InferError raised before the request was submitted (unknown model, bad inputs): the
-    request was refused, as opposed to its answer failing. On a stream in Triton's
-    triton_grpc_error mode the former stays a message and only the latter ends the stream, as
-    in Triton, whose refusals come back from the call that enqueues and whose failed answers
-    come back through the response callback."""
 
 
 def stream_error_mode(context) -> bool:
@@ -151,11 +143,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return statistics.to_proto(await self.service.statistics(request.name, request.version))
 
     # ---- inference ------------------------------------------------------------------------------
-    async def _infer(self, req: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        """One request through the service; raises InferError."""
+    async def _infer(self, req: pb.ModelInferRequest,
+                     unary: str = "") -> pb.ModelInferResponse:
+        """One request through the service; raises InferError. ``unary``: see infer_target."""
         svc = self.service
         try:
-            view, v = svc.infer_target(req.model_name, req.model_version)
+            view, v = svc.infer_target(req.model_name, req.model_version, unary)
             prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
         except InferError as e:
             raise Refused(e.code, e.message) from None
@@ -178,60 +171,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         # written out rather than @translated: this is the hot path
         try:
-            return await self._infer(request)
+            return await self._infer(request, "ModelInfer RPC")
         except InferError as e:
             await context.abort(grpc_status(e.code), e.message)
 
     async def ModelStreamInfer(self, request_iterator, context):
-        """Answers in request order; an error is a message on the stream, which stays open.
-        With the header ``triton_grpc_error: true`` a failed answer instead ends the stream
-        with its gRPC status (after the answers before it); a refused request (``Refused``)
-        is still a message, as in Triton. The stream's other requests are then cancelled.
-
-        At most STREAM_MAX_INFLIGHT requests of a stream run or wait to be written at once: a
-        client that sends without reading its answers stops being read from (HTTP/2 flow
-        control then holds it), instead of growing the server by every answer it leaves."""
-        error_mode = stream_error_mode(context)
-        pending: asyncio.Queue = asyncio.Queue()
-        slots = asyncio.Semaphore(STREAM_MAX_INFLIGHT)
-
-        async def read():
-            async for req in request_iterator:
-                await slots.acquire()
-                pending.put_nowait((req.id, asyncio.ensure_future(self._infer(req))))
-            pending.put_nowait(None)
-
-        reader = asyncio.ensure_future(read())
-        try:
-            while True:
-                item = await pending.get()
-                if item is None:
-                    break
-                req_id, task = item
-                try:
-                    response = pb.ModelStreamInferResponse(infer_response=await task)
-                except InferError as e:
-                    if error_mode and not isinstance(e, Refused):
-                        await context.abort(grpc_status(e.code), e.message)
-                    response = pb.ModelStreamInferResponse(
-                        error_message=e.message, infer_response=pb.ModelInferResponse(id=req_id))
-                except Exception as e:      # a bug must cost one request, not the stream
-                    log.exception("error answering a ModelStreamInfer request")
-                    if error_mode:
-                        await context.abort(grpc.StatusCode.INTERNAL,
-                                            f"internal error: {type(e).__name__}: {e}")
-                    response = pb.ModelStreamInferResponse(
-                        error_message=f"internal error: {type(e).__name__}: {e}",
-                        infer_response=pb.ModelInferResponse(id=req_id))
-                yield response
-                slots.release()         # written (or at least handed to the transport)
-            await reader
-        finally:
-            reader.cancel()
-            while not pending.empty():  # the stream ended early: drop what it still holds
-                item = pending.get_nowait()
-                if item is not None:
-                    item[1].cancel()
+        """Many requests on one stream (frontend/grpc_stream.py: order, decoupled answers,
+        errors and the ``triton_grpc_error`` header, back-pressure)."""
+        session = StreamSession(self.service, context, stream_error_mode(context),
+                                STREAM_MAX_INFLIGHT, self._infer, self.max_message)
+        async for response in session.run(request_iterator):
+            yield response
 
     # ---- repository -----------------------------------------------------------------------------
     async def RepositoryIndex(self, request, context):

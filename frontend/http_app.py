@@ -21,6 +21,7 @@ from shmserve.ipc.shm import ShmError
 
 from . import http_codec, log_settings, restricted, statistics
 from .errors import InferError, http_status, invalid, shm_error
+from .generate import GenerateEndpoints
 from .http_server import HttpApp, HttpConnection, HttpRequest
 from .request import PreparedRequest
 from .routes import Router
@@ -55,7 +56,8 @@ def api_group(pattern: str) -> str:
     if "sharedmemory" in pattern:
         return "shared-memory"
     for suffix, group in (("/stats", "statistics"), ("/config", "model-config"),
-                          ("/infer", "inference")):
+                          ("/infer", "inference"), ("/generate", "inference"),
+                          ("/generate_stream", "inference")):
         if pattern.endswith(suffix):
             return group
     return "metadata"
@@ -100,6 +102,7 @@ class KServeHttpApp(HttpApp):
         self.server_metadata = http_codec.encode_json(service.metadata())
         self.tasks: set[asyncio.Task] = set()     # answers in progress (the loop keeps weak refs)
         self.restrictions = restrictions or {}
+        self.generating = GenerateEndpoints(service, max_input_size)
         self.router = Router([(m, p, self.guarded(h, p)) for m, p, h in self.routes()])
 
     def guarded(self, handler, pattern: str):
@@ -141,7 +144,9 @@ class KServeHttpApp(HttpApp):
                       ("GET", base + "/ready", self.model_ready),
                       ("GET", base + "/config", self.model_config),
                       ("GET", base + "/stats", self.statistics),
-                      ("POST", base + "/infer", self.infer)]
+                      ("POST", base + "/infer", self.infer),
+                      ("POST", base + "/generate", self.generate),
+                      ("POST", base + "/generate_stream", self.generate_stream)]
         for kind, system in (("systemsharedmemory", True), ("cudasharedmemory", False)):
             for base in (f"/v2/{kind}", f"/v2/{kind}/region/{{region}}"):
                 table += [("GET", base + "/status", partial(self.shm_status, system)),
@@ -190,6 +195,7 @@ class KServeHttpApp(HttpApp):
     def connection_lost(self, conn: HttpConnection) -> None:
         if conn.busy and conn.inflight:
             self.service.cancel(conn.inflight)
+        self.generating.connection_lost(conn)
         for req in conn.queue:
             self.release_body(req)
         conn.queue.clear()
@@ -355,7 +361,7 @@ class KServeHttpApp(HttpApp):
 
     # ---- inference ------------------------------------------------------------------------------
     def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str = "") -> None:
-        view, v = self.service.infer_target(model, version)
+        view, v = self.service.infer_target(model, version, "HTTP end point")
         if isinstance(req.body_slot, _DroppedBody):
             raise req.body_slot.error
         body = req.body
@@ -400,6 +406,12 @@ class KServeHttpApp(HttpApp):
                                         self.service.registry, self.service.limits)
         conn.inflight = self.service.submit(
             view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
+
+    def generate(self, conn, req, model: str, version: str = "") -> None:
+        self.generating.start(conn, req, model, version, stream=False)
+
+    def generate_stream(self, conn, req, model: str, version: str = "") -> None:
+        self.generating.start(conn, req, model, version, stream=True)
 
     def _json_too_large(self, n: int) -> str:
         return (f"request JSON size of {n} bytes exceeds the maximum allowed input size of "

@@ -298,6 +298,7 @@ def render_response(result: InferResult, prepared: PreparedRequest, views: list,
 
 
 encode_json = _json_encode
+json_output = _json_data        # an output's elements as JSON values (frontend/generate.py)
 TOO_DEEP = "failed to parse the request JSON buffer: it is nested too deeply"
 
 

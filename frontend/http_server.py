@@ -1,8 +1,9 @@
 """HTTP/1.1 on uvloop with httptools: parsing, keep-alive, pipelining order, writing responses.
 
 Knows nothing about inference: an *app* gets each complete request and answers through
-``HttpConnection.respond``. Large bodies can be received straight into memory the app provides
-(a shared-memory slot), so the only copy of a big tensor is the one from the socket.
+``HttpConnection.respond``, or streams it (``start_stream``, ``send_chunk``, ``end_stream``).
+Large bodies can be received straight into memory the app provides (a shared-memory slot), so
+the only copy of a big tensor is the one from the socket.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ class HttpApp:
 
 
 class HttpRequest:
-    __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive")
+    __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive",
+                 "http10", "chunked")
 
     def __init__(self, method: str, url: bytes, headers: dict[str, str]):
         self.method = method
@@ -71,6 +73,8 @@ class HttpRequest:
         self.body: Any = b""
         self.body_slot = None       # app-provided receive buffer (e.g. a shared-memory Slot)
         self.keep_alive = True
+        self.http10 = False         # an HTTP/1.0 client: a streamed answer cannot be chunked
+        self.chunked = False        # its streamed answer is being written chunk by chunk
 
 
 class HttpConnection(asyncio.Protocol):
@@ -176,6 +180,7 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self):
         req = HttpRequest(self.parser.get_method().decode(), self.url, self.headers)
         req.keep_alive = self.parser.should_keep_alive()
+        req.http10 = self.parser.get_http_version() == "1.0"
         length = self.headers.get("content-length")
         if length is not None:
             try:
@@ -277,12 +282,55 @@ class HttpConnection(asyncio.Protocol):
                 t.write(first)
                 for p in parts:
                     t.write(p)
-            if not req.keep_alive:
-                t.close()
-                self.closed = True
+        self.respond_done(req)
+
+    def respond_done(self, req: HttpRequest) -> None:
+        """The answer to ``req`` is written: close if it asked to, else start the next one."""
+        if not req.keep_alive and not self.closed:
+            self.transport.close()
+            self.closed = True
         self.busy = False
         self.last_active = time.monotonic()
         self._next()
+
+    # ---- streamed answers (frontend/generate.py) -----------------------------------------------
+    def start_stream(self, req: HttpRequest, status: int, content_type: str) -> None:
+        """Begin an answer whose body follows in pieces (``send_chunk``, then ``end_stream``):
+        chunked for HTTP/1.1, so the connection serves on; up to the close for HTTP/1.0."""
+        if not self.closed:
+            req.chunked = not req.http10
+            req.keep_alive = req.keep_alive and req.chunked
+            self.transport.write((f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
+                                  f"Content-Type: {content_type}\r\n"
+                                  + ("Transfer-Encoding: chunked\r\n" if req.chunked else "")
+                                  + ("" if req.keep_alive else "Connection: close\r\n")
+                                  + "\r\n").encode("latin-1"))
+
+    def send_chunk(self, req: HttpRequest, data: bytes) -> None:
+        if not self.closed and data:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if req.chunked else data)
+
+    def end_stream(self, req: HttpRequest) -> None:
+        """The streamed answer is complete: the next pipelined request may start."""
+        if not self.closed and req.chunked:
+            self.transport.write(b"0\r\n\r\n")
+        self.respond_done(req)
+
+    async def writable(self, timeout: float) -> bool:
+        """Back-pressure on a streamed answer: at once while at most ``write_high_water`` bytes
+        wait for the client, else once it has taken all. False when the connection is gone, or
+        the client did not take it within ``timeout`` s (then the connection is aborted)."""
+        if self.closed or not self._behind():
+            return not self.closed
+        drained = asyncio.get_running_loop().create_future()
+        self.on_drained.append(lambda: drained.done() or drained.set_result(None))
+        try:
+            await asyncio.wait_for(drained, timeout)
+        except asyncio.TimeoutError:
+            if not self.closed:
+                self.transport.abort()
+                self.closed = True
+        return not self.closed
 
     def after_sent(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once everything written so far has left the process."""

@@ -10,7 +10,7 @@ in what they accept or how they fail.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from shmserve.ipc.messages import ControlAction, ErrorCode, InferResult, ModelStatistics, ShmRef
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
@@ -187,11 +187,17 @@ class FrontendService:
         return self.registry.status_cuda(name)
 
     # ---- inference ------------------------------------------------------------------------------
-    def infer_target(self, model: str, version: str) -> tuple[ModelView, int]:
-        """The model and version an infer request runs on, once the server takes requests."""
+    def infer_target(self, model: str, version: str, unary: str = "") -> tuple[ModelView, int]:
+        """The model and version an infer request runs on, once the server takes requests.
+        ``unary``: the endpoint, when it carries one answer only (a decoupled model is refused
+        there with Triton's words)."""
         if not self.accepting:
             raise InferError(ErrorCode.UNAVAILABLE, "the server is shutting down")
-        return self.catalog.resolve(model, version)
+        view, v = self.catalog.resolve(model, version)
+        if unary and view.decoupled:
+            raise InferError(ErrorCode.UNSUPPORTED, f"{unary} doesn't support models with "
+                                                    f"decoupled transaction policy")
+        return view, v
 
     def submit(self, view: ModelView, version: int, prepared: PreparedRequest,
                on_result: Callable[[InferResult], None]) -> int:
@@ -212,6 +218,37 @@ class FrontendService:
             fut.add_done_callback(lambda f: self.release_outputs(
                 f.result(), self.release_inputs(prepared, f.result())))
             raise
+
+    async def infer_stream(self, view: ModelView, version: int,
+                           prepared: PreparedRequest) -> AsyncIterator[InferResult]:
+        """Submit and yield each answer as it comes (a decoupled model gives any number; the
+        last has ``final``). The caller gives back each answer's output slots
+        (``release_outputs(result, request.worker_slots(result, prepared))``) once they are
+        sent; the inputs are released here after the last. If the caller stops early, the
+        request is cancelled and what still comes is released as it arrives."""
+        answers: asyncio.Queue = asyncio.Queue()
+        req_id = self.submit(view, version, prepared, answers.put_nowait)
+        final = False
+        try:
+            while not final:
+                result = await answers.get()
+                final = result.final
+                if final:
+                    request.release(prepared, self.arena)
+                yield result
+        finally:
+            if not final:
+                self.cancel(req_id)
+                self.client.drain_abandoned(req_id, lambda r: self._drop(r, prepared))
+                while not answers.empty():
+                    self._drop(answers.get_nowait(), prepared)
+
+    def _drop(self, result: InferResult, prepared: PreparedRequest) -> None:
+        """An answer of a stream its client left: its slots go back, and with the last the
+        request's inputs."""
+        if result.final:
+            request.release(prepared, self.arena)
+        self.release_outputs(result, request.worker_slots(result, prepared))
 
     def cancel(self, req_id: int) -> None:
         self.client.cancel(req_id)

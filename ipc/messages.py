@@ -101,12 +101,14 @@ class InferPayload(msgspec.Struct, array_like=True):
     parameters: dict[str, Any] = {}     # the request's custom parameters
     correlation_id: int | str = 0       # sequence_id; 0 = none
     flags: int = 0                      # SEQUENCE_START 1 | SEQUENCE_END 2
+    chain: list[str] = []               # BLS: the models whose executions made this request
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------
 class FrontendHello(msgspec.Struct, array_like=True, tag=1):
     frontend: int
     address: str
+    leases: bool = True         # False: a worker's BLS client, which never takes a lease
 
 
 class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
@@ -127,6 +129,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
     # the frontend holds a lease for this version but could not use it (the worker's inbox
     # full, or gone): the scheduler must queue it rather than hand it back
     no_lease: bool = False
+    # BLS: a python model's request (from its worker), and the models whose executions wait
+    # for it; one that would wait for an instance its own chain holds is refused (deadlock)
+    chain: list[str] = []
 
 
 class LeasedDone(msgspec.Struct, array_like=True, tag=6):
@@ -257,6 +262,8 @@ class WorkerGone(msgspec.Struct, array_like=True, tag=13):
     frontend still waits for is submitted again."""
     spawn_id: int
     requests: list[int]
+    # decoupled models: sent to every frontend; a request it still streams ends with this error
+    reason: str = ""
 
 
 class ControlReply(msgspec.Struct, array_like=True, tag=12):
@@ -410,6 +417,11 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     # a leased request's completion record: the frontend passes these on to the scheduler in
     # bulk (LeasedDone), so that a leased request costs the scheduler no message of its own
     done: BatchDone | None = None
+    # decoupled models answer a request with any number of these; the last has final=True.
+    # no_response: the model ended the request without a response (the FINAL flag alone).
+    final: bool = True
+    no_response: bool = False
+    spawn_id: int = 0           # decoupled: the worker still answering (ends the stream if it dies)
 
 
 class InferResults(msgspec.Struct, array_like=True, tag=41):

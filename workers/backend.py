@@ -19,6 +19,9 @@ class WorkRequest:
     correlation_id: int | str = 0
     flags: int = 0
     cancel_key: tuple[int, int] | None = None   # (frontend, req_id): what a CancelRequest names
+    # the worker's way out for responses sent through request.get_response_sender():
+    # emit(WorkResponse | None, final); None with final: ended without a last response
+    emit: Callable[[WorkResponse | None, bool], None] | None = None
 
 
 @dataclass(slots=True)
@@ -30,7 +33,8 @@ class WorkResponse:
 
 
 class Backend(Protocol):
-    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse]: ...
+    # None for a request answered through its response sender (now or later)
+    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]: ...
 
     def finalize(self) -> None: ...
 

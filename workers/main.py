@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from functools import partial
 
 import msgspec
 import zmq
@@ -48,7 +49,7 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.proc import PacketWaker, StopFlag, die_with_parent, failure_path
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
-from . import autocomplete, classification, pb_metrics, tensors, warmup
+from . import autocomplete, classification, pb_metrics, pb_utils, tensors, warmup
 from .backend import WorkRequest, load_backend
 
 log = logging.getLogger("shmserve.worker")
@@ -86,11 +87,26 @@ class Worker:
         self.metrics_due = 0.0                  # the first custom-metrics message goes at once
         self.revoked_upto = 0                   # leases up to this id have ended (RevokeLease)
         self.main_thread = threading.get_ident()
+        # Requests a python model answers through request.get_response_sender() (a decoupled
+        # model's, until their FINAL flag): (frontend, req_id) -> (route, regions, top K).
+        # Model threads send from outside the loop, so whatever touches the output arena or the
+        # frontends' sockets holds ``out_lock`` (uncontended when no thread sends).
+        self.streams: dict[tuple[int, int], tuple[RequestRoute, dict, dict]] = {}
+        self.stream_cancelled: set[tuple[int, int]] = set()
+        self.out_lock = threading.Lock()
+        self.tell_lock = threading.Lock()       # model threads send BLS requests too
+        self.running_chain: list[str] = []      # BLS chains of the batch inside execute()
+        self.bls = None                         # BlsClient, made at a model's first BLS request
+        self.bls_lock = threading.Lock()
+        pb_utils._bls = self.bls_client
+        self.senders = args.spec.backend == "python"
+        self.decoupled = bool(json.loads(args.spec.config_json).get(
+            "model_transaction_policy", {}).get("decoupled", False))
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
         # longer running needs nothing
         self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
-                         Ping: self.pong, Wake: _ignore, CancelRequest: _ignore,
+                         Ping: self.pong, Wake: _ignore, CancelRequest: self.cancel_stream,
                          RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings}
 
     def use_config(self, config_json: str) -> None:
@@ -102,25 +118,41 @@ class Worker:
     def answer(self, fid: int, msg) -> None:
         """Send answers to a frontend. One that has gone, or has not read for
         packets.SEND_TIMEOUT_S, loses them: its clients are gone or get its deadline error."""
-        try:
-            box = self.frontends.get(fid)
-            if box is None:
-                box = self.frontends[fid] = channel.outbox_for(
-                    channel.frontend_address(self.args.run_dir, fid), wait_connected_s=2.0)
-            box.send(msg)
-        except (packets.PeerGone, packets.PeerStalled) as e:
-            log.warning("answers for frontend %d dropped: %s", fid, e)
-            gone = self.frontends.pop(fid, None)
-            if gone is not None:
-                gone.close()
+        with self.out_lock:
+            try:
+                box = self.frontends.get(fid)
+                if box is None:
+                    box = self.frontends[fid] = channel.outbox_for(
+                        channel.frontend_address(self.args.run_dir, fid), wait_connected_s=2.0)
+                box.send(msg)
+            except (packets.PeerGone, packets.PeerStalled) as e:
+                log.warning("answers for frontend %d dropped: %s", fid, e)
+                gone = self.frontends.pop(fid, None)
+                if gone is not None:
+                    gone.close()
 
-    def tell(self, msg) -> None:
+    def tell(self, msg, payloads=()) -> None:
         """To the scheduler. If it has gone, we are about to die with it (parent-death signal);
         if it has not read for packets.SEND_TIMEOUT_S, it is stuck: nothing to do but say so."""
         try:
-            self.scheduler.send(msg)
+            with self.tell_lock:
+                self.scheduler.send(msg, payloads)
         except (packets.PeerGone, packets.PeerStalled) as e:
             log.warning("could not send the scheduler a %s: %s", type(msg).__name__, e)
+
+    def bls_client(self):
+        # imported on first use: BLS reuses the frontend's request checks, which a worker
+        # that never makes a BLS request should not pay for in memory
+        from .bls import BlsClient
+        with self.bls_lock:
+            if self.bls is None:
+                self.bls = BlsClient(self)
+            return self.bls
+
+    def chain(self) -> list[str]:
+        """A BLS request's chain: the running batch's (from execute()), then this model."""
+        own = self.running_chain if threading.get_ident() == self.main_thread else []
+        return [m for m in own if m != self.spec.model_name] + [self.spec.model_name]
 
     def load(self) -> bool:
         try:
@@ -181,7 +213,8 @@ class Worker:
                     self.send_metrics()
                     # idle: give back arena chunks nothing has used for a while, and mappings
                     # of segments their owner unlinked (they pin its pages in /dev/shm)
-                    self.arena.trim()
+                    with self.out_lock:
+                        self.arena.trim()
                     self.maps.sweep()
                     continue
             kind = type(msg)
@@ -229,8 +262,38 @@ class Worker:
                 self.leased(msg, frames)
 
     def release_outputs(self, msg: ReleaseOutputs) -> None:
-        for ref in msg.refs:
-            self.arena.free(ref)
+        with self.out_lock:
+            for ref in msg.refs:
+                self.arena.free(ref)
+
+    def cancel_stream(self, msg: CancelRequest) -> None:
+        """The client of a request still being answered through its response sender left:
+        sender.is_cancelled() and request.is_cancelled() turn true (late ones are dropped)."""
+        key = (msg.frontend, msg.req_id)
+        if key in self.streams:
+            self.stream_cancelled.add(key)
+
+    def emit(self, key: tuple[int, int], resp, final: bool) -> None:
+        """A response sent through a request's response sender, from execute() or a thread the
+        model started: on its way to the client at once. ``resp`` None: FINAL alone."""
+        with self.out_lock:
+            record = self.streams.get(key)
+            if record is None:
+                return                  # already answered (an error ended it)
+            route, targets, top = record
+            if resp is None:
+                res = InferResult(route.req_id, self.spec.model_name, self.spec.version,
+                                  no_response=True)
+            else:
+                res = self.result(route.req_id, resp, targets, top)
+            res.final = final
+            if self.decoupled:
+                # the frontend ends the stream if this worker dies, and sends cancels here
+                res.spawn_id, res.worker = self.args.spawn_id, self.inbox.address
+            if final:
+                del self.streams[key]
+                self.stream_cancelled.discard(key)
+        self.answer(route.frontend, res)
 
     def log_settings(self, msg: SetLogSettings) -> None:
         """The logging extension changed them (pb_utils.Logger obeys them too)."""
@@ -264,6 +327,8 @@ class Worker:
 
         Only the main thread touches the inbox (it keeps no locks, and after
         execute() returns the loop owns it again); a model's own threads see what it recorded."""
+        if key in self.stream_cancelled:
+            return True
         if self.running is None:
             return False
         if threading.get_ident() != self.main_thread:
@@ -279,6 +344,7 @@ class Worker:
                 if routes and any(r.req_id == msg.req_id and r.frontend == msg.frontend
                                   for r in routes):
                     self.cancelled.add((msg.frontend, msg.req_id))
+                self.cancel_stream(msg)     # a request that goes on streaming past execute()
             else:
                 self.backlog.append((msg, frames))
         return key in self.cancelled
@@ -287,6 +353,7 @@ class Worker:
         clock = time.monotonic_ns
         t0 = clock()
         work, ready, targets, classes = [], [], [], []
+        chains: list[str] = []
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
             try:
@@ -296,18 +363,27 @@ class Worker:
                     inputs[t.name] = self.reshapes.model_input(t.name, tensors.to_numpy(t, self.maps))
                     types[t.name] = t.datatype
                 route = batch.routes[i]
+                key = (route.frontend, route.req_id)
+                if p.chain:
+                    chains.extend(m for m in p.chain if m not in chains)
+                target = {o.name: o.shm for o in p.outputs if o.shm is not None}
+                top = {o.name: o.classification for o in p.outputs if o.classification}
+                emit = None
+                if self.senders:
+                    self.streams[key] = (route, target, top)
+                    emit = partial(self.emit, key)
                 work.append(WorkRequest(inputs, types, [o.name for o in p.outputs], p.request_id,
-                                        p.parameters, p.correlation_id, p.flags,
-                                        (route.frontend, route.req_id)))
+                                        p.parameters, p.correlation_id, p.flags, key, emit))
                 ready.append(i)
-                targets.append({o.name: o.shm for o in p.outputs if o.shm is not None})
-                classes.append({o.name: o.classification for o in p.outputs if o.classification})
+                targets.append(target)
+                classes.append(top)
             except (ShmError, ValueError, msgspec.DecodeError) as e:
                 results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
         t1 = t2 = clock()
         if work:
             self.running = batch.routes
+            self.running_chain = chains
             try:
                 responses = self.backend.execute(work)
                 t2 = clock()
@@ -319,24 +395,34 @@ class Worker:
                                             ErrorCode.INTERNAL)
             finally:
                 self.running = None
+                self.running_chain = []
                 if self.cancelled:
                     self.cancelled.clear()
             if responses is None:
                 t2 = clock()
+                for i in ready:
+                    self.end_stream(batch.routes[i])
             else:
-                for i, resp, target, top in zip(ready, responses, targets, classes):
-                    results[i] = self.result(batch.routes[i].req_id, resp, target, top)
+                with self.out_lock:
+                    for i, resp, target, top in zip(ready, responses, targets, classes):
+                        if resp is None:
+                            continue        # answered through its response sender
+                        self.end_stream(batch.routes[i])
+                        results[i] = self.result(batch.routes[i].req_id, resp, target, top)
         t3 = clock()
         if leased is not None:
             # its statistics ride with the answer; the frontend passes them on in bulk
             res = results[0]
-            res.done = BatchDone(self.args.spawn_id, 0, [0] if res.error else [],
-                                 t1 - t0, t2 - t1, t3 - t2, finished_ns=t3)
-            self.answer(leased.frontend, res)
+            if res is not None:         # (one a response sender answered has gone already)
+                res.done = BatchDone(self.args.spawn_id, 0, [0] if res.error else [],
+                                     t1 - t0, t2 - t1, t3 - t2, finished_ns=t3)
+                self.answer(leased.frontend, res)
             return
         failed = []
         by_frontend: dict[int, list[InferResult]] = {}
         for i, (route, res) in enumerate(zip(batch.routes, results)):
+            if res is None:
+                continue
             if res.error:
                 failed.append(i)
             by_frontend.setdefault(route.frontend, []).append(res)
@@ -344,6 +430,13 @@ class Worker:
             self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
         self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,
                                       t1 - t0, t2 - t1, t3 - t2))
+
+    def end_stream(self, route: RequestRoute) -> None:
+        """The request's answer comes from execute()'s return: its sender can send no more."""
+        if self.streams:
+            key = (route.frontend, route.req_id)
+            self.streams.pop(key, None)
+            self.stream_cancelled.discard(key)
 
     def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
@@ -357,6 +450,7 @@ class Worker:
         try:
             for name, datatype, arr in resp.outputs:
                 arr = self.reshapes.client_output(name, arr)
+                datatype, arr = self.checks.fit(name, datatype, arr)
                 problem = self.checks.problem(name, datatype, arr.shape)
                 if problem:
                     self.free_outputs(outs, targets)
@@ -401,6 +495,8 @@ class Worker:
                 self.backend.finalize()
             except Exception:
                 log.exception("finalize failed")
+        if self.bls is not None:
+            self.bls.close()
         self.arena.close()
         self.maps.close()
         # give queued messages (a load failure, the last BatchDone) a moment to leave

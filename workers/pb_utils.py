@@ -9,6 +9,7 @@ import enum
 import json
 import logging
 import struct
+import threading
 
 import numpy as np
 from ml_dtypes import bfloat16
@@ -199,7 +200,7 @@ class PreferredMemory:
 class InferenceRequest:
     __slots__ = ("_inputs", "_requested_output_names", "_request_id", "_correlation_id", "_flags",
                  "_parameters", "_model_name", "_model_version", "_timeout", "_preferred_memory",
-                 "_trace", "_release_flags", "_cancel_key", "_poll_cancelled")
+                 "_trace", "_release_flags", "_cancel_key", "_poll_cancelled", "_sender")
 
     def __init__(self, model_name="", requested_output_names=(), inputs=(), request_id="", correlation_id=0,
                  model_version=-1, flags=0, timeout=0, preferred_memory=None, trace=None, parameters=None):
@@ -212,11 +213,14 @@ class InferenceRequest:
         self._inputs = inputs
         self._requested_output_names = [str(n) for n in requested_output_names]
         self._request_id, self._correlation_id = str(request_id), correlation_id
+        if isinstance(model_name, bytes):      # e.g. an element of a BYTES input, as Triton takes
+            model_name = model_name.decode()
         self._flags, self._parameters = int(flags), _params_json(parameters)
         self._model_name, self._model_version = str(model_name), int(model_version)
         self._timeout, self._preferred_memory, self._trace = int(timeout), preferred_memory, trace
         self._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         self._cancel_key = self._poll_cancelled = None  # a request the model builds has no client
+        self._sender = None
 
     @classmethod
     def _from_worker(cls, inputs, requested_output_names, request_id, correlation_id, flags,
@@ -230,6 +234,7 @@ class InferenceRequest:
         r._timeout, r._preferred_memory, r._trace = 0, None, None
         r._release_flags = TRITONSERVER_REQUEST_RELEASE_ALL
         r._cancel_key, r._poll_cancelled = cancel_key, poll_cancelled
+        r._sender = None
         return r
 
     def inputs(self): return self._inputs
@@ -251,9 +256,92 @@ class InferenceRequest:
         return poll is not None and poll(self._cancel_key)
 
     def set_release_flags(self, flags): self._release_flags = int(flags)
-    def get_response_sender(self): raise TritonModelException("decoupled mode is not supported yet")
-    def exec(self, decoupled=False): raise TritonModelException("BLS (request.exec) is not supported yet")
-    def async_exec(self, decoupled=False): raise TritonModelException("BLS (async_exec) is not supported yet")
+    def get_response_sender(self):
+        sender = self._sender
+        if sender is None:
+            raise TritonModelException("a request the model built has no response sender")
+        if not isinstance(sender, InferenceResponseSender):
+            sender = self._sender = sender()    # the worker's factory: made on first use
+        return sender
+    def exec(self, decoupled=False):
+        """BLS: run this request on its model (workers/bls.py). One response; with
+        ``decoupled``, an iterator of the model's responses (the last may be empty)."""
+        if _bls is None:
+            raise TritonModelException("BLS requests can only be made by a model that the "
+                                       "server runs")
+        answers = _bls().answers(self, bool(decoupled))
+        if decoupled:
+            return answers
+        responses = list(answers)
+        return responses[-1] if responses else InferenceResponse(
+            error=TritonError("BLS: the model sent no response"))
+
+    async def async_exec(self, decoupled=False):
+        """``await request.async_exec()``: the wait runs in a thread, so other awaits of an
+        async execute() go on meanwhile."""
+        if decoupled:
+            return self.exec(decoupled=True)    # iterated as the answers come
+        import asyncio
+        return await asyncio.get_running_loop().run_in_executor(None, self.exec)
+
+
+# the worker's BLS client, made on first use (workers/bls.py); None outside a worker
+_bls = None
+
+
+class InferenceResponseSender:
+    """What ``request.get_response_sender()`` returns: sends the request's responses as the
+    model makes them, from execute() or from threads it started, with Triton's rules: a
+    decoupled model sends any number and ends with TRITONSERVER_RESPONSE_COMPLETE_FINAL (with or
+    without a last response); any other model sends one. ``emit(response, final)`` is the
+    worker's: it turns the response into an answer on its way to the client."""
+    __slots__ = ("_emit", "_decoupled", "_is_cancelled", "_closed", "_sent", "_held", "_lock")
+
+    def __init__(self, emit, decoupled, is_cancelled):
+        self._emit, self._decoupled, self._is_cancelled = emit, decoupled, is_cancelled
+        self._closed, self._sent, self._held = False, 0, None
+        self._lock = threading.Lock()
+
+    def send(self, response=None, flags=0):
+        if flags not in (0, TRITONSERVER_RESPONSE_COMPLETE_FINAL):
+            raise TritonModelException("Unable to send response. Unsupported flag provided.")
+        if flags == 0 and response is None:
+            raise TritonModelException("Inference Response object must be provided when the "
+                                       "response flags is set to zero.")
+        if response is not None and not isinstance(response, InferenceResponse):
+            raise TritonModelException(f"Expected an 'InferenceResponse' object, found type "
+                                       f"'{type(response)}'.")
+        final = flags == TRITONSERVER_RESPONSE_COMPLETE_FINAL
+        with self._lock:
+            if not self._decoupled:
+                if response is not None and self._sent > 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model "
+                                               "cannot send more than one response.")
+                if response is None and final and self._sent == 0:
+                    raise TritonModelException("Unable to send response. Non-decoupled model "
+                                               "cannot send complete final before sending a "
+                                               "response.")
+            if self._closed:
+                raise TritonModelException("Unable to send response. Response sender has been "
+                                           "closed.")
+            self._closed = final
+            self._sent += 1
+            if not self._decoupled:
+                # its one answer leaves with the FINAL flag, as one message
+                if not final:
+                    self._held = response
+                    return
+                response, self._held = response or self._held, None
+            self._emit(response, final)
+
+    def is_cancelled(self):
+        return self._is_cancelled()
+
+    def _close(self):
+        """The worker answered the request (an error): later sends are refused."""
+        with self._lock:
+            was, self._closed = self._closed, True
+        return was
 
 
 class InferenceResponse:

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import sys
+from functools import partial
 
 import numpy as np
 
@@ -61,6 +62,7 @@ class PythonBackend:
         if not callable(getattr(self.model, "execute", None)):
             raise BackendLoadError(f"TritonPythonModel in {path} has no execute method")
         self.is_async = inspect.iscoroutinefunction(self.model.execute)
+        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.output_types = {o["name"]: o["data_type"] for o in cfg.get("output", [])}
         args = {
             "model_config": spec.config_json,
@@ -81,15 +83,18 @@ class PythonBackend:
                 raise BackendLoadError(f"initialize() of model '{spec.model_name}' failed: "
                                        f"{type(e).__name__}: {e}") from e
 
-    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse]:
+    def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]:
         pb_requests = []
         for r in requests:
             tensors = [pb_utils.Tensor._from_worker(name, arr, r.datatypes[name])
                        for name, arr in r.inputs.items()]
-            pb_requests.append(pb_utils.InferenceRequest._from_worker(
+            pb_req = pb_utils.InferenceRequest._from_worker(
                 tensors, r.requested_outputs, r.request_id, r.correlation_id, r.flags,
                 json.dumps(r.parameters) if r.parameters else "{}",
-                self.spec.model_name, self.spec.version, r.cancel_key, self.poll_cancelled))
+                self.spec.model_name, self.spec.version, r.cancel_key, self.poll_cancelled)
+            if r.emit is not None:      # made when the model asks for it (no cycle back to
+                pb_req._sender = partial(self._sender, r)   # pb_req: its inputs pin mappings)
+            pb_requests.append(pb_req)
         try:
             responses = self.model.execute(pb_requests)
             if self.is_async:
@@ -98,13 +103,40 @@ class PythonBackend:
         except Exception as e:
             msg = f"Failed to process the request(s) for model '{self.spec.model_name}', " \
                   f"message: {type(e).__name__}: {e}"
-            return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests]
+            return self._fail_open(pb_requests, msg)
+        if self.decoupled or responses is None:
+            if responses is not None:
+                return self._fail_open(pb_requests, f"Python model '{self.spec.model_name}' is "
+                                                f"using the decoupled mode and the execute "
+                                                f"function must return None.")
+            return [None] * len(requests)       # answered through the response senders
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             msg = f"execute() of model '{self.spec.model_name}' must return a list of " \
                   f"{len(requests)} InferenceResponse objects, got {n}"
             return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests]
         return [self._convert(req, resp) for req, resp in zip(requests, responses)]
+
+    def _sender(self, req: WorkRequest) -> pb_utils.InferenceResponseSender:
+        emit, poll, key = req.emit, self.poll_cancelled, req.cancel_key
+
+        def send(response, final: bool) -> None:
+            emit(None if response is None else self._convert(req, response), final)
+        return pb_utils.InferenceResponseSender(
+            send, self.decoupled, lambda: poll is not None and poll(key))
+
+    @staticmethod
+    def _fail_open(pb_requests: list, message: str) -> list[WorkResponse | None]:
+        """Every request whose sender has not finished gets the error as its last answer; its
+        sender is closed, so that a model thread cannot answer it again."""
+        out: list[WorkResponse | None] = []
+        for r in pb_requests:
+            sender = r._sender
+            if not isinstance(sender, pb_utils.InferenceResponseSender):
+                sender = r._sender = pb_utils.InferenceResponseSender(None, True, bool)
+            out.append(None if sender._close() else
+                       WorkResponse(error=message, code=ErrorCode.INTERNAL))
+        return out
 
     def _convert(self, req: WorkRequest, resp) -> WorkResponse:
         if not isinstance(resp, pb_utils.InferenceResponse):

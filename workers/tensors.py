@@ -82,6 +82,9 @@ class Reshapes:
         return arr if shape is None else self._apply(arr, shape)
 
 
+_INTEGERS = frozenset(("INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UINT32", "UINT64"))
+
+
 class OutputChecks:
     """What the config promises about each output (datatype, dims), checked on every answer: a
     model that returns FP64 for an FP32 output, or the wrong shape, must not reach a client that
@@ -93,6 +96,24 @@ class OutputChecks:
         self.outputs = {t["name"]: (dtypes.CONFIG_TO_WIRE.get(t.get("data_type", ""), ""),
                                     tuple(int(d) for d in t.get("dims", ())))
                         for t in config.get("output", [])}
+
+    def fit(self, name: str, datatype: str, arr):
+        """Outputs Triton's python backend passes on although their numpy type is not the
+        config's, which its examples rely on, get the config's type: an empty array (numpy
+        makes ``np.array([])`` float64), and integers whose values all fit (numpy makes int64
+        by default). Anything else is left for ``problem``."""
+        spec = self.outputs.get(name)
+        if spec is None or not spec[0] or spec[0] == datatype:
+            return datatype, arr
+        if arr.size == 0:
+            return spec[0], np.empty(arr.shape, dtype=dtypes.WIRE_TO_NUMPY[spec[0]])
+        if datatype not in _INTEGERS or spec[0] not in _INTEGERS:
+            return datatype, arr
+        target = np.dtype(dtypes.WIRE_TO_NUMPY[spec[0]])
+        info = np.iinfo(target)
+        if arr.size and (arr.min() < info.min or arr.max() > info.max):
+            return datatype, arr
+        return spec[0], arr.astype(target)
 
     def problem(self, name: str, datatype: str, shape: tuple) -> str:
         """Why this output breaks the config, or "" when it does not."""

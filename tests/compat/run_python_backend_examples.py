@@ -36,12 +36,24 @@ EXAMPLES = {
     "pytorch": ({"pytorch": ("pytorch/model.py", "pytorch/config.pbtxt")},
                 ["pytorch/client.py"], ["torch"]),
     "jax": ({"jax": ("jax/model.py", "jax/config.pbtxt")}, ["jax/client.py"], ["jax"]),
+    "bls": ({"add_sub": ("add_sub/model.py", "add_sub/config.pbtxt"),
+             "pytorch": ("pytorch/model.py", "pytorch/config.pbtxt"),
+             "bls_sync": ("bls/sync_model.py", "bls/sync_config.pbtxt"),
+             "bls_async": ("bls/async_model.py", "bls/async_config.pbtxt")},
+            ["bls/sync_client.py", "bls/async_client.py"], ["torch"]),
+    "bls_decoupled": ({"square_int32": ("decoupled/square_model.py",
+                                        "decoupled/square_config.pbtxt"),
+                       "bls_decoupled_sync": ("bls_decoupled/sync_model.py",
+                                              "bls_decoupled/sync_config.pbtxt"),
+                       "bls_decoupled_async": ("bls_decoupled/async_model.py",
+                                               "bls_decoupled/async_config.pbtxt")},
+                      ["bls_decoupled/sync_client.py", "bls_decoupled/async_client.py"], []),
+    "decoupled": ({"repeat_int32": ("decoupled/repeat_model.py", "decoupled/repeat_config.pbtxt"),
+                   "square_int32": ("decoupled/square_model.py", "decoupled/square_config.pbtxt")},
+                  ["decoupled/repeat_client.py", "decoupled/square_client.py"], []),
 }
 # Examples that need what shmserve does not have yet, and the issue that brings it.
 SKIP = {
-    "bls": "BLS (issue 16)",
-    "bls_decoupled": "BLS and decoupled models (issue 16)",
-    "decoupled": "decoupled models (issue 16)",
     "instance_kind": "a GPU, torch and a ResNet-50 exported by the user (issue 19)",
     "preprocessing": "ensembles (issue 16), torchvision and NVIDIA DALI",
 }

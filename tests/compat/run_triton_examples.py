@@ -29,7 +29,6 @@ REPO = os.path.join(ROOT, "configs", "models")
 # Examples that need what shmserve does not have yet, and the issue that brings it.
 SKIP = {
     "ensemble_image_client.py": "ensembles (issue 16)",
-    "simple_grpc_custom_repeat.py": "decoupled models (issue 16)",
     "memory_growth_test.py": "Triton's C++ custom_identity_int32 backend",
     "simple_grpc_cudashm_client.py": "a GPU (issue 19)",
     "simple_http_cudashm_client.py": "a GPU (issue 19)",

@@ -336,3 +336,35 @@ def test_a_version_with_a_sequence_batcher_is_never_lent(repo):
     assert h.core.leases.leasable(ver)
     ver.config.sequence_batching.SetInParent()
     assert not h.core.leases.leasable(ver)
+
+
+BLS = 1 << 24       # a worker's BLS client (workers/bls.py)
+
+
+def test_a_bls_client_never_gets_a_lease_nor_a_hand_over(repo):
+    """Its requests carry a chain; it said hello without leases. A queue of its requests on a
+    single instance is dispatched by the scheduler, not handed over under a lease it could not
+    use (it would lose them)."""
+    h = leased_harness(repo)
+    h.core.handle(FrontendHello(BLS, "inproc://bls", leases=False))
+    sid = sid_of(h, "plain")
+    for rid in (700, 701, 702):
+        h.core.handle(SubmitRequest(rid, BLS, "plain", 1, 1, h.clock(), chain=["caller"]),
+                      [b"p"])
+    h.finish(sid)
+    h.finish(sid)
+    assert grants(h, BLS) == [] and grants(h) == []
+    assert len(h.batches()) == 3
+
+
+def test_a_bls_request_that_would_wait_for_its_own_chain_is_refused(repo):
+    h = Harness(repo).start()
+    h.core.handle(FrontendHello(BLS, "inproc://bls", leases=False))
+    sid = sid_of(h, "plain")
+    h.submit("plain")                            # the instance is busy with the caller's batch
+    h.core.handle(SubmitRequest(800, BLS, "plain", 1, 1, h.clock(), chain=["plain"]), [b"p"])
+    refused = h.results()[800]
+    assert refused.code == ErrorCode.UNAVAILABLE and "would wait for itself" in refused.error
+    h.finish(sid)                                # idle now: the same request runs
+    h.core.handle(SubmitRequest(801, BLS, "plain", 1, 1, h.clock(), chain=["plain"]), [b"p"])
+    assert 801 not in h.results() and len(h.batches()) == 2

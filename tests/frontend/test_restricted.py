@@ -34,6 +34,8 @@ def test_every_http_endpoint_has_its_group():
     assert groups["/v2/health/live"] == groups["/v2/models/{model}/ready"] == "health"
     assert groups["/v2"] == groups["/v2/models/{model}/versions/{version}"] == "metadata"
     assert groups["/v2/models/{model}/infer"] == "inference"
+    assert groups["/v2/models/{model}/generate"] == "inference"
+    assert groups["/v2/models/{model}/versions/{version}/generate_stream"] == "inference"
     assert groups["/v2/models/{model}/config"] == "model-config"
     assert groups["/v2/models/stats"] == groups["/v2/models/{model}/stats"] == "statistics"
     assert groups["/v2/repository/index"] == groups["/v2/repository/models/{model}/load"] == \

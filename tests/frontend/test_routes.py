@@ -90,7 +90,9 @@ def _model_routes(prefix, captures):
             ("GET", prefix + "/ready", "model_ready", (), captures),
             ("GET", prefix + "/config", "model_config", (), captures),
             ("GET", prefix + "/stats", "statistics", (), captures),
-            ("POST", prefix + "/infer", "infer", (), captures)]
+            ("POST", prefix + "/infer", "infer", (), captures),
+            ("POST", prefix + "/generate", "generate", (), captures),
+            ("POST", prefix + "/generate_stream", "generate_stream", (), captures)]
 
 
 def _shm_routes(kind, system):

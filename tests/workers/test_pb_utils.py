@@ -1,4 +1,5 @@
 """In-process tests of shmserve's triton_python_backend_utils replacement."""
+import asyncio
 import json
 import logging
 import re
@@ -195,12 +196,13 @@ def test_inference_request_accessors():
 
 def test_inference_request_unsupported_paths():
     r = pb.InferenceRequest(model_name="other")
-    with pytest.raises(pb.TritonModelException, match="decoupled mode is not supported yet"):
+    with pytest.raises(pb.TritonModelException, match="a request the model built has no "
+                                                      "response sender"):
         r.get_response_sender()
     with pytest.raises(pb.TritonModelException, match="BLS"):
         r.exec()
     with pytest.raises(pb.TritonModelException, match="BLS"):
-        r.async_exec()
+        asyncio.run(r.async_exec())
     for call in (lambda: pb.load_model("m"), lambda: pb.unload_model("m"), lambda: pb.is_model_ready("m")):
         with pytest.raises(pb.TritonModelException, match="not supported yet"):
             call()
@@ -445,3 +447,33 @@ def test_is_cancelled_asks_the_worker_with_the_request_key():
     other = pb.InferenceRequest._from_worker([], [], "", 0, 0, "", "m", 1, (1, 42), poll)
     assert not other.is_cancelled()
     assert not pb.InferenceRequest().is_cancelled()                # built by a model: no client
+
+
+def test_response_sender_rules():
+    sent = []
+    emit = lambda response, final: sent.append((response, final))     # noqa: E731
+    final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    r1, r2 = pb.InferenceResponse([]), pb.InferenceResponse([])
+    s = pb.InferenceResponseSender(emit, True, lambda: False)
+    s.send(r1)
+    s.send(r2)
+    s.send(flags=final)
+    assert sent == [(r1, False), (r2, False), (None, True)]
+    with pytest.raises(pb.TritonModelException, match="Response sender has been closed"):
+        s.send(r1)
+    for bad, words in (((None, 0), "must be provided when the response flags is set to zero"),
+                       ((r1, 7), "Unsupported flag provided"),
+                       (("text", 0), "Expected an 'InferenceResponse' object")):
+        with pytest.raises(pb.TritonModelException, match=words):
+            pb.InferenceResponseSender(emit, True, lambda: False).send(*bad)
+    # a model that is not decoupled sends one answer, with the FINAL flag (now or later)
+    sent.clear()
+    once = pb.InferenceResponseSender(emit, False, lambda: True)
+    with pytest.raises(pb.TritonModelException, match="cannot send complete final before"):
+        once.send(flags=final)
+    once.send(r1)
+    assert sent == []
+    with pytest.raises(pb.TritonModelException, match="cannot send more than one response"):
+        once.send(r2)
+    once.send(flags=final)
+    assert sent == [(r1, True)] and once.is_cancelled()

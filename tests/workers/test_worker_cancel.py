@@ -18,6 +18,7 @@ def worker(tmp_path):
     w = Worker.__new__(Worker)              # only what poll_cancelled uses; no model, no arena
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), 1))
     w.backlog, w.running, w.cancelled = deque(), None, set()
+    w.streams, w.stream_cancelled = {}, set()
     w.main_thread = threading.get_ident()
     out = channel.outbox_for(w.inbox.address)
     yield w, out
@@ -68,3 +69,23 @@ def test_other_threads_read_only_what_was_recorded(worker):
     t.start()
     t.join()
     assert seen == [(True, False)] and not w.backlog
+
+
+def test_a_request_still_streaming_stays_cancelled_after_its_batch(worker):
+    """A decoupled model's request answers past execute(): a cancel read while its batch ran,
+    or by the loop later, is kept until its last answer, for the model's own threads too."""
+    w, out = worker
+    key = (1, 6)
+    w.streams[key] = (RequestRoute(6, 1), {}, {})
+    w.running = [RequestRoute(6, 1)]
+    out.send(CancelRequest(1, 6))
+    wait_for(lambda: w.poll_cancelled(key), 10, "the cancel to be read")
+    w.running, w.cancelled = None, set()        # the batch is over; the stream is not
+    assert w.poll_cancelled(key)
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(w.poll_cancelled(key)))
+    t.start()
+    t.join(10)
+    assert seen == [True]
+    w.cancel_stream(CancelRequest(0, 99))        # not streaming: dropped
+    assert w.stream_cancelled == {key}

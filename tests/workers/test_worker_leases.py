@@ -3,6 +3,7 @@ until it reads the revoke, answers LeaseEnded then, and hands back (LeaseBounced
 that lease it reads later, or still holds when it stops."""
 from __future__ import annotations
 
+import threading
 from collections import deque
 from types import SimpleNamespace
 
@@ -37,6 +38,7 @@ def worker(tmp_path):
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), SPAWN))
     w.backlog, w.revoked_upto = deque(), 0
     w.scheduler = Recorder()
+    w.tell_lock = threading.Lock()
     w.executed, w.answers = [], []
     w.execute = lambda batch, frames, leased=None: w.executed.append((batch, frames, leased))
     w.answer = lambda fid, msg: w.answers.append((fid, msg))

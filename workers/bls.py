@@ -1,0 +1,235 @@
+"""BLS: a python model's own inference requests (``pb_utils.InferenceRequest(...).exec()``).
+
+The worker acts as a frontend of its own: it says hello to the scheduler under an id no real
+frontend uses (``BLS_FRONTEND_BASE + spawn id``), listens on that frontend's address, and sends
+``SubmitRequest``s over its packet channel. So a BLS request is scheduled like any other
+(queues, batching, priorities, statistics), and the model that answers writes to this inbox
+as it would to a frontend. The input tensors travel in this worker's output arena by
+reference; the answer's outputs are copied out of the other worker's slots (which go back at
+once), so the model owns what it gets.
+
+Each request carries its chain: the models whose executions wait for it. The scheduler refuses
+one whose chain already runs in the model it asks for while no instance of that model is idle
+(it could only wait for itself).
+
+Requests may come from execute() or from any thread of the model: one receiver thread reads the
+inbox and hands each answer to the queue of the request it belongs to.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import queue
+import threading
+import time
+
+import numpy as np
+
+from shmserve.frontend import request as requests_
+from shmserve.frontend.catalog import ModelCatalog
+from shmserve.frontend.errors import InferError
+from shmserve.ipc import channel, packets
+from shmserve.ipc.messages import (
+    ErrorCode,
+    FrontendHello,
+    InferResult,
+    InferResults,
+    ModelTable,
+    ReleaseOutputs,
+    SubmitRequest,
+    Tensor,
+    WorkerGone,
+)
+from shmserve.ipc.messages import encode as encode_message
+from shmserve.ipc.shm import ShmError, ShmMapCache
+
+from . import pb_utils, tensors
+
+log = logging.getLogger("shmserve.worker")
+
+BLS_FRONTEND_BASE = 1 << 24         # frontend ids from here up are workers' BLS clients
+FIRST_TABLE_WAIT_S = 30.0
+
+
+class BlsClient:
+    def __init__(self, worker):
+        self.worker = worker
+        self.fid = BLS_FRONTEND_BASE + worker.args.spawn_id
+        self.inbox = packets.PacketInbox(channel.frontend_address(worker.args.run_dir, self.fid))
+        self.catalog = ModelCatalog()
+        self.table_seen = threading.Event()
+        self.lock = threading.Lock()        # pending, maps and the outboxes to other workers
+        self.pending: dict[int, queue.SimpleQueue] = {}
+        self.streams: dict[int, int] = {}   # req_id -> spawn id of the worker still answering
+        self.ids = itertools.count(1)
+        self.maps = ShmMapCache()
+        self.boxes: dict[str, packets.PacketOutbox] = {}
+        self.receiver = threading.Thread(target=self.receive, name="bls-receiver", daemon=True)
+        self.receiver.start()
+        worker.tell(FrontendHello(self.fid, self.inbox.address, leases=False))
+
+    # ---- the receiver thread ----------------------------------------------------------------
+    def receive(self) -> None:
+        while True:
+            try:
+                msg, _ = self.inbox.recv()
+            except Exception:           # closed: the worker is stopping
+                return
+            if isinstance(msg, InferResult):
+                self.deliver(msg)
+            elif isinstance(msg, InferResults):
+                for r in msg.results:
+                    self.deliver(r)
+            elif isinstance(msg, ModelTable):
+                self.catalog.update(msg)
+                self.table_seen.set()
+            elif isinstance(msg, WorkerGone) and msg.reason:
+                with self.lock:
+                    ended = [rid for rid, sid in self.streams.items() if sid == msg.spawn_id]
+                for rid in ended:
+                    self.deliver(InferResult(rid, "", 0, error=msg.reason,
+                                             code=ErrorCode.INTERNAL))
+
+    def deliver(self, result: InferResult) -> None:
+        with self.lock:
+            q = self.pending.get(result.req_id)
+            if q is not None and not result.final:
+                self.streams[result.req_id] = result.spawn_id
+        if q is None:
+            self.release(result)        # nobody waits for it (timed out)
+        else:
+            q.put(result)
+
+    # ---- a model's request ------------------------------------------------------------------
+    def submit(self, req) -> tuple[int, queue.SimpleQueue, list]:
+        """Send ``req`` (a pb_utils.InferenceRequest); returns its id, the queue its answers
+        arrive in, and this worker's slots holding its inputs (freed after the last answer)."""
+        if not self.table_seen.wait(FIRST_TABLE_WAIT_S):
+            raise pb_utils.TritonModelException("BLS: the scheduler sent no model table")
+        version = "" if req.model_version() < 0 else str(req.model_version())
+        view, v = self.catalog.resolve(req.model_name(), version)
+        worker = self.worker
+        slots: list = []
+        ins = []
+        try:
+            with worker.out_lock:           # the arena is the worker's output arena
+                for t in req.inputs():
+                    arr = t.as_numpy()
+                    if not isinstance(arr, np.ndarray):
+                        arr = np.asarray(arr)
+                    placed = tensors.from_numpy(t.name(), t.datatype(), arr, worker.arena)
+                    if placed.shm is not None:
+                        slots.append(placed.shm)
+                    ins.append(placed)
+            wanted = [requests_.OutputWanted(n) for n in req.requested_output_names()] or None
+            params = dict(json.loads(req.parameters()))
+            if req.timeout():
+                params["timeout"] = req.timeout()
+            prepared = requests_.prepare(view, ins, wanted, params, req.request_id(), [], [],
+                                         json_outputs=False)
+        except BaseException:
+            self.free(slots)
+            raise
+        prepared.payload.correlation_id = req.correlation_id()
+        prepared.payload.flags = req.flags()
+        chain = worker.chain()
+        prepared.payload.chain = chain
+        req_id = next(self.ids)
+        answers: queue.SimpleQueue = queue.SimpleQueue()
+        with self.lock:
+            self.pending[req_id] = answers
+        head = SubmitRequest(req_id, self.fid, view.name, v, prepared.batch_size,
+                             time.monotonic_ns(), prepared.priority, prepared.timeout_us,
+                             prepared.shape_key, chain=chain)
+        worker.tell(head, (encode_message(prepared.payload),))
+        return req_id, answers, slots
+
+    def answers(self, req, decoupled: bool):
+        """Yield the answers of ``req`` as pb_utils.InferenceResponse objects; the last one of
+        a decoupled model's that ends with the FINAL flag alone is an empty response."""
+        try:
+            req_id, answers, slots = self.submit(req)
+        except InferError as e:
+            yield pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
+            return
+        try:
+            final = False
+            while not final:
+                result = answers.get()
+                final = result.final
+                if final:
+                    self.free(slots)
+                    slots = []
+                if not decoupled and not final:
+                    self.release(result)
+                    continue            # (a decoupled model's answers, asked for as one)
+                yield self.response(result)
+        finally:
+            with self.lock:
+                self.pending.pop(req_id, None)
+                self.streams.pop(req_id, None)
+            self.free(slots)
+
+    def response(self, result: InferResult):
+        if result.error:
+            code = _TRITON_CODES.get(result.code or ErrorCode.INTERNAL,
+                                     pb_utils.TritonError.INTERNAL)
+            self.release(result)
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(result.error, code))
+        try:
+            out = []
+            with self.lock:
+                for t in result.outputs:
+                    out.append(pb_utils.Tensor(t.name, self.copy_out(t)))
+        except (ShmError, ValueError) as e:
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"BLS: cannot read the outputs of model '{result.model}': {e}"))
+        finally:
+            self.release(result)
+        return pb_utils.InferenceResponse(out, parameters=result.parameters or None)
+
+    def copy_out(self, t: Tensor) -> np.ndarray:
+        arr = tensors.to_numpy(t, self.maps)
+        return arr.copy() if t.datatype != "BYTES" else arr
+
+    # ---- memory -----------------------------------------------------------------------------
+    def free(self, slots: list) -> None:
+        if slots:
+            with self.worker.out_lock:
+                for ref in slots:
+                    self.worker.arena.free(ref)
+
+    def release(self, result: InferResult) -> None:
+        """Give the answering worker its output slots back."""
+        refs = [t.shm for t in result.outputs if t.shm is not None]
+        if not refs or not result.worker:
+            return
+        with self.lock:
+            try:
+                box = self.boxes.get(result.worker)
+                if box is None:
+                    box = self.boxes[result.worker] = channel.outbox_for(result.worker)
+                box.send(ReleaseOutputs(refs), flags=channel.NOBLOCK)
+            except Exception as e:      # that worker is gone: its slots went with it
+                log.debug("could not return BLS output slots to %s: %s", result.worker, e)
+                self.boxes.pop(result.worker, None)
+
+    def close(self) -> None:
+        self.inbox.close()
+        with self.lock:
+            for box in self.boxes.values():
+                box.close()
+            self.maps.close()
+
+
+_TRITON_CODES = {
+    ErrorCode.UNKNOWN: pb_utils.TritonError.UNKNOWN,
+    ErrorCode.INTERNAL: pb_utils.TritonError.INTERNAL,
+    ErrorCode.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
+    ErrorCode.INVALID_ARG: pb_utils.TritonError.INVALID_ARG,
+    ErrorCode.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
+    ErrorCode.UNSUPPORTED: pb_utils.TritonError.UNSUPPORTED,
+    ErrorCode.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
+    ErrorCode.CANCELLED: pb_utils.TritonError.CANCELLED,
+}
