@@ -25,11 +25,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
-from shmserve.ipc.messages import ErrorCode  # noqa: E402
-
 from . import grpc_codec, log_settings, restricted, statistics  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
-from .grpc_stream import Refused, StreamSession  # noqa: E402
+from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
 from .service import FrontendService  # noqa: E402
 
 log = logging.getLogger("shmserve.grpc")
@@ -155,16 +153,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         result = await svc.infer(view, v, prepared)
         refs = svc.release_inputs(prepared, result)
         try:
-            views = svc.outputs(result, prepared)
-            size = sum(len(b) for b in views if b is not None)
-            if size > self.max_message:
-                # refused before the message is built (a copy of every output byte), with the
-                # code grpc gives a request past the limit
-                raise InferError(ErrorCode.RESOURCE_EXHAUSTED, (
-                    f"the response of model '{result.model}' holds {size} bytes of outputs, "
-                    f"more than a gRPC message may carry ({self.max_message} bytes, "
-                    f"--grpc-max-message-size); ask for fewer outputs or use shared memory"))
-            return grpc_codec.build_response(result, prepared, views)
+            return build_response(svc, result, prepared, self.max_message)
         finally:
             svc.release_outputs(result, refs)       # build_response copied the bytes out
 

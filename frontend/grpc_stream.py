@@ -39,6 +39,20 @@ class Refused(InferError):
     ``triton_grpc_error`` mode the first still goes back as a message; the second ends it."""
 
 
+def build_response(svc: FrontendService, result, prepared,
+                   max_message: int) -> pb.ModelInferResponse:
+    """An answer as a gRPC message: refused before it is built (a copy of every output byte)
+    when it cannot fit one, with the code grpc gives a request past the limit."""
+    views = svc.outputs(result, prepared)
+    size = sum(len(b) for b in views if b is not None)
+    if size > max_message:
+        raise InferError(ErrorCode.RESOURCE_EXHAUSTED, (
+            f"the response of model '{result.model}' holds {size} bytes of outputs, more than "
+            f"a gRPC message may carry ({max_message} bytes, --grpc-max-message-size); ask for "
+            f"fewer outputs or use shared memory"))
+    return grpc_codec.build_response(result, prepared, views)
+
+
 def _final_param(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferResponse:
     response.parameters["triton_final_response"].bool_param = final
     return response
@@ -162,14 +176,7 @@ class StreamSession:
                 response = pb.ModelInferResponse(id=req.id, model_name=req.model_name,
                                                  model_version=req.model_version)
             else:
-                views = svc.outputs(result, prepared)
-                size = sum(len(b) for b in views if b is not None)
-                if size > self.max_message:
-                    raise InferError(ErrorCode.RESOURCE_EXHAUSTED, (
-                        f"the response of model '{result.model}' holds {size} bytes of "
-                        f"outputs, more than a gRPC message may carry ({self.max_message} "
-                        f"bytes, --grpc-max-message-size)"))
-                response = grpc_codec.build_response(result, prepared, views)
+                response = build_response(svc, result, prepared, self.max_message)
             _final_param(response, result.final)
             return pb.ModelStreamInferResponse(infer_response=response), result.final, None
         except InferError as e:

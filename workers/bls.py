@@ -31,6 +31,7 @@ from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
 from shmserve.ipc import channel, packets
 from shmserve.ipc.messages import (
+    CancelRequest,
     ErrorCode,
     FrontendHello,
     InferResult,
@@ -62,6 +63,9 @@ class BlsClient:
         self.lock = threading.Lock()        # pending, maps and the outboxes to other workers
         self.pending: dict[int, queue.SimpleQueue] = {}
         self.streams: dict[int, int] = {}   # req_id -> spawn id of the worker still answering
+        # requests given up on (timeout): their input slots wait for the last answer, since the
+        # model answering may still read them
+        self.abandoned: dict[int, list] = {}
         self.ids = itertools.count(1)
         self.maps = ShmMapCache()
         self.boxes: dict[str, packets.PacketOutbox] = {}
@@ -96,8 +100,11 @@ class BlsClient:
             q = self.pending.get(result.req_id)
             if q is not None and not result.final:
                 self.streams[result.req_id] = result.spawn_id
+            slots = self.abandoned.pop(result.req_id, None) if result.final and q is None \
+                else None
         if q is None:
             self.release(result)        # nobody waits for it (timed out)
+            self.free(slots or [])
         else:
             q.put(result)
 
@@ -153,10 +160,22 @@ class BlsClient:
         except InferError as e:
             yield pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
             return
+        timeout_s = req.timeout() / 1e6 if req.timeout() > 0 else None
+        deadline = time.monotonic() + timeout_s if timeout_s else 0.0
         try:
             final = False
             while not final:
-                result = answers.get()
+                try:
+                    result = answers.get(timeout=max(0.0, deadline - time.monotonic())
+                                         if timeout_s else None)
+                except queue.Empty:
+                    self.give_up(req_id, slots)
+                    slots = []
+                    yield pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        f"Request timeout expired: no answer from model '{req.model_name()}' "
+                        f"within the request's timeout of {req.timeout()} us",
+                        pb_utils.TritonError.UNAVAILABLE))
+                    return
                 final = result.final
                 if final:
                     self.free(slots)
@@ -192,6 +211,14 @@ class BlsClient:
     def copy_out(self, t: Tensor) -> np.ndarray:
         arr = tensors.to_numpy(t, self.maps)
         return arr.copy() if t.datatype != "BYTES" else arr
+
+    def give_up(self, req_id: int, slots: list) -> None:
+        """The request's timeout passed: cancel it; its inputs are freed with its last answer."""
+        with self.lock:
+            self.pending.pop(req_id, None)
+            if slots:
+                self.abandoned[req_id] = slots
+        self.worker.tell(CancelRequest(self.fid, req_id))
 
     # ---- memory -----------------------------------------------------------------------------
     def free(self, slots: list) -> None:

@@ -4,13 +4,14 @@ and a model that calls itself refused instead of deadlocking."""
 import os
 import shutil
 import textwrap
+import threading
 
 import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import REPO_ROOT, Server
+from serverproc import REPO_ROOT, Server, model_sleeping, wait_for
 
 CALLER = textwrap.dedent('''
     import json
@@ -179,3 +180,16 @@ def test_outside_a_server_exec_is_an_error():
     from shmserve.workers import pb_utils
     with pytest.raises(pb_utils.TritonModelException, match="BLS requests can only be made"):
         pb_utils.InferenceRequest(model_name="m", inputs=[]).exec()
+
+
+def test_a_bls_timeout_ends_the_request_while_it_waits(srv):
+    """timeout (µs) counts while the request is queued, as a client's: with 'adder' busy on a
+    slow request, a BLS request with a short timeout gets Triton's 'Request timeout expired'."""
+    slow = threading.Thread(target=lambda: _call(srv, "adder", [1], delay_ms=1500))
+    slow.start()
+    try:
+        wait_for(lambda: model_sleeping(srv, "adder"), 20, "adder to run the slow request")
+        text = _err(_call(srv, "caller", [1], timeout_us=100_000))
+        assert "Request timeout expired" in text
+    finally:
+        slow.join(30)

@@ -230,3 +230,18 @@ def test_image_client_classification_on_densenet_onnx(srv):
         httpclient.InferRequestedOutput("fc6_1", class_count=3)]).as_numpy("fc6_1")
     first = out[0].decode().split(":")
     assert out.shape == (3,) and first[1:] == ["3", "red"]
+
+
+def test_bls_simple_calls_simple_through_the_scheduler(srv):
+    c = httpclient.InferenceServerClient(srv.url)
+    x = np.arange(16, dtype=np.int32).reshape(1, 16)
+    ins = [httpclient.InferInput(n, s, "INT32") for n, s in
+           (("INPUT0", [1, 16]), ("INPUT1", [1, 16]), ("SCALE", [1]))]
+    ins[0].set_data_from_numpy(x)
+    ins[1].set_data_from_numpy(np.ones((1, 16), dtype=np.int32))
+    ins[2].set_data_from_numpy(np.array([10], dtype=np.int32))
+    r = c.infer("bls_simple", ins)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), (x + 1) * 10)
+    np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), (x - 1) * 10)
+    stats = c.get_inference_statistics("simple")["model_stats"][0]
+    assert int(stats["inference_count"]) >= 1          # simple ran it, and counted it

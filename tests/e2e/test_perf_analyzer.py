@@ -48,3 +48,22 @@ def test_perf_analyzer_reports_throughput(server, perf_analyzer, tmp_path, case)
     for r in rows:
         assert float(r["Inferences/Second"]) > 0
         assert float(r["p99 latency"]) > 0
+
+
+def test_perf_analyzer_streams_a_decoupled_model(server, perf_analyzer, tmp_path):
+    """--streaming on repeat_int32 (configs/models): perf_analyzer sees the model is decoupled
+    and needs triton_final_response to tell when each request ends."""
+    report = tmp_path / "report.csv"
+    cmd = [perf_analyzer, "-m", "repeat_int32", "-i", "grpc", "--streaming",
+           "-u", f"127.0.0.1:{server.grpc_port}", "--input-data", "zero",
+           "--shape", "IN:4", "--shape", "DELAY:4", "--shape", "WAIT:1",
+           "--concurrency-range", "2", "--measurement-interval", "800", "--max-trials", "4",
+           "--stability-percentage", "999", "-f", str(report)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "Detected decoupled model" in out.stdout, out.stdout
+    with open(report) as f:
+        rows = list(csv.DictReader(f))
+    assert rows and float(rows[0]["Inferences/Second"]) > 0
+    # four responses per request (one per element of IN)
+    assert "Response Throughput" in out.stdout, out.stdout
