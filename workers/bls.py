@@ -46,6 +46,7 @@ from shmserve.ipc.messages import encode as encode_message
 from shmserve.ipc.shm import ShmError, ShmMapCache
 
 from . import pb_utils, tensors
+from .pb_errors import FROM_ERROR_CODE
 
 log = logging.getLogger("shmserve.worker")
 
@@ -192,8 +193,8 @@ class BlsClient:
 
     def response(self, result: InferResult):
         if result.error:
-            code = _TRITON_CODES.get(result.code or ErrorCode.INTERNAL,
-                                     pb_utils.TritonError.INTERNAL)
+            code = FROM_ERROR_CODE.get(result.code or ErrorCode.INTERNAL,
+                                       pb_utils.TritonError.INTERNAL)
             self.release(result)
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(result.error, code))
         try:
@@ -249,14 +250,3 @@ class BlsClient:
                 box.close()
             self.maps.close()
 
-
-_TRITON_CODES = {
-    ErrorCode.UNKNOWN: pb_utils.TritonError.UNKNOWN,
-    ErrorCode.INTERNAL: pb_utils.TritonError.INTERNAL,
-    ErrorCode.NOT_FOUND: pb_utils.TritonError.NOT_FOUND,
-    ErrorCode.INVALID_ARG: pb_utils.TritonError.INVALID_ARG,
-    ErrorCode.UNAVAILABLE: pb_utils.TritonError.UNAVAILABLE,
-    ErrorCode.UNSUPPORTED: pb_utils.TritonError.UNSUPPORTED,
-    ErrorCode.ALREADY_EXISTS: pb_utils.TritonError.ALREADY_EXISTS,
-    ErrorCode.CANCELLED: pb_utils.TritonError.CANCELLED,
-}

@@ -100,8 +100,6 @@ class Worker:
         self.bls_lock = threading.Lock()
         pb_utils._bls = self.bls_client
         self.senders = args.spec.backend == "python"
-        self.decoupled = bool(json.loads(args.spec.config_json).get(
-            "model_transaction_policy", {}).get("decoupled", False))
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
         # longer running needs nothing
@@ -114,6 +112,8 @@ class Worker:
         config = json.loads(config_json)
         self.reshapes = tensors.Reshapes(config)
         self.checks = tensors.OutputChecks(config)
+        # read again after load: auto_complete_config may have made the model decoupled
+        self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
 
     def answer(self, fid: int, msg) -> None:
         """Send answers to a frontend. One that has gone, or has not read for

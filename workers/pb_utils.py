@@ -465,7 +465,9 @@ class ModelConfig:
             raise ValueError(f"model '{self._model()}': unknown model_transaction_policy keys {sorted(unknown)}")
         policy = self._model_config.setdefault("model_transaction_policy", {})
         new = transaction_policy_dict.get("decoupled")
-        if new is not None and policy.get("decoupled", new) != new:
+        # the server writes decoupled: false into every config it normalizes, so only a
+        # configured true is the user's word (a model may make itself decoupled, as vLLM's does)
+        if new is not None and policy.get("decoupled") and not new:
             raise ValueError(f"model '{self._model()}': auto_complete_config cannot change decoupled, "
                              f"which the configuration sets to {policy['decoupled']}")
         policy.update(transaction_policy_dict)

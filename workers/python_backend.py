@@ -19,19 +19,9 @@ from shmserve.ipc.messages import ErrorCode
 
 from . import autocomplete, pb_utils
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+from .pb_errors import TO_ERROR_CODE
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
-
-# pb_utils.TritonError's numbers are the order of ErrorCode's members
-_CODE_NAMES = {
-    pb_utils.TritonError.UNKNOWN: ErrorCode.UNKNOWN, pb_utils.TritonError.INTERNAL: ErrorCode.INTERNAL,
-    pb_utils.TritonError.NOT_FOUND: ErrorCode.NOT_FOUND,
-    pb_utils.TritonError.INVALID_ARG: ErrorCode.INVALID_ARG,
-    pb_utils.TritonError.UNAVAILABLE: ErrorCode.UNAVAILABLE,
-    pb_utils.TritonError.UNSUPPORTED: ErrorCode.UNSUPPORTED,
-    pb_utils.TritonError.ALREADY_EXISTS: ErrorCode.ALREADY_EXISTS,
-    pb_utils.TritonError.CANCELLED: ErrorCode.CANCELLED,
-}
 
 
 class PythonBackend:
@@ -145,7 +135,7 @@ class PythonBackend:
                                 code=ErrorCode.INTERNAL)
         if resp.has_error():
             err = resp.error()
-            return WorkResponse(error=err.message(), code=_CODE_NAMES.get(err.code(), ErrorCode.INTERNAL))
+            return WorkResponse(error=err.message(), code=TO_ERROR_CODE.get(err.code(), ErrorCode.INTERNAL))
         produced = {t.name(): t for t in resp.output_tensors()}
         wanted = req.requested_outputs or list(produced)
         outputs = []

@@ -73,6 +73,15 @@ MODES = textwrap.dedent('''
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 ''')
 
+AUTO_DECOUPLED = textwrap.indent(textwrap.dedent('''
+    @staticmethod
+    def auto_complete_config(c):
+        c.add_input({"name": "IN", "data_type": "TYPE_INT32", "dims": [-1]})
+        c.add_output({"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]})
+        c.set_model_transaction_policy({"decoupled": True})
+        return c
+'''), "    ")
+
 SENDER_ONCE = textwrap.dedent('''
     import threading
     import triton_python_backend_utils as pb_utils
@@ -101,6 +110,9 @@ def srv(tmp_path_factory):
         input [ { name: "IN", data_type: TYPE_INT32, dims: [ -1 ] } ]
         output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
     ''', MODES)
+    # decoupled by its own auto_complete_config, not by config.pbtxt
+    write_model(repo, "ac_modes", 'backend: "python"\n', MODES.replace(
+        "class TritonPythonModel:\n", "class TritonPythonModel:\n" + AUTO_DECOUPLED, 1))
     write_model(repo, "sender_once", '''
         backend: "python"
         max_batch_size: 0
@@ -341,3 +353,17 @@ def test_decoupled_needs_the_python_backend(tmp_path):
 
 
 _ = grpc    # the status codes above are grpc's, as tritonclient reports them
+
+
+def test_a_model_decoupled_by_auto_complete_streams_and_hears_cancels(srv, tmp_path):
+    flag = str(tmp_path / "cancel")
+    s = Stream(srv)
+    i = grpcclient.InferInput("IN", [1], "INT32")
+    i.set_data_from_numpy(np.array([1], dtype=np.int32))
+    s.client.async_stream_infer("ac_modes", [i], parameters={"mode": "until_cancelled",
+                                                               "flag": flag})
+    assert not _final(s.get())          # streaming
+    s.close(cancel_requests=True)
+    wait_for(lambda: os.path.exists(flag) and open(flag).read(), 30,
+             "the model to see the request cancelled")
+    assert open(flag).read() == "cancelled"

@@ -280,6 +280,13 @@ def test_model_config_auto_complete():
     assert pb.ModelConfig(json.dumps({"name": "j"})).as_dict() == {"name": "j"}  # Triton passes JSON text
 
 
+def test_auto_complete_may_make_a_model_decoupled():
+    """Every normalized config says decoupled: false, so that is no user's word against it."""
+    mc = pb.ModelConfig({"name": "m", "model_transaction_policy": {"decoupled": False}})
+    mc.set_model_transaction_policy({"decoupled": True})
+    assert mc.as_dict()["model_transaction_policy"] == {"decoupled": True}
+
+
 @pytest.mark.parametrize("action", [
     lambda mc: mc.add_input({"name": "a", "data_type": "TYPE_INT64", "dims": [4]}),   # type conflict
     lambda mc: mc.add_input({"name": "a", "data_type": "TYPE_FP32", "dims": [5]}),    # dims conflict
@@ -289,7 +296,8 @@ def test_model_config_auto_complete():
     lambda mc: mc.add_output({"name": "n", "data_type": "TYPE_FP32", "dims": [1], "optional": True}),
     lambda mc: mc.set_max_batch_size(2),                                              # lowers configured 4
     lambda mc: mc.set_max_batch_size(-1),
-    lambda mc: mc.set_model_transaction_policy({"decoupled": True}),                  # config says False
+    lambda mc: (mc.as_dict()["model_transaction_policy"].update(decoupled=True),      # config says
+                mc.set_model_transaction_policy({"decoupled": False})),               # True
     lambda mc: mc.set_model_transaction_policy({"other": 1}),
 ])
 def test_model_config_conflicts(action):
