@@ -29,6 +29,22 @@ class QueuedRequest:
     alone: bool = False         # its worker died: it runs again once, in a batch of its own
 
 
+def shape_key(tensors, variable_inputs: frozenset, has_optional: bool,
+              batched: bool) -> str:
+    """Requests may share a batch only if the shapes of their variable-dim inputs agree (and,
+    with optional inputs, the same inputs are present): this key says which ones can. The
+    frontend computes it for a client's request, the ensemble runner for a step's."""
+    if not variable_inputs and not has_optional:
+        return ""
+    parts = []
+    for t in sorted(tensors, key=lambda t: t.name):
+        if t.name in variable_inputs:
+            parts.append(f"{t.name}{t.shape[1:] if batched else t.shape}")
+        elif has_optional:
+            parts.append(t.name)
+    return ";".join(parts)
+
+
 class QueueFull(Exception):
     pass
 

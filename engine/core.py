@@ -19,7 +19,9 @@ import logging
 import time
 from typing import Callable
 
+from shmserve.ipc import channel
 from shmserve.ipc.messages import (
+    ENSEMBLE_FRONTEND,
     BatchDone,
     CancelRequest,
     ControlReply,
@@ -30,10 +32,12 @@ from shmserve.ipc.messages import (
     ForgetSegments,
     FrontendHello,
     InferResult,
+    InferResults,
     LeasedDone,
     LeaseEnded,
     LogSettings,
     Pong,
+    ReleaseOutputs,
     RequestRoute,
     ServerSettings,
     SetLogSettings,
@@ -48,6 +52,7 @@ from shmserve.ipc.messages import (
 )
 
 from .batching import DefaultQueue, QueuedRequest, QueueFull
+from .ensemble import EnsembleRunner
 from .instances import Death, InstanceSupervisor, Outcome
 from .leases import LeaseBook
 from .lifecycle import ModelLifecycle, Waiter
@@ -75,6 +80,11 @@ class SchedulerCore:
         self.lifecycle = ModelLifecycle(settings, repository, self.supervisor, clock,
                                         self.publish, self.reply_control, self.dispatch)
         self.versions = self.lifecycle.versions         # the serving map, shared
+        self.ensembles = EnsembleRunner(
+            self.submit, lambda rid: self.cancel(CancelRequest(ENSEMBLE_FRONTEND, rid)),
+            self.port.send_frontend, self.release_to, self.lifecycle.ready_version, clock,
+            channel.scheduler_worker_address(settings.run_dir))
+        self.worker_addresses: dict[str, int] = {}      # inbox address -> spawn id
         self.frontends: set[int] = set()
         self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
@@ -93,6 +103,8 @@ class SchedulerCore:
             CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
             LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
             SetLogSettings: self.set_log_settings,
+            InferResult: self.ensembles.result, InferResults: self.step_results,
+            ReleaseOutputs: self.release_handed,
         }
 
     @property
@@ -145,8 +157,28 @@ class SchedulerCore:
 
     def reply_error(self, frontend: int, req_id: int, model: str, version: int,
                     code: ErrorCode, message: str) -> None:
-        self.port.send_frontend(frontend, InferResult(req_id, model, version, error=message,
-                                                      code=code))
+        res = InferResult(req_id, model, version, error=message, code=code)
+        if frontend == ENSEMBLE_FRONTEND:       # an ensemble's step: the runner hears it
+            self.ensembles.result(res)
+        else:
+            self.port.send_frontend(frontend, res)
+
+    # ---- ensembles (engine/ensemble.py) -----------------------------------------------------------
+    def step_results(self, msg: InferResults) -> None:
+        for res in msg.results:
+            self.ensembles.result(res)
+
+    def release_to(self, address: str, refs: list) -> None:
+        """Give a worker back output slots an ensemble's step filled."""
+        sid = self.worker_addresses.get(address)
+        if sid is not None:
+            self.port.send_worker(sid, ReleaseOutputs(refs))
+
+    def release_handed(self, msg: ReleaseOutputs) -> None:
+        """A frontend is done with the outputs of an ensemble's answer, which live in the
+        slots of the workers that ran its steps."""
+        for address, refs in self.ensembles.released(msg.refs).items():
+            self.release_to(address, refs)
 
     def forget_segments(self, msg: ForgetSegments) -> None:
         for sid, (_, inst) in self.supervisor.by_spawn.items():
@@ -216,6 +248,9 @@ class SchedulerCore:
                              f"of '{ver.name}', so it would wait for itself (deadlock); give "
                              f"'{ver.name}' more instances or break the cycle")
             return
+        if ver.ensemble is not None:
+            self.ensembles.start(ver, ver.ensemble, msg, payload)
+            return
         req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
                             priority=msg.priority, timeout_us=msg.timeout_us,
                             shape_key=msg.shape_key, received_ns=msg.received_ns)
@@ -244,6 +279,8 @@ class SchedulerCore:
         worker, which is told so that ``request.is_cancelled()`` turns true."""
         key = (msg.frontend, msg.req_id)
         ver = self.queued_in.pop(key, None)
+        if ver is None and self.ensembles.runs and self.ensembles.cancel(*key):
+            return
         if ver is None:
             for sid, (_, inst) in self.supervisor.by_spawn.items():
                 if inst.batch and inst.connected and any(
@@ -286,6 +323,8 @@ class SchedulerCore:
         for inst, reqs in batches:
             for r in reqs:
                 queued_in.pop((r.frontend, r.req_id), None)
+                if r.frontend == ENSEMBLE_FRONTEND:     # a step: its queue time is the ensemble's
+                    self.ensembles.timings(r.req_id, r.dispatched_ns - r.enqueued_ns, 0, 0, 0)
             self.batch_counter += 1
             inst.state = InstanceState.BUSY
             inst.batch = reqs
@@ -374,6 +413,7 @@ class SchedulerCore:
                                 done.compute_input_ns, done.compute_infer_ns,
                                 done.compute_output_ns)
 
+
     def lease_ended(self, msg: LeaseEnded) -> None:
         lease = self.leases.ended(msg.spawn_id, msg.lease_id)
         if lease is None:
@@ -392,6 +432,7 @@ class SchedulerCore:
         if found is None:
             return
         ver, inst = found
+        self.worker_addresses[msg.address] = msg.spawn_id
         if self.log_settings is not None:
             # a change made while it loaded went only to the workers connected then
             self.port.send_worker(msg.spawn_id, SetLogSettings(self.log_settings))
@@ -428,6 +469,9 @@ class SchedulerCore:
         self.housekeeping_at = 0.0             # a restart may be due at once
         self.custom_metrics.pop(spawn_id, None)
         ver, inst = death.version, death.instance
+        for address in [a for a, sid in self.worker_addresses.items() if sid == spawn_id]:
+            del self.worker_addresses[address]
+            self.ensembles.worker_gone(address)
         self.leases.worker_exited(spawn_id, self.death_reason(death), death.kill_reason.retries)
         if inst.answered:
             by_frontend: dict[int, list[int]] = {}
@@ -443,6 +487,7 @@ class SchedulerCore:
                       f"{death.how} while sending responses")
             for fid in self.frontends:
                 self.port.send_frontend(fid, WorkerGone(spawn_id, [], reason))
+            self.ensembles.streams_ended(spawn_id, reason)
         if death.batch:
             self.requests_of_dead_worker(death)
         if death.outcome == Outcome.LOAD_FAILED:

@@ -28,7 +28,7 @@ from shmserve.ipc.messages import (
     VersionInfo,
 )
 
-from . import model_config
+from . import ensemble_plan, model_config
 from .instances import InstanceSupervisor, SpawnFailed
 from .model_config import ConfigError
 from .models import Instance, ModelVersion
@@ -74,6 +74,7 @@ class ModelLifecycle:
         self.batching: list[ModelVersion] = []      # serving versions whose queue has deadlines
         self.uploads = UploadDirs(settings.model_upload_dir)
         self.startup_done = False
+        self.starting = True                        # load_initial is starting the first loads
         self.exit_requested = False                 # --exit-on-error and a model failed
 
     # ---- start-up -------------------------------------------------------------------------------
@@ -92,6 +93,8 @@ class ModelLifecycle:
                     f"failed to load '{name}', no such model in the model repository"))
                 continue
             self.start_load(name)
+        self.starting = False
+        self.check_ensembles()
         self.check_startup()
         self.publish()
 
@@ -122,7 +125,7 @@ class ModelLifecycle:
             if req.action == ControlAction.LOAD:
                 self.start_load(req.name, req.config, waiter, req.upload_dir)
             else:
-                self.unload(req.name, waiter)
+                self.unload(req.name, waiter, req.unload_dependents)
         finally:
             if req.upload_dir and self.sweep_uploads():    # refused, or joined another load
                 self.publish()
@@ -181,6 +184,8 @@ class ModelLifecycle:
         failed = [v for v in versions if v.state == ModelState.UNAVAILABLE]
         if failed:
             return self.finish_load(load, failed[0].reason)
+        if entry.config is not None and entry.config.platform == "ensemble":
+            return self.start_ensemble(load)
         log.info("loading model '%s' version(s) %s", name, [v.version for v in versions])
         try:
             for ver in versions:
@@ -190,6 +195,64 @@ class ModelLifecycle:
         except SpawnFailed as e:
             return self.finish_load(load, str(e))
         self.publish()
+
+    # ---- ensembles --------------------------------------------------------------------------------
+    def start_ensemble(self, load: Load) -> None:
+        """An ensemble has no instances: it is READY once its composing models are. In explicit
+        mode, loading it loads those of them that are not loaded (as Triton does)."""
+        try:
+            plan = ensemble_plan.plan(load.entry.config)
+        except ConfigError as e:
+            return self.finish_load(load, str(e))
+        for ver in load.versions:
+            ver.ensemble = plan
+        log.info("loading ensemble '%s' (composing models %s)", load.name,
+                 ", ".join(plan.composing()))
+        if self.settings.model_control_mode == "explicit":
+            found = self.repository.model_dirs()
+            for model in plan.composing():
+                if model not in self.loads and not self.serving_versions(model) and \
+                        model in found:
+                    self.start_load(model)
+        self.publish()
+        self.check_ensembles()
+
+    def check_ensembles(self) -> None:
+        """Ensemble loads whose composing models are no longer loading end: READY when each
+        has a ready version and the steps agree with their configs, failed otherwise."""
+        if self.starting:       # at start-up, the models after it in the list load too
+            return
+        for load in [ld for ld in self.loads.values() if ld.versions and
+                     ld.versions[0].ensemble is not None]:
+            plan = load.versions[0].ensemble
+            assert plan is not None
+            if load.name not in self.loads or any(m in self.loads for m in plan.composing()):
+                continue
+            try:
+                ensemble_plan.bind(plan, load.entry.config, self.ready_config)
+            except ConfigError as e:
+                self.finish_load(load, str(e))
+                continue
+            if plan.decoupled and load.entry.config is not None:
+                # it streams what its decoupled steps stream
+                load.entry.config.model_transaction_policy.decoupled = True
+            now = self.clock() / 1e9
+            for ver in load.versions:
+                ver.stats.record.load_seconds = now - ver.load_started
+                ver.set_state(ModelState.READY)
+            self.finish_load(load, "")
+
+    def ready_config(self, model: str, version: int):
+        v = self.ready_version(model, version)
+        return None if v is None else self.versions[(model, v)].config
+
+    def ready_version(self, model: str, version: int) -> int | None:
+        """The version a request for ``model`` (-1: its latest ready one) goes to, if READY."""
+        if version >= 0:
+            ver = self.versions.get((model, version))
+            return version if ver is not None and ver.state == ModelState.READY else None
+        ready = [v.version for v in self.serving_versions(model) if v.state == ModelState.READY]
+        return max(ready) if ready else None
 
     def apply_completed_config(self, ver: ModelVersion, config_json: str) -> bool:
         """The first worker of an auto-completing version reports the completed config."""
@@ -264,9 +327,19 @@ class ModelLifecycle:
         for ver in load.versions:
             if ver.state == ModelState.READY:
                 self.dispatch(ver)
+        self.check_ensembles()      # one may have waited for this model
 
     # ---- unload and drain ---------------------------------------------------------------------
-    def unload(self, name: str, waiter: Waiter | None) -> None:
+    def unload(self, name: str, waiter: Waiter | None, dependents: bool = False) -> None:
+        """``dependents``: an ensemble's composing models are unloaded with it, except those
+        another serving ensemble still uses."""
+        if dependents:
+            plans = [v.ensemble for v in self.serving_versions(name) if v.ensemble is not None]
+            if plans:
+                others = {m for v in self.versions.values() if v.ensemble is not None
+                          and v.name != name for m in v.ensemble.composing()}
+                for model in {m for p in plans for m in p.composing()} - others:
+                    self.unload(model, None)
         if name in self.loads:
             self.finish_load(self.loads[name], "unloaded while loading")
         for v in self.serving_versions(name):

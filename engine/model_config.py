@@ -127,7 +127,7 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
                           f"name '{name}'")
     cfg.name = name
     if cfg.platform == "ensemble":
-        raise ConfigError(f"model '{name}': ensembles are not supported yet")
+        return _normalize_ensemble(cfg, name)
     if not cfg.backend:
         if cfg.platform in PLATFORM_TO_BACKEND:
             cfg.backend = PLATFORM_TO_BACKEND[cfg.platform]
@@ -190,6 +190,24 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         cfg.optimization.input_pinned_memory.enable = True
     if not cfg.optimization.HasField("output_pinned_memory"):
         cfg.optimization.output_pinned_memory.enable = True
+    return cfg
+
+
+def _normalize_ensemble(cfg: mc.ModelConfig, name: str) -> mc.ModelConfig:
+    """An ensemble runs no code of its own: no backend, no instances, no batcher (its steps
+    are checked by engine/ensemble_plan.py when it loads)."""
+    if cfg.backend:
+        raise ConfigError(f"ensemble '{name}' must not set a backend (it has platform "
+                          f"'ensemble'; its composing models have backends)")
+    if cfg.max_batch_size < 0:
+        raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
+    _check_tensors(cfg, "input", cfg.input)
+    _check_tensors(cfg, "output", cfg.output)
+    if not cfg.HasField("version_policy"):
+        cfg.version_policy.latest.num_versions = 1
+    elif cfg.version_policy.HasField("latest") and cfg.version_policy.latest.num_versions == 0:
+        cfg.version_policy.latest.num_versions = 1
+    cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
     return cfg
 
 

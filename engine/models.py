@@ -10,6 +10,7 @@ from shmserve.ipc.messages import StateCause
 
 from .batching import DefaultQueue, QueuedRequest, RequestQueue
 from .dynamic_batcher import DynamicBatcher, batcher_config
+from .ensemble_plan import EnsemblePlan
 from .model_config import ModelConfig
 from .states import InstanceState, KillReason, ModelState
 from .stats import VersionStats
@@ -82,6 +83,7 @@ class ModelVersion:
     execution_timeout_s: float = 0.0    # 0 = never; a batch running longer kills its worker
     retry_on_death: bool = True         # re-run once what a dead worker held (stateless models)
     clock: object = None                # the core's clock (ns) for its queue; None = monotonic
+    ensemble: EnsemblePlan | None = None    # an ensemble's steps (it has no instances)
 
     def __post_init__(self):
         self.build_queue()

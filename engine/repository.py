@@ -96,7 +96,7 @@ class ModelRepository:
         for v in chosen:
             vpath = os.path.join(entry.path, str(v))
             plan = VersionPlan(v, vpath)
-            if not os.path.exists(os.path.join(vpath, filename)):
+            if filename and not os.path.exists(os.path.join(vpath, filename)):
                 plan.error = f"model file '{filename}' not found in {vpath}"
             entry.versions.append(plan)
         if not entry.versions:

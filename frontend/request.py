@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shmserve.engine import batching
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor, parameter_problem
@@ -293,17 +294,8 @@ def _sequence(params: dict) -> tuple[int | str, int]:
 
 
 def shape_key(model: ModelView, tensors: list[Tensor]) -> str:
-    """Requests may share a batch only if the shapes of their variable-dim inputs agree (and,
-    with optional inputs, the same inputs are present): this key says which ones can."""
-    if not model.batch_sensitive:
-        return ""
-    parts = []
-    for t in sorted(tensors, key=lambda t: t.name):
-        if t.name in model.variable_inputs:
-            parts.append(f"{t.name}{t.shape[1:] if model.max_batch_size else t.shape}")
-        elif model.has_optional:
-            parts.append(t.name)
-    return ";".join(parts)
+    return batching.shape_key(tensors, model.variable_inputs, model.has_optional,
+                              model.max_batch_size > 0)
 
 
 def release(prepared: PreparedRequest, arena: ShmArena) -> None:

@@ -104,6 +104,12 @@ class InferPayload(msgspec.Struct, array_like=True):
     chain: list[str] = []               # BLS: the models whose executions made this request
 
 
+# The frontend id of the scheduler itself, as the client of an ensemble's steps: workers send
+# the answers of requests from it to the scheduler (engine/ensemble.py). Client frontends are
+# numbered from 0; workers' BLS clients from 1 << 24 (workers/bls.py).
+ENSEMBLE_FRONTEND = (1 << 24) - 1
+
+
 # ---- frontend -> scheduler -------------------------------------------------------------------
 class FrontendHello(msgspec.Struct, array_like=True, tag=1):
     frontend: int

@@ -21,6 +21,7 @@ import zmq
 
 from shmserve.ipc import channel, logs, packets
 from shmserve.ipc.messages import (
+    ENSEMBLE_FRONTEND,
     BatchDone,
     CancelRequest,
     CustomMetrics,
@@ -118,6 +119,9 @@ class Worker:
     def answer(self, fid: int, msg) -> None:
         """Send answers to a frontend. One that has gone, or has not read for
         packets.SEND_TIMEOUT_S, loses them: its clients are gone or get its deadline error."""
+        if fid == ENSEMBLE_FRONTEND:    # an ensemble's step: the scheduler runs the ensemble
+            self.tell(msg)
+            return
         with self.out_lock:
             try:
                 box = self.frontends.get(fid)
@@ -426,6 +430,11 @@ class Worker:
             if res.error:
                 failed.append(i)
             by_frontend.setdefault(route.frontend, []).append(res)
+        steps = by_frontend.get(ENSEMBLE_FRONTEND)
+        if steps:                   # the scheduler sums the steps' times into the ensemble's
+            for res in steps:
+                res.done = BatchDone(self.args.spawn_id, batch.batch_id, [], t1 - t0, t2 - t1,
+                                     t3 - t2)
         for fid, answers in by_frontend.items():
             self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
         self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,

@@ -1,0 +1,350 @@
+"""``EnsembleRunner``: runs ensemble requests inside the scheduler, step by step.
+
+A request for an ensemble never reaches a worker of its own. The runner decodes its payload (tensor
+metadata only: shared-memory references and small inline tensors), submits each step to the
+composing model as the scheduler's own request (``ENSEMBLE_FRONTEND``) as soon as the step's
+inputs exist, and collects the steps' answers, which workers send to the scheduler. Steps whose
+inputs are ready together run in parallel; every tensor stays where the worker that produced it
+wrote it and is passed on by reference. The answer goes to the client's frontend with
+``worker`` set to the scheduler, which forwards the frontend's ReleaseOutputs to the workers
+that own the slots (``handed``); slots of intermediate tensors are given back when the request
+ends.
+
+A decoupled step answers any number of times: each answer starts a branch of the data flow that
+holds the tensors known so far plus that answer's, and the steps downstream of it run once per
+branch. Every branch that holds all requested outputs is one response of the (then decoupled)
+ensemble; the request ends when no step is running.
+
+Pure: it acts through the callables it is given; tests drive it through the core
+(tests/engine/test_ensemble_core.py).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shmserve.ipc.messages import (
+    ENSEMBLE_FRONTEND,
+    ErrorCode,
+    InferPayload,
+    InferResult,
+    OutputSpec,
+    ShmRef,
+    SubmitRequest,
+    Tensor,
+    decode_payload,
+    encode,
+)
+
+from .batching import shape_key
+from .ensemble_plan import EnsemblePlan, Step
+from .models import ModelVersion
+
+log = logging.getLogger("shmserve.scheduler")
+
+
+@dataclass(eq=False)
+class Branch:
+    tensors: dict[str, Tensor]          # ensemble tensor name -> tensor (named as in the step)
+    launched: set[int]                  # steps started in this branch or an ancestor
+    children: list["Branch"] = field(default_factory=list)
+    responded: bool = False
+
+
+@dataclass(eq=False)
+class Run:
+    version: ModelVersion
+    plan: EnsemblePlan
+    head: SubmitRequest
+    payload: InferPayload
+    wanted: list[OutputSpec]            # the client's outputs, in response order
+    root: Branch
+    inflight: dict[int, tuple[Branch, Step]] = field(default_factory=dict)
+    # worker address of every step output slot: given back when the request ends, unless
+    # handed to the frontend with an answer
+    slots: dict[ShmRef, str] = field(default_factory=dict)
+    timings: list[int] = field(default_factory=lambda: [0, 0, 0, 0])   # queue, in, infer, out
+    streaming: dict[int, int] = field(default_factory=dict)   # decoupled step id -> spawn id
+    responses: int = 0
+    done: bool = False
+
+
+class EnsembleRunner:
+    def __init__(self, submit: Callable[[SubmitRequest, bytes], None],
+                 cancel: Callable[[int], None],
+                 answer: Callable[[int, InferResult], None],
+                 release: Callable[[str, list[ShmRef]], None],
+                 resolve: Callable[[str, int], int | None],
+                 clock: Callable[[], int], release_address: str):
+        self.submit_step = submit           # the core's submit, for a step's request
+        self.cancel_step = cancel           # cancel a step's request (by its id)
+        self.answer = answer                # to a client's frontend
+        self.release = release              # ReleaseOutputs to the worker at an address
+        self.resolve = resolve              # (model, version or -1) -> a ready version
+        self.clock = clock
+        self.release_address = release_address  # where frontends return handed slots
+        self.runs: dict[tuple[int, int], Run] = {}     # (frontend, req_id) -> run
+        self.steps: dict[int, Run] = {}     # step request id -> its run (until its final answer)
+        self.handed: dict[ShmRef, str] = {}  # slots answered to frontends -> owning worker
+        self.counter = 0
+
+    # ---- start --------------------------------------------------------------------------------
+    def start(self, ver: ModelVersion, plan: EnsemblePlan, head: SubmitRequest,
+              frame: bytes) -> None:
+        payload = decode_payload(frame)
+        for o in payload.outputs:
+            if o.classification and plan.consumers.get(o.name):
+                self.fail_new(ver, head, ErrorCode.INVALID_ARG,
+                              f"in ensemble '{ver.name}', output '{o.name}' feeds another step, "
+                              f"so it cannot be returned as a classification")
+                return
+        root = Branch({t.name: t for t in payload.inputs}, set())
+        run = Run(ver, plan, head, payload, list(payload.outputs), root)
+        self.runs[(head.frontend, head.req_id)] = run
+        self.advance(run, root)
+
+    def fail_new(self, ver: ModelVersion, head: SubmitRequest, code: ErrorCode,
+                 message: str) -> None:
+        ver.stats.failed("OTHER", self.clock() - head.received_ns)
+        self.answer(head.frontend, InferResult(head.req_id, ver.name, ver.version, error=message,
+                                               code=code))
+
+    # ---- the data flow ----------------------------------------------------------------------------
+    def advance(self, run: Run, branch: Branch) -> None:
+        """Start every step whose inputs ``branch`` now holds; answer what is complete."""
+        for step in run.plan.steps:
+            if run.done:
+                return
+            if step.index in branch.launched or \
+                    not all(t in branch.tensors for t in step.inputs.values()):
+                continue
+            self.mark_launched(branch, step.index)
+            self.launch(run, branch, step)
+        if run.done:
+            return
+        if run.plan.decoupled and not branch.responded and \
+                all(o.name in branch.tensors for o in run.wanted):
+            branch.responded = True
+            self.respond(run, branch, final=False)
+        if not run.inflight:
+            self.finish(run)
+
+    @staticmethod
+    def mark_launched(branch: Branch, index: int) -> None:
+        branch.launched.add(index)
+        for child in branch.children:
+            EnsembleRunner.mark_launched(child, index)
+
+    def launch(self, run: Run, branch: Branch, step: Step) -> None:
+        version = self.resolve(step.model, step.version)
+        if version is None:
+            self.fail(run, step, ErrorCode.UNAVAILABLE,
+                      f"model '{step.model}' has no ready version"
+                      + ("" if step.version < 0 else f" {step.version}"))
+            return
+        inputs = []
+        for own, tensor in step.inputs.items():
+            t = branch.tensors[tensor]
+            inputs.append(Tensor(own, t.datatype, t.shape, t.data, t.shm))
+        outputs = []
+        for own, tensor in step.outputs.items():
+            spec = next((o for o in run.wanted if o.name == tensor), None)
+            if spec is None and not run.plan.consumers.get(tensor):
+                continue            # nobody reads it: the model need not return it
+            outputs.append(OutputSpec(own, spec.shm if spec else None,
+                                      spec.classification if spec else 0))
+        if not outputs:             # a step whose outputs nobody wants still runs (for its effects)
+            outputs = [OutputSpec(own) for own in step.outputs]
+        p, head = run.payload, run.head
+        chain = [*head.chain, run.version.name]
+        payload = InferPayload(p.request_id, inputs, outputs, p.parameters, p.correlation_id,
+                               p.flags, chain)
+        self.counter += 1
+        rid = self.counter
+        run.inflight[rid] = (branch, step)
+        self.steps[rid] = run
+        batch = inputs[0].shape[0] if step.max_batch_size > 0 and inputs and inputs[0].shape \
+            else 1
+        self.submit_step(SubmitRequest(rid, ENSEMBLE_FRONTEND, step.model, version, batch,
+                                       self.clock(), head.priority, head.timeout_us,
+                                       shape_key(inputs, step.variable_inputs,
+                                                 bool(step.optional_inputs),
+                                                 step.max_batch_size > 0),
+                                       chain=chain), encode(payload))
+
+    def result(self, res: InferResult) -> None:
+        """A step's answer (a worker's, or the scheduler's error for it)."""
+        run = self.steps.get(res.req_id)
+        if run is None:
+            self.give_back_late(res)
+            return
+        if res.done is not None:    # the step's compute times count for the ensemble too
+            d = res.done
+            self.timings(res.req_id, 0, d.compute_input_ns, d.compute_infer_ns,
+                         d.compute_output_ns)
+        if res.final:
+            del self.steps[res.req_id]
+        where = run.inflight.get(res.req_id)
+        if run.done or where is None:
+            self.give_back_late(res)
+            return
+        branch, step = where
+        if res.final:
+            del run.inflight[res.req_id]
+            run.streaming.pop(res.req_id, None)
+        elif res.spawn_id:
+            run.streaming[res.req_id] = res.spawn_id
+        if res.error:
+            self.fail(run, step, res.code or ErrorCode.INTERNAL, res.error)
+            return
+        if res.no_response:
+            if not run.inflight:
+                self.finish(run)
+            return
+        made: dict[str, Tensor] = {}
+        for t in res.outputs:
+            tensor = step.outputs.get(t.name)
+            if tensor is None:
+                continue
+            made[tensor] = t
+            if t.shm is not None and res.worker:
+                run.slots[t.shm] = res.worker
+        if step.decoupled:
+            child = Branch({**branch.tensors, **made}, set(branch.launched),
+                           responded=branch.responded)
+            branch.children.append(child)
+            self.advance(run, child)
+        else:
+            self.add(run, branch, made)
+
+    def add(self, run: Run, branch: Branch, made: dict[str, Tensor]) -> None:
+        """Tensors a step of ``branch`` made: its descendants see them too."""
+        branch.tensors.update(made)
+        self.advance(run, branch)
+        for child in list(branch.children):
+            if run.done:
+                return
+            self.add(run, child, made)
+
+    def timings(self, req_id: int, queue_ns: int, input_ns: int, infer_ns: int,
+                output_ns: int) -> None:
+        """A step's statistics, summed into the ensemble's."""
+        run = self.steps.get(req_id)
+        if run is not None:
+            t = run.timings
+            t[0] += queue_ns
+            t[1] += input_ns
+            t[2] += infer_ns
+            t[3] += output_ns
+
+    # ---- the end -------------------------------------------------------------------------------
+    def respond(self, run: Run, branch: Branch, final: bool) -> None:
+        ver, head = run.version, run.head
+        outs = []
+        handed = False
+        for spec in run.wanted:
+            t = branch.tensors.get(spec.name)
+            if t is None:       # cannot happen: checked at load (every output is written)
+                continue
+            outs.append(Tensor(spec.name, t.datatype, t.shape, t.data, t.shm))
+            if t.shm is not None and t.shm in run.slots:
+                self.handed[t.shm] = run.slots.pop(t.shm)
+                handed = True
+        run.responses += 1
+        self.answer(head.frontend, InferResult(
+            head.req_id, ver.name, ver.version, outs,
+            worker=self.release_address if handed else "", final=final))
+
+    def finish(self, run: Run) -> None:
+        """No step runs any more: the answer (or the final flag) goes out."""
+        if run.done:
+            return
+        ver, head = run.version, run.head
+        now = self.clock()
+        if run.plan.decoupled:
+            self.close(run)
+            self.answer(head.frontend, InferResult(head.req_id, ver.name, ver.version,
+                                                   final=True, no_response=True))
+        else:
+            root = run.root
+            if not all(o.name in root.tensors for o in run.wanted):
+                self.fail(run, None, ErrorCode.INTERNAL,
+                          "unexpected deadlock, at least one output is not set while no more "
+                          "ensemble steps can be made")
+                return
+            self.respond(run, root, final=True)
+            self.close(run)
+        q, i, c, o = run.timings
+        ver.stats.executed(head.batch_size, i, c, o)
+        ver.stats.succeeded(head.batch_size, now - head.received_ns, q, i, c, o)
+
+    def fail(self, run: Run, step: Step | None, code: ErrorCode, error: str) -> None:
+        """The request fails with the failing step's name; the steps still running are
+        cancelled (their late answers give their slots back)."""
+        ver, head = run.version, run.head
+        where = f"step {step.index} (model '{step.model}')" if step is not None else ""
+        message = f"in ensemble '{ver.name}', " + (f"{where}: " if where else "") + error
+        ver.stats.failed("OTHER", self.clock() - head.received_ns)
+        self.close(run)
+        for rid in list(run.inflight):
+            self.cancel_step(rid)
+        run.inflight.clear()
+        self.answer(head.frontend, InferResult(head.req_id, ver.name, ver.version,
+                                               error=message, code=code))
+
+    def close(self, run: Run) -> None:
+        run.done = True
+        self.runs.pop((run.head.frontend, run.head.req_id), None)
+        self.give_back(run.slots)
+        run.slots = {}
+
+    def give_back(self, slots: dict[ShmRef, str]) -> None:
+        by_worker: dict[str, list[ShmRef]] = {}
+        for ref, worker in slots.items():
+            by_worker.setdefault(worker, []).append(ref)
+        for worker, refs in by_worker.items():
+            self.release(worker, refs)
+
+    def give_back_late(self, res: InferResult) -> None:
+        refs = [t.shm for t in res.outputs if t.shm is not None]
+        if refs and res.worker:
+            self.release(res.worker, refs)
+
+    # ---- the client --------------------------------------------------------------------------
+    def cancel(self, frontend: int, req_id: int) -> bool:
+        """The client went away: cancel the running steps, answer CANCELLED."""
+        run = self.runs.get((frontend, req_id))
+        if run is None:
+            return False
+        ver, head = run.version, run.head
+        ver.stats.failed("CANCELED", self.clock() - head.received_ns)
+        self.close(run)
+        for rid in list(run.inflight):
+            self.cancel_step(rid)
+        run.inflight.clear()
+        self.answer(frontend, InferResult(req_id, ver.name, ver.version,
+                                          error="the request was cancelled by the client",
+                                          code=ErrorCode.CANCELLED))
+        return True
+
+    def released(self, refs: list[ShmRef]) -> dict[str, list[ShmRef]]:
+        """A frontend is done with slots of an ensemble's answer: which worker owns each."""
+        by_worker: dict[str, list[ShmRef]] = {}
+        for ref in refs:
+            worker = self.handed.pop(ref, None)
+            if worker is not None:
+                by_worker.setdefault(worker, []).append(ref)
+        return by_worker
+
+    def streams_ended(self, spawn_id: int, reason: str) -> None:
+        """The worker of a decoupled model died: a step it was still answering fails."""
+        for run in list(self.runs.values()):
+            for rid, sid in list(run.streaming.items()):
+                if sid == spawn_id and not run.done:
+                    self.fail(run, run.inflight[rid][1], ErrorCode.INTERNAL, reason)
+
+    def worker_gone(self, address: str) -> None:
+        """A worker died: its slots died with it, nobody returns them."""
+        for ref in [r for r, w in self.handed.items() if w == address]:
+            del self.handed[ref]
