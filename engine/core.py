@@ -81,7 +81,7 @@ class SchedulerCore:
                                         self.publish, self.reply_control, self.dispatch)
         self.versions = self.lifecycle.versions         # the serving map, shared
         self.ensembles = EnsembleRunner(
-            self.submit, lambda rid: self.cancel(CancelRequest(ENSEMBLE_FRONTEND, rid)),
+            self.submit, self.cancel_step,
             self.port.send_frontend, self.release_to, self.lifecycle.ready_version, clock,
             channel.scheduler_worker_address(settings.run_dir))
         self.worker_addresses: dict[str, int] = {}      # inbox address -> spawn id
@@ -167,6 +167,18 @@ class SchedulerCore:
     def step_results(self, msg: InferResults) -> None:
         for res in msg.results:
             self.ensembles.result(res)
+
+    def cancel_step(self, req_id: int, spawn_id: int = 0) -> None:
+        """An ensemble cancels a step: dropped if queued, its worker told if running; one that
+        streams past its execution (``spawn_id``, a decoupled model) is in no batch, so its
+        worker is told directly, as a frontend tells it for its own clients."""
+        msg = CancelRequest(ENSEMBLE_FRONTEND, req_id)
+        found = self.supervisor.by_spawn.get(spawn_id) if spawn_id else None
+        if found is not None:
+            if found[1].connected:
+                self.port.send_worker(spawn_id, msg)
+            return
+        self.cancel(msg)
 
     def release_to(self, address: str, refs: list) -> None:
         """Give a worker back output slots an ensemble's step filled."""
@@ -469,6 +481,8 @@ class SchedulerCore:
         self.housekeeping_at = 0.0             # a restart may be due at once
         self.custom_metrics.pop(spawn_id, None)
         ver, inst = death.version, death.instance
+        # ensemble steps it ran (a decoupled one may still have owed answers from a thread)
+        steps = [rid for fid, rid in inst.answered if fid == ENSEMBLE_FRONTEND]
         for address in [a for a, sid in self.worker_addresses.items() if sid == spawn_id]:
             del self.worker_addresses[address]
             self.ensembles.worker_gone(address)
@@ -487,7 +501,7 @@ class SchedulerCore:
                       f"{death.how} while sending responses")
             for fid in self.frontends:
                 self.port.send_frontend(fid, WorkerGone(spawn_id, [], reason))
-            self.ensembles.streams_ended(spawn_id, reason)
+            self.ensembles.streams_ended(spawn_id, reason, steps)
         if death.batch:
             self.requests_of_dead_worker(death)
         if death.outcome == Outcome.LOAD_FAILED:

@@ -50,6 +50,7 @@ class Branch:
     launched: set[int]                  # steps started in this branch or an ancestor
     children: list["Branch"] = field(default_factory=list)
     responded: bool = False
+    parent: "Branch | None" = None
 
 
 @dataclass(eq=False)
@@ -66,19 +67,22 @@ class Run:
     slots: dict[ShmRef, str] = field(default_factory=dict)
     timings: list[int] = field(default_factory=lambda: [0, 0, 0, 0])   # queue, in, infer, out
     streaming: dict[int, int] = field(default_factory=dict)   # decoupled step id -> spawn id
+    # handed slots a later response of this (decoupled) run may name too: the run holds a
+    # reference on each in ``handed`` until it ends
+    held: list[ShmRef] = field(default_factory=list)
     responses: int = 0
     done: bool = False
 
 
 class EnsembleRunner:
     def __init__(self, submit: Callable[[SubmitRequest, bytes], None],
-                 cancel: Callable[[int], None],
+                 cancel: Callable[[int, int], None],
                  answer: Callable[[int, InferResult], None],
                  release: Callable[[str, list[ShmRef]], None],
                  resolve: Callable[[str, int], int | None],
                  clock: Callable[[], int], release_address: str):
         self.submit_step = submit           # the core's submit, for a step's request
-        self.cancel_step = cancel           # cancel a step's request (by its id)
+        self.cancel_step = cancel           # cancel a step's request (id, spawn id if it streams)
         self.answer = answer                # to a client's frontend
         self.release = release              # ReleaseOutputs to the worker at an address
         self.resolve = resolve              # (model, version or -1) -> a ready version
@@ -86,7 +90,9 @@ class EnsembleRunner:
         self.release_address = release_address  # where frontends return handed slots
         self.runs: dict[tuple[int, int], Run] = {}     # (frontend, req_id) -> run
         self.steps: dict[int, Run] = {}     # step request id -> its run (until its final answer)
-        self.handed: dict[ShmRef, str] = {}  # slots answered to frontends -> owning worker
+        # slots answered to frontends -> [owning worker, references]: a frontend's release
+        # drops one, the run that holds it (Run.held) one when it ends; the last gives it back
+        self.handed: dict[ShmRef, list] = {}
         self.counter = 0
 
     # ---- start --------------------------------------------------------------------------------
@@ -111,8 +117,9 @@ class EnsembleRunner:
                                                code=code))
 
     # ---- the data flow ----------------------------------------------------------------------------
-    def advance(self, run: Run, branch: Branch) -> None:
-        """Start every step whose inputs ``branch`` now holds; answer what is complete."""
+    def advance(self, run: Run, branch: Branch, finish: bool = True) -> None:
+        """Start every step whose inputs ``branch`` now holds; answer what is complete;
+        ``finish``: end the request if no step runs then."""
         for step in run.plan.steps:
             if run.done:
                 return
@@ -127,7 +134,7 @@ class EnsembleRunner:
                 all(o.name in branch.tensors for o in run.wanted):
             branch.responded = True
             self.respond(run, branch, final=False)
-        if not run.inflight:
+        if finish and not run.inflight:
             self.finish(run)
 
     @staticmethod
@@ -147,6 +154,10 @@ class EnsembleRunner:
         for own, tensor in step.inputs.items():
             t = branch.tensors[tensor]
             inputs.append(Tensor(own, t.datatype, t.shape, t.data, t.shm))
+        problem = step_input_problem(step, inputs)
+        if problem:
+            self.fail(run, step, ErrorCode.INVALID_ARG, problem)
+            return
         outputs = []
         for own, tensor in step.outputs.items():
             spec = next((o for o in run.wanted if o.name == tensor), None)
@@ -203,29 +214,37 @@ class EnsembleRunner:
                 self.finish(run)
             return
         made: dict[str, Tensor] = {}
+        regions = {o.name for o in run.wanted if o.shm is not None}
         for t in res.outputs:
             tensor = step.outputs.get(t.name)
             if tensor is None:
                 continue
             made[tensor] = t
-            if t.shm is not None and res.worker:
+            # an output written into the client's region is not the worker's slot
+            if t.shm is not None and res.worker and tensor not in regions:
                 run.slots[t.shm] = res.worker
         if step.decoupled:
             child = Branch({**branch.tensors, **made}, set(branch.launched),
-                           responded=branch.responded)
+                           responded=branch.responded, parent=branch)
             branch.children.append(child)
             self.advance(run, child)
         else:
             self.add(run, branch, made)
 
     def add(self, run: Run, branch: Branch, made: dict[str, Tensor]) -> None:
-        """Tensors a step of ``branch`` made: its descendants see them too."""
-        branch.tensors.update(made)
-        self.advance(run, branch)
-        for child in list(branch.children):
+        """Tensors a step of ``branch`` made: its descendants see them too. The request may end
+        only once each of them had its chance to start steps or respond."""
+        order = [branch]
+        for b in order:             # the subtree, parents first
+            order.extend(b.children)
+        for b in order:
+            b.tensors.update(made)
+        for b in order:
             if run.done:
                 return
-            self.add(run, child, made)
+            self.advance(run, b, finish=False)
+        if not run.done and not run.inflight:
+            self.finish(run)
 
     def timings(self, req_id: int, queue_ns: int, input_ns: int, infer_ns: int,
                 output_ns: int) -> None:
@@ -242,19 +261,45 @@ class EnsembleRunner:
     def respond(self, run: Run, branch: Branch, final: bool) -> None:
         ver, head = run.version, run.head
         outs = []
-        handed = False
         for spec in run.wanted:
             t = branch.tensors.get(spec.name)
             if t is None:       # cannot happen: checked at load (every output is written)
                 continue
             outs.append(Tensor(spec.name, t.datatype, t.shape, t.data, t.shm))
-            if t.shm is not None and t.shm in run.slots:
-                self.handed[t.shm] = run.slots.pop(t.shm)
-                handed = True
+            ref = t.shm
+            if ref is None:
+                continue
+            if ref in run.slots:
+                self.handed[ref] = [run.slots.pop(ref), 1]
+                if self.shared(run, branch, spec.name, ref):
+                    self.handed[ref][1] += 1
+                    run.held.append(ref)
+            elif ref in run.held and ref in self.handed:
+                self.handed[ref][1] += 1
         run.responses += 1
+        # ``worker`` is the scheduler even when no slot is handed: a frontend sends the cancel
+        # of a request that is streaming to the worker of its answers, here this runner
         self.answer(head.frontend, InferResult(
             head.req_id, ver.name, ver.version, outs,
-            worker=self.release_address if handed else "", final=final))
+            worker=self.release_address, final=final))
+
+    @staticmethod
+    def shared(run: Run, branch: Branch, tensor: str, ref: ShmRef) -> bool:
+        """Whether a later response of ``run`` may hold the tensor that ``branch`` answers with,
+        or a step still reads it: then its slot must outlive this response. Tensors flow down
+        the branches only, and a branch's children made after it responded never respond."""
+        if not run.plan.decoupled:
+            return False            # one response, when no step runs
+        parent = branch.parent
+        if parent is not None and (t := parent.tensors.get(tensor)) is not None and t.shm == ref:
+            return True             # its parent's other descendants hold it too
+        if branch.children:         # made before it responded: they may respond with it
+            return True
+        # a step of this branch that reads it runs, or may run once an earlier step answers
+        return any(b is branch and tensor in step.inputs.values()
+                   for b, step in run.inflight.values()) or \
+            any(s.index not in branch.launched and tensor in s.inputs.values()
+                for s in run.plan.steps)
 
     def finish(self, run: Run) -> None:
         """No step runs any more: the answer (or the final flag) goes out."""
@@ -288,7 +333,7 @@ class EnsembleRunner:
         ver.stats.failed("OTHER", self.clock() - head.received_ns)
         self.close(run)
         for rid in list(run.inflight):
-            self.cancel_step(rid)
+            self.cancel_step(rid, run.streaming.get(rid, 0))
         run.inflight.clear()
         self.answer(head.frontend, InferResult(head.req_id, ver.name, ver.version,
                                                error=message, code=code))
@@ -298,6 +343,8 @@ class EnsembleRunner:
         self.runs.pop((run.head.frontend, run.head.req_id), None)
         self.give_back(run.slots)
         run.slots = {}
+        held, run.held = run.held, []
+        self.give_back(self.drop(held))
 
     def give_back(self, slots: dict[ShmRef, str]) -> None:
         by_worker: dict[str, list[ShmRef]] = {}
@@ -321,7 +368,7 @@ class EnsembleRunner:
         ver.stats.failed("CANCELED", self.clock() - head.received_ns)
         self.close(run)
         for rid in list(run.inflight):
-            self.cancel_step(rid)
+            self.cancel_step(rid, run.streaming.get(rid, 0))
         run.inflight.clear()
         self.answer(frontend, InferResult(req_id, ver.name, ver.version,
                                           error="the request was cancelled by the client",
@@ -331,20 +378,59 @@ class EnsembleRunner:
     def released(self, refs: list[ShmRef]) -> dict[str, list[ShmRef]]:
         """A frontend is done with slots of an ensemble's answer: which worker owns each."""
         by_worker: dict[str, list[ShmRef]] = {}
-        for ref in refs:
-            worker = self.handed.pop(ref, None)
-            if worker is not None:
-                by_worker.setdefault(worker, []).append(ref)
+        for ref, worker in self.drop(refs).items():
+            by_worker.setdefault(worker, []).append(ref)
         return by_worker
 
-    def streams_ended(self, spawn_id: int, reason: str) -> None:
-        """The worker of a decoupled model died: a step it was still answering fails."""
+    def drop(self, refs: list[ShmRef]) -> dict[ShmRef, str]:
+        """One reference less on each handed slot: those nobody holds any more, with their
+        workers."""
+        free: dict[ShmRef, str] = {}
+        for ref in refs:
+            entry = self.handed.get(ref)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self.handed[ref]
+                free[ref] = entry[0]
+        return free
+
+    def streams_ended(self, spawn_id: int, reason: str, answered=()) -> None:
+        """The worker of a decoupled model died: a step it was still answering fails: one that
+        streamed, or one whose execution it had finished (``answered``: it may have meant to
+        answer from a thread) and that has not had its final answer."""
+        lost = set(answered)
         for run in list(self.runs.values()):
-            for rid, sid in list(run.streaming.items()):
-                if sid == spawn_id and not run.done:
-                    self.fail(run, run.inflight[rid][1], ErrorCode.INTERNAL, reason)
+            for rid, (_, step) in list(run.inflight.items()):
+                if not run.done and (run.streaming.get(rid) == spawn_id or rid in lost):
+                    self.fail(run, step, ErrorCode.INTERNAL, reason)
 
     def worker_gone(self, address: str) -> None:
         """A worker died: its slots died with it, nobody returns them."""
-        for ref in [r for r, w in self.handed.items() if w == address]:
+        for ref in [r for r, (w, _) in self.handed.items() if w == address]:
             del self.handed[ref]
+
+
+def step_input_problem(step: Step, inputs: list[Tensor]) -> str:
+    """A step's inputs must fit its model's config as a client's would (the frontend checked
+    only the ensemble's own inputs); Triton's words, or "" when they fit."""
+    batched = step.max_batch_size > 0
+    for t in inputs:
+        dims = step.input_dims.get(t.name)
+        if dims is None:
+            continue
+        shape = t.shape
+        if batched:
+            if not shape:
+                return (f"input '{t.name}' for model '{step.model}' has no batch dimension, "
+                        f"but the model has max_batch_size {step.max_batch_size}")
+            if shape[0] > step.max_batch_size:
+                return (f"inference request batch-size must be <= {step.max_batch_size} for "
+                        f"'{step.model}'")
+            shape = shape[1:]
+        if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
+            lead = [-1] if batched else []
+            return (f"unexpected shape for input '{t.name}' for model '{step.model}'. "
+                    f"Expected {lead + dims}, got {t.shape}")
+    return ""

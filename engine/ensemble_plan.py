@@ -25,6 +25,7 @@ class Step:
     decoupled: bool = False
     variable_inputs: frozenset = frozenset()
     optional_inputs: frozenset = frozenset()
+    input_dims: dict[str, list[int]] = field(default_factory=dict)     # without the batch
 
     @property
     def label(self) -> str:
@@ -53,15 +54,17 @@ def plan(cfg: ModelConfig) -> EnsemblePlan:
     """Check the ensemble's own config; raises ConfigError naming the problem."""
     name = cfg.name
     sched = cfg.ensemble_scheduling
+    # a batcher is checked first: it shares a oneof with ensemble_scheduling, so an ensemble
+    # that sets one has no steps, and "no steps" would hide the reason
+    for other in ("dynamic_batching", "sequence_batching"):
+        if cfg.HasField(other):
+            raise ConfigError(f"ensemble '{name}': {other} cannot be specified for an "
+                              f"ensemble; its composing models batch")
     if not sched.step:
         raise ConfigError(f"ensemble '{name}' must have at least one step in ensemble_scheduling")
     if cfg.instance_group:
         raise ConfigError(f"ensemble '{name}': instance_group cannot be specified for an "
                           f"ensemble; its composing models have instances")
-    for other in ("dynamic_batching", "sequence_batching"):
-        if cfg.HasField(other):
-            raise ConfigError(f"ensemble '{name}': {other} cannot be specified for an "
-                              f"ensemble; its composing models batch")
     inputs = [t.name for t in cfg.input]
     outputs = [t.name for t in cfg.output]
     p = EnsemblePlan(name, [], inputs, outputs)
@@ -170,6 +173,7 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
         step.variable_inputs = frozenset(t.name for t in sub.input
                                          if -1 in t.dims and not t.allow_ragged_batch)
         step.optional_inputs = frozenset(t.name for t in sub.input if t.optional)
+        step.input_dims = {t.name: list(t.dims) for t in sub.input}
     p.decoupled = any(s.decoupled for s in p.steps)
 
 

@@ -336,8 +336,10 @@ class ModelLifecycle:
         if dependents:
             plans = [v.ensemble for v in self.serving_versions(name) if v.ensemble is not None]
             if plans:
+                # only loaded ensembles keep their models (not one whose load failed)
                 others = {m for v in self.versions.values() if v.ensemble is not None
-                          and v.name != name for m in v.ensemble.composing()}
+                          and v.name != name and v.state == ModelState.READY
+                          for m in v.ensemble.composing()}
                 for model in {m for p in plans for m in p.composing()} - others:
                     self.unload(model, None)
         if name in self.loads:

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import requests
@@ -23,7 +24,18 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.05):
             return value
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
+        _pause(interval)
+
+
+def _pause(seconds: float) -> None:
+    """Sleep, letting tritonclient.http's async requests go out meanwhile: they are gevent
+    greenlets, sent only while the waiting thread yields to gevent's hub (time.sleep does not;
+    a test that waits for such a request to reach the server would wait for ever)."""
+    gevent = sys.modules.get("gevent")
+    if gevent is not None and threading.current_thread() is threading.main_thread():
+        gevent.sleep(seconds)
+    else:
+        time.sleep(seconds)
 
 
 def descendants(pid: int) -> list[int]:

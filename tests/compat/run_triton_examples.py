@@ -28,7 +28,6 @@ REPO = os.path.join(ROOT, "configs", "models")
 
 # Examples that need what shmserve does not have yet, and the issue that brings it.
 SKIP = {
-    "ensemble_image_client.py": "ensembles (issue 16)",
     "memory_growth_test.py": "Triton's C++ custom_identity_int32 backend",
     "simple_grpc_cudashm_client.py": "a GPU (issue 19)",
     "simple_http_cudashm_client.py": "a GPU (issue 19)",
@@ -67,6 +66,9 @@ def _argvs(example: str, server: Server, image: str) -> list[list[str]]:
     url = server.grpc_url if "grpc" in example else server.url
     if example in ("image_client.py", "grpc_image_client.py"):
         return [["-u", url, "-m", "densenet_onnx", "-c", "3", "-s", "INCEPTION", image]]
+    if example == "ensemble_image_client.py":    # preprocess_inception_ensemble
+        return [["-u", server.url, "-c", "3", image],
+                ["-i", "grpc", "-u", server.grpc_url, "-c", "3", image]]
     if example == "reuse_infer_objects_client.py":
         return [["-i", "http", "-u", server.url], ["-i", "grpc", "-u", server.grpc_url]]
     return [["-u", url]]

@@ -245,3 +245,44 @@ def test_bls_simple_calls_simple_through_the_scheduler(srv):
     np.testing.assert_array_equal(r.as_numpy("OUTPUT1"), (x - 1) * 10)
     stats = c.get_inference_statistics("simple")["model_stats"][0]
     assert int(stats["inference_count"]) >= 1          # simple ran it, and counted it
+
+
+def _image_file(rgb, fmt: str) -> bytes:
+    import io
+
+    from PIL import Image
+    out = io.BytesIO()
+    Image.new("RGB", (160, 120), rgb).save(out, format=fmt)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_ensemble_image_client_on_preprocess_inception_ensemble(srv, protocol):
+    # ensemble_image_client.py -c 3 <folder>: encoded image files as BYTES [batch, 1] into the
+    # ensemble, whose first step decodes them and whose second classifies them; class_count
+    # on the ensemble's output
+    files = [_image_file((250, 10, 10), "JPEG"), _image_file((10, 10, 250), "PNG")]
+    data = np.array([[f] for f in files], dtype=np.object_)
+    mod = httpclient if protocol == "http" else grpcclient
+    c = mod.InferenceServerClient(srv.url if protocol == "http" else srv.grpc_url)
+    meta = c.get_model_metadata("preprocess_inception_ensemble")
+    cfg = c.get_model_config("preprocess_inception_ensemble")
+    if protocol == "grpc":
+        assert meta.platform == "ensemble" and cfg.config.max_batch_size == 8
+        assert [s.model_name for s in cfg.config.ensemble_scheduling.step] == \
+            ["image_preprocess", "classifier_onnx"]
+    else:
+        assert meta["platform"] == "ensemble" and cfg["max_batch_size"] == 8
+    i = mod.InferInput("INPUT", list(data.shape), "BYTES")
+    i.set_data_from_numpy(data)
+    out = c.infer("preprocess_inception_ensemble", [i],
+                  outputs=[mod.InferRequestedOutput("OUTPUT", class_count=3)]).as_numpy("OUTPUT")
+    assert out.shape == (2, 3)
+    assert [row[0].decode().split(":")[2] for row in out] == ["red", "blue"]
+    # a file that is no image fails in the first step, which the error names
+    bad = mod.InferInput("INPUT", [1, 1], "BYTES")
+    bad.set_data_from_numpy(np.array([[b"not an image"]], dtype=np.object_))
+    with pytest.raises(InferenceServerException,
+                       match=r"in ensemble 'preprocess_inception_ensemble', step 0 \(model "
+                             r"'image_preprocess'\): cannot decode the image"):
+        c.infer("preprocess_inception_ensemble", [bad])

@@ -6,19 +6,27 @@ import os
 
 from shmserve.engine.core import SchedulerCore
 from shmserve.ipc.messages import (
+    ENSEMBLE_FRONTEND,
     BatchDone,
     ControlReply,
+    ErrorCode,
     ExecuteBatch,
     FrontendHello,
+    InferPayload,
     InferResult,
     InferResults,
     ModelTable,
+    OutputSpec,
     Ping,
     Pong,
     ServerSettings,
+    ShmRef,
     SubmitRequest,
+    Tensor,
     WorkerLoadFailed,
     WorkerReady,
+    decode_payload,
+    encode,
 )
 
 FRONTEND = 0
@@ -101,6 +109,35 @@ def write_model(repo: str, name: str, config: str, versions=(1,)) -> None:
             f.write("class TritonPythonModel:\n    pass\n")
 
 
+def write_ensemble(repo: str, name: str, steps, inputs=("IN",), outputs=("OUT",),
+                   extra: str = "max_batch_size: 8", versions=(1,)) -> None:
+    """An ensemble of FP32 [4] tensors; ``steps``: (model, {its input: tensor},
+    {its output: tensor}) each."""
+    io = "".join(f'input {{ name: "{t}" data_type: TYPE_FP32 dims: [ 4 ] }}\n' for t in inputs)
+    io += "".join(f'output {{ name: "{t}" data_type: TYPE_FP32 dims: [ 4 ] }}\n' for t in outputs)
+    body = ""
+    for model, ins, outs in steps:
+        body += f'  step {{ model_name: "{model}" model_version: -1\n'
+        body += "".join(f'    input_map {{ key: "{k}" value: "{v}" }}\n' for k, v in ins.items())
+        body += "".join(f'    output_map {{ key: "{k}" value: "{v}" }}\n' for k, v in outs.items())
+        body += "  }\n"
+    os.makedirs(os.path.join(repo, name), exist_ok=True)
+    with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
+        f.write(f'name: "{name}"\nplatform: "ensemble"\n{extra}\n{io}'
+                f'ensemble_scheduling {{\n{body}}}\n')
+    for v in versions:
+        os.makedirs(os.path.join(repo, name, str(v)), exist_ok=True)
+
+
+def tensor_payload(inputs: dict, outputs=("OUT",), **kw) -> bytes:
+    """An encoded InferPayload: ``inputs`` name -> ShmRef (in shared memory) or bytes (inline),
+    FP32 [1, 4] each; ``outputs``: names, or OutputSpecs."""
+    ins = [Tensor(n, "FP32", [1, 4], None, v) if isinstance(v, ShmRef) else
+           Tensor(n, "FP32", [1, 4], v) for n, v in inputs.items()]
+    outs = [o if isinstance(o, OutputSpec) else OutputSpec(o) for o in outputs]
+    return encode(InferPayload(kw.pop("request_id", ""), ins, outs, **kw))
+
+
 IO = '''input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] } ]'''
 ONE = 'instance_group [ { count: 1 kind: KIND_CPU } ]'
@@ -121,6 +158,7 @@ class Harness:
         self.next_req = 0
         self.mute: set[int] = set()     # workers that do not answer pings
         self.pinged = 0                 # how many of port.to_worker were looked at for pings
+        self.slot = 0                   # output slots handed out by answer() and respond()
 
     # ---- moves -----------------------------------------------------------------------------------
     def start(self, ready: bool = True) -> "Harness":
@@ -131,7 +169,7 @@ class Harness:
         return self
 
     def ready(self, sid: int, config_json: str = "") -> None:
-        self.core.handle(WorkerReady(sid, 1000 + sid, f"inproc://w{sid}", config_json))
+        self.core.handle(WorkerReady(sid, 1000 + sid, self.address(sid), config_json))
 
     def ready_all(self) -> None:
         for sid in self.waiting():
@@ -141,11 +179,70 @@ class Harness:
         self.core.handle(WorkerLoadFailed(sid, reason))
 
     def submit(self, model: str, version: int = 1, **kw) -> int:
+        """``payload``: the encoded InferPayload (an ensemble decodes it; tensor_payload)."""
         self.next_req += 1
+        payload = kw.pop("payload", None) or f"payload-{self.next_req}".encode()
         self.core.handle(SubmitRequest(self.next_req, FRONTEND, model, version,
                                        kw.pop("batch_size", 1), self.clock(), **kw),
-                         [f"payload-{self.next_req}".encode()])
+                         [payload])
         return self.next_req
+
+    # ---- a worker answering the scheduler's own requests (an ensemble's steps) --------------
+    @staticmethod
+    def address(sid: int) -> str:
+        """The inbox address ``ready`` gives worker ``sid``."""
+        return f"inproc://w{sid}"
+
+    def outputs_for(self, sid: int, frame: bytes) -> list[Tensor]:
+        """What worker ``sid`` returns for a request: each asked output, FP32 [1, 4], in a slot
+        of its own (or in the region the request names)."""
+        out = []
+        for o in decode_payload(frame).outputs:
+            self.slot += 1
+            out.append(Tensor(o.name, "FP32", [1, 4], None,
+                              o.shm or ShmRef(f"w{sid}-out", self.slot * 64, 16)))
+        return out
+
+    def steps_of(self, sid: int) -> list[tuple[int, object]]:
+        """(step request id, decoded payload) of the last batch worker ``sid`` got."""
+        _, batch, payloads = self.batches(sid)[-1]
+        return [(r.req_id, decode_payload(p)) for r, p in zip(batch.routes, payloads)
+                if r.frontend == ENSEMBLE_FRONTEND]
+
+    def answer(self, sid: int, error: str = "", times=(10, 20, 30)) -> list[InferResult]:
+        """Worker ``sid`` finishes its batch as a worker does: the answers of the scheduler's
+        requests in it (with their times in ``done``) to the core, then BatchDone."""
+        _, batch, payloads = self.batches(sid)[-1]
+        model = self.port.spawned[sid].model_name
+        sent, failed = [], []
+        for i, (route, frame) in enumerate(zip(batch.routes, payloads)):
+            if route.frontend != ENSEMBLE_FRONTEND:
+                continue
+            if error:
+                res = InferResult(route.req_id, model, 1, error=error, code=ErrorCode.INTERNAL)
+                failed.append(i)
+            else:
+                res = InferResult(route.req_id, model, 1, self.outputs_for(sid, frame),
+                                  worker=self.address(sid))
+            res.done = BatchDone(sid, batch.batch_id, [], *times)
+            sent.append(res)
+        if sent:
+            self.core.handle(sent[0] if len(sent) == 1 else InferResults(sent))
+        self.core.handle(BatchDone(sid, batch.batch_id, failed, *times))
+        return sent
+
+    def respond(self, sid: int, req_id: int, final: bool = False,
+                no_response: bool = False) -> InferResult:
+        """A decoupled worker ``sid`` sends one response of the step ``req_id`` it runs (through
+        its response sender: no ``done``; ``no_response``: the final flag alone)."""
+        frame = next(p for _, b, ps in self.batches(sid) for r, p in zip(b.routes, ps)
+                     if r.req_id == req_id and r.frontend == ENSEMBLE_FRONTEND)
+        model = self.port.spawned[sid].model_name
+        outs = [] if no_response else self.outputs_for(sid, frame)
+        res = InferResult(req_id, model, 1, outs, worker=self.address(sid) if outs else "",
+                          final=final, no_response=no_response, spawn_id=sid)
+        self.core.handle(res)
+        return res
 
     def finish(self, sid: int, failed=()) -> None:
         """The worker ``sid`` answers the batch it holds."""
@@ -195,6 +292,15 @@ class Harness:
             for r in (m.results if isinstance(m, InferResults) else [m]):
                 if isinstance(r, InferResult):
                     out[r.req_id] = r
+        return out
+
+    def answers(self, req_id: int) -> list[InferResult]:
+        """Every answer the client's frontend got for ``req_id``, in order (a stream's too)."""
+        out = []
+        for _, m in self.port.to_frontend:
+            for r in (m.results if isinstance(m, InferResults) else [m]):
+                if isinstance(r, InferResult) and r.req_id == req_id:
+                    out.append(r)
         return out
 
     def replies(self) -> list[ControlReply]:
