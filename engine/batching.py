@@ -27,6 +27,8 @@ class QueuedRequest:
     deadline_ns: int = 0        # queue timeout; 0 = none
     dispatched_ns: int = 0
     alone: bool = False         # its worker died: it runs again once, in a batch of its own
+    sequence_id: int | str = 0  # the sequence batcher's correlation id (0: none)
+    flags: int = 0              # SEQUENCE_START 1 | SEQUENCE_END 2
 
 
 def shape_key(tensors, variable_inputs: frozenset, has_optional: bool,
@@ -57,6 +59,7 @@ class RequestQueue(Protocol):
     def next_deadline_ns(self) -> int | None: ...
     def take_expired(self) -> list[QueuedRequest]: ...
     def requeue(self, req: QueuedRequest) -> None: ...
+    def take_failed(self) -> list[tuple[QueuedRequest, str]]: ...
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None: ...
     def drain(self) -> list[QueuedRequest]: ...
     def instance_idle(self, key: Hashable) -> None: ...
@@ -76,6 +79,10 @@ class IdleInstances:
     def instance_gone(self, key: Hashable) -> None:
         if key in self.idle:
             self.idle.remove(key)
+
+    def take_failed(self) -> list[tuple[QueuedRequest, str]]:
+        """Queued requests that can no longer run, with why (the sequence batcher's)."""
+        return []
 
 
 class DefaultQueue(IdleInstances):

@@ -59,6 +59,7 @@ from .lifecycle import ModelLifecycle, Waiter
 from .models import Instance, ModelVersion
 from .port import SchedulerPort
 from .repository import ModelRepository
+from .sequence_batcher import SequenceError
 from .states import InstanceState, KillReason, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
@@ -124,6 +125,9 @@ class SchedulerCore:
             return
         if kind is BatchDone:
             self.batch_done(msg)
+            return
+        if kind is InferResult:             # an ensemble step's answer streamed by a worker
+            self.ensembles.result(msg)
             return
         if kind is LeasedDone:
             self.leased_done(msg)
@@ -265,7 +269,8 @@ class SchedulerCore:
             return
         req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
                             priority=msg.priority, timeout_us=msg.timeout_us,
-                            shape_key=msg.shape_key, received_ns=msg.received_ns)
+                            shape_key=msg.shape_key, received_ns=msg.received_ns,
+                            sequence_id=msg.sequence_id, flags=msg.sequence_flags)
         if msg.lost:        # it went to a leased worker that died: retried alone, or failed
             if not (msg.lost_retry and ver.retry_on_death and not self.stopping):
                 ver.stats.failed("BACKEND", self.clock() - msg.received_ns)
@@ -278,10 +283,18 @@ class SchedulerCore:
             return
         if not msg.chain:           # a worker's BLS requests never get a lease
             self.leases.note_request(ver, msg.frontend)
+        else:
+            # nor does the next idle spell go to the last client frontend: a lease granted as
+            # a BLS or ensemble step ends would be revoked by the next step, a round trip each
+            self.leases.note_request(ver, None)
         try:
             ver.queue.enqueue(req)
         except QueueFull as e:
             self.reject(ver, req, str(e))
+            return
+        except SequenceError as e:      # the sequence rules refuse it: the client's mistake
+            self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+                             ErrorCode.INVALID_ARG, str(e))
             return
         self.queued_in[(msg.frontend, msg.req_id)] = ver
         self.dispatch(ver)
@@ -393,6 +406,11 @@ class SchedulerCore:
                 dispatched_ns=max(head.received_ns, started))], done)
 
     def batch_done(self, msg: BatchDone) -> None:
+        self.finish_batch(msg)
+        for res in msg.answers:     # after: the instance is idle for the next step already
+            self.ensembles.result(res)
+
+    def finish_batch(self, msg: BatchDone) -> None:
         found = self.supervisor.by_spawn.get(msg.spawn_id)
         if found is None:
             return
@@ -424,6 +442,9 @@ class SchedulerCore:
                 stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
                                 done.compute_input_ns, done.compute_infer_ns,
                                 done.compute_output_ns)
+                if r.frontend == ENSEMBLE_FRONTEND:     # the ensemble's too
+                    self.ensembles.timings(r.req_id, 0, done.compute_input_ns,
+                                           done.compute_infer_ns, done.compute_output_ns)
 
 
     def lease_ended(self, msg: LeaseEnded) -> None:
@@ -504,6 +525,12 @@ class SchedulerCore:
             self.ensembles.streams_ended(spawn_id, reason, steps)
         if death.batch:
             self.requests_of_dead_worker(death)
+        now = self.clock()
+        for r, why in ver.queue.take_failed():     # sequences whose state died with it
+            self.queued_in.pop((r.frontend, r.req_id), None)
+            ver.stats.failed("OTHER", now - r.received_ns)
+            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
+                             why)
         if death.outcome == Outcome.LOAD_FAILED:
             self.lifecycle.version_failed(ver, death.load_error or (
                 f"worker process of instance '{inst.name}' {death.how} while loading the model"))

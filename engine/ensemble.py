@@ -190,10 +190,6 @@ class EnsembleRunner:
         if run is None:
             self.give_back_late(res)
             return
-        if res.done is not None:    # the step's compute times count for the ensemble too
-            d = res.done
-            self.timings(res.req_id, 0, d.compute_input_ns, d.compute_infer_ns,
-                         d.compute_output_ns)
         if res.final:
             del self.steps[res.req_id]
         where = run.inflight.get(res.req_id)

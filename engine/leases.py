@@ -89,8 +89,12 @@ class LeaseBook:
                 and not ver.batching and not ver.config.HasField("sequence_batching")
                 and not ver.config.model_transaction_policy.decoupled)
 
-    def note_request(self, ver: ModelVersion, frontend: int) -> None:
-        self.last_frontend[(ver.name, ver.version)] = frontend
+    def note_request(self, ver: ModelVersion, frontend: int | None) -> None:
+        """The frontend the version's latest request came from; None: not a lease taker."""
+        if frontend is None:
+            self.last_frontend.pop((ver.name, ver.version), None)
+        else:
+            self.last_frontend[(ver.name, ver.version)] = frontend
 
     def offer(self, ver: ModelVersion, idle: list, frontend: int | None = None,
               returned: list[int] | None = None) -> bool:

@@ -120,6 +120,34 @@ def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
                               f"{level}, outside [1, priority_levels={levels}]")
 
 
+def _normalize_sequence_batching(cfg: mc.ModelConfig) -> None:
+    """Triton's defaults and what the scheduler relies on; the controls and the implicit state
+    are checked by the worker, which builds them (workers/sequence.py), when it loads."""
+    sb, name, mbs = cfg.sequence_batching, cfg.name, cfg.max_batch_size
+    if not sb.max_sequence_idle_microseconds:
+        sb.max_sequence_idle_microseconds = 1_000_000
+    if not sb.HasField("oldest") and not sb.HasField("direct"):
+        sb.direct.SetInParent()
+    if sb.HasField("oldest"):
+        o = sb.oldest
+        if o.max_candidate_sequences <= 0:
+            raise ConfigError(f"model '{name}': sequence_batching oldest "
+                              f"max_candidate_sequences must be > 0")
+        for p in o.preferred_batch_size:
+            if p <= 0 or p > max(1, mbs):
+                raise ConfigError(f"model '{name}': sequence_batching oldest "
+                                  f"preferred_batch_size {p} must be between 1 and "
+                                  f"max_batch_size ({max(1, mbs)})")
+    elif not 0.0 <= sb.direct.minimum_slot_utilization <= 1.0:
+        raise ConfigError(f"model '{name}': sequence_batching direct minimum_slot_utilization "
+                          f"must be between 0 and 1")
+    for state in sb.state:
+        for init in state.initial_state:
+            if init.HasField("data_file"):
+                _check_file_name(name, f"state '{state.input_name}' initial_state "
+                                       f"'{init.name}' data_file", init.data_file)
+
+
 def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelConfig:
     """Check a config and fill the defaults Triton fills (docs/triton-compat.md §3.3); raises ConfigError."""
     if cfg.name and cfg.name != name:
@@ -161,7 +189,7 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
     if cfg.HasField("dynamic_batching"):
         _check_dynamic_batching(cfg)
     if cfg.HasField("sequence_batching"):
-        raise ConfigError(f"model '{name}': sequence_batching is not supported yet")
+        _normalize_sequence_batching(cfg)
     if not cfg.instance_group:
         cfg.instance_group.add()
     for i, group in enumerate(cfg.instance_group):

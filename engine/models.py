@@ -12,6 +12,7 @@ from .batching import DefaultQueue, QueuedRequest, RequestQueue
 from .dynamic_batcher import DynamicBatcher, batcher_config
 from .ensemble_plan import EnsemblePlan
 from .model_config import ModelConfig
+from .sequence_batcher import SequenceBatcher, sequence_config
 from .states import InstanceState, KillReason, ModelState
 from .stats import VersionStats
 
@@ -91,8 +92,10 @@ class ModelVersion:
 
     def configure_timeout(self, default_s: float) -> None:
         retry = self.config.parameters.get("retry_on_worker_death")
-        # a decoupled model may have streamed part of its answer before it died: never re-run
-        self.retry_on_death = not self.config.model_transaction_policy.decoupled and (
+        # a decoupled model may have streamed part of its answer before it died, and a
+        # sequence model's state died with it: never re-run
+        self.retry_on_death = not self.config.model_transaction_policy.decoupled and \
+            not self.config.HasField("sequence_batching") and (
             retry is None or retry.string_value.strip().lower() not in ("false", "no", "off", "0"))
         param = self.config.parameters.get("execution_timeout_ms")
         self.execution_timeout_s = default_s
@@ -106,6 +109,8 @@ class ModelVersion:
         kw: dict[str, Any] = {"clock": self.clock} if self.clock is not None else {}
         if self.config.HasField("dynamic_batching"):
             self.queue = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE, **kw)
+        elif self.config.HasField("sequence_batching"):
+            self.queue = SequenceBatcher(sequence_config(self.config), DEFAULT_MAX_QUEUE, **kw)
         else:
             self.queue = DefaultQueue(max_queue_size=DEFAULT_MAX_QUEUE, **kw)
 
@@ -115,8 +120,9 @@ class ModelVersion:
 
     @property
     def batching(self) -> bool:
-        """Whether its queue has deadlines of its own (delays, queue timeouts)."""
-        return self.config.HasField("dynamic_batching")
+        """Whether its queue has deadlines of its own (delays, queue timeouts, idle sequences)."""
+        return self.config.HasField("dynamic_batching") or \
+            self.config.HasField("sequence_batching")
 
     def all_started(self) -> bool:
         return all(i.state in (InstanceState.IDLE, InstanceState.BUSY, InstanceState.LEASED)

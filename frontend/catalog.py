@@ -40,6 +40,7 @@ class ModelView:
     has_optional: bool = False
     preserve_ordering: bool = False
     decoupled: bool = False             # any number of answers per request (streams only)
+    sequence: bool = False              # a sequence batcher: requests carry a correlation id
 
     @property
     def batch_sensitive(self) -> bool:
@@ -74,6 +75,7 @@ def _view(info) -> ModelView:
                                      if -1 in t.dims and not t.allow_ragged_batch)
     view.has_optional = any(t.optional for t in cfg.input)
     view.decoupled = cfg.model_transaction_policy.decoupled
+    view.sequence = cfg.HasField("sequence_batching")
     view.preserve_ordering = cfg.HasField("dynamic_batching") and \
         cfg.dynamic_batching.preserve_ordering and not view.decoupled
     for t in cfg.input:

@@ -134,9 +134,11 @@ class EngineClient:
                                   error=f"the server is overloaded: {len(self.pending)} requests "
                                         f"in flight (--max-inflight-requests); try again later"))
             return req_id
+        p = prepared.payload
         head = SubmitRequest(req_id, self.frontend_id, model, version, prepared.batch_size,
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
-                             prepared.shape_key)
+                             prepared.shape_key, sequence_id=p.correlation_id,
+                             sequence_flags=p.flags)
         payload = encode_message(prepared.payload)
         lease = self.leases.get((model, version)) if self.leases else None
         if lease is None or ordered or (lease.depth and lease.inflight >= lease.depth) or \

@@ -222,6 +222,8 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         correlation_id, flags = _sequence(params)
         model_params = {k: v for k, v in params.items() if k not in RESERVED_PARAMS}
         _check_custom(model_params)
+    if model.sequence:
+        _check_sequence(model, batch, correlation_id)
     payload = InferPayload(request_id, tensors,
                            [OutputSpec(o.name, o.ref, o.classification) for o in outputs],
                            model_params, correlation_id, flags)
@@ -229,6 +231,17 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         r.in_use += 1
     return PreparedRequest(payload, batch, wanted, request_id, scratch, regions, priority,
                            timeout_us, shape_key(model, tensors))
+
+
+def _check_sequence(model: ModelView, batch: int, correlation_id: int | str) -> None:
+    """What the sequence batcher needs of every request, in Triton's words; whether the
+    sequence is live is the scheduler's to say."""
+    if correlation_id == 0 or correlation_id == "":
+        raise invalid(f"inference request to model '{model.name}' must specify a non-zero or "
+                      f"non-empty correlation ID")
+    if model.max_batch_size > 0 and batch != 1:
+        raise invalid(f"inference request to model '{model.name}' must specify batch-size 1 "
+                      f"due to requirements of sequence batcher")
 
 
 def _check_classification(model: ModelView, outputs: list[OutputWanted]) -> None:

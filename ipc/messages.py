@@ -138,6 +138,9 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
     # BLS: a python model's request (from its worker), and the models whose executions wait
     # for it; one that would wait for an instance its own chain holds is refused (deadlock)
     chain: list[str] = []
+    # the sequence batcher routes by these (they are in the payload too, for the model)
+    sequence_id: int | str = 0
+    sequence_flags: int = 0
 
 
 class LeasedDone(msgspec.Struct, array_like=True, tag=6):
@@ -391,6 +394,7 @@ class BatchDone(msgspec.Struct, array_like=True, tag=32):
     leased: SubmitRequest | None = None     # the request a LeasedExecute ran, for statistics
     finished_ns: int = 0        # leased: when it finished (statistics count to then, not to
                                 # when the record reaches the scheduler)
+    answers: list["InferResult"] = []   # the answers of an ensemble's steps in the batch
 
 
 class LeaseEnded(msgspec.Struct, array_like=True, tag=35):

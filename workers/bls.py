@@ -149,7 +149,9 @@ class BlsClient:
             self.pending[req_id] = answers
         head = SubmitRequest(req_id, self.fid, view.name, v, prepared.batch_size,
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
-                             prepared.shape_key, chain=chain)
+                             prepared.shape_key, chain=chain,
+                             sequence_id=prepared.payload.correlation_id,
+                             sequence_flags=prepared.payload.flags)
         worker.tell(head, (encode_message(prepared.payload),))
         return req_id, answers, slots
 

@@ -50,7 +50,7 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.proc import PacketWaker, StopFlag, die_with_parent, failure_path
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
-from . import autocomplete, classification, pb_metrics, pb_utils, tensors, warmup
+from . import autocomplete, classification, pb_metrics, pb_utils, sequence, tensors, warmup
 from .backend import WorkRequest, load_backend
 
 log = logging.getLogger("shmserve.worker")
@@ -80,6 +80,7 @@ class Worker:
         self.spec = args.spec
         self.use_config(args.spec.config_json)
         self.labels: dict[str, list[bytes]] = {}    # output -> class labels (label_filename)
+        self.sequence: sequence.Sequences | None = None    # sequence_batching: set by load()
         self.backend = None
         # messages that request.is_cancelled() read while execute() ran; handled first, in order
         self.backlog: deque = deque()
@@ -166,8 +167,9 @@ class Worker:
                     self.spec.version)
             self.backend = load_backend(self.spec, self.poll_cancelled)
             self.use_config(self.spec.config_json)
-            self.labels = classification.read_labels(json.loads(self.spec.config_json),
-                                                     self.spec.model_dir)
+            config = json.loads(self.spec.config_json)
+            self.labels = classification.read_labels(config, self.spec.model_dir)
+            self.sequence = sequence.from_config(config, self.spec.model_dir)
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
             reason = str(e) or type(e).__name__
@@ -372,15 +374,20 @@ class Worker:
                     chains.extend(m for m in p.chain if m not in chains)
                 target = {o.name: o.shm for o in p.outputs if o.shm is not None}
                 top = {o.name: o.classification for o in p.outputs if o.classification}
+                wanted = [o.name for o in p.outputs]
+                if self.sequence is not None:   # control inputs, implicit state
+                    wanted = self.sequence.prepare(p.correlation_id, p.flags, inputs, types, wanted)
                 emit = None
                 if self.senders:
                     self.streams[key] = (route, target, top)
                     emit = partial(self.emit, key)
-                work.append(WorkRequest(inputs, types, [o.name for o in p.outputs], p.request_id,
+                work.append(WorkRequest(inputs, types, wanted, p.request_id,
                                         p.parameters, p.correlation_id, p.flags, key, emit))
                 ready.append(i)
                 targets.append(target)
                 classes.append(top)
+            except sequence.SequenceRequestError as e:
+                results[i] = self.error(batch.routes[i].req_id, str(e), ErrorCode.INVALID_ARG)
             except (ShmError, ValueError, msgspec.DecodeError) as e:
                 results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
@@ -402,6 +409,8 @@ class Worker:
                 self.running_chain = []
                 if self.cancelled:
                     self.cancelled.clear()
+            if self.sequence is not None:   # new states kept, ended ones dropped
+                self.sequence.finish(work, responses)
             if responses is None:
                 t2 = clock()
                 for i in ready:
@@ -430,15 +439,13 @@ class Worker:
             if res.error:
                 failed.append(i)
             by_frontend.setdefault(route.frontend, []).append(res)
-        steps = by_frontend.get(ENSEMBLE_FRONTEND)
-        if steps:                   # the scheduler sums the steps' times into the ensemble's
-            for res in steps:
-                res.done = BatchDone(self.args.spawn_id, batch.batch_id, [], t1 - t0, t2 - t1,
-                                     t3 - t2)
+        # an ensemble's steps: their answers ride in the BatchDone (one message, one wake-up of
+        # the scheduler, which runs the ensemble)
+        steps = by_frontend.pop(ENSEMBLE_FRONTEND, None)
         for fid, answers in by_frontend.items():
             self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
         self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,
-                                      t1 - t0, t2 - t1, t3 - t2))
+                            t1 - t0, t2 - t1, t3 - t2, answers=steps or []))
 
     def end_stream(self, route: RequestRoute) -> None:
         """The request's answer comes from execute()'s return: its sender can send no more."""

@@ -8,6 +8,7 @@ import numpy as np
 
 from shmserve.ipc.messages import ErrorCode
 
+from . import sequence
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 
 _ORT_TYPES = {
@@ -71,14 +72,42 @@ class OnnxBackend:
         if missing:
             raise BackendLoadError(f"config declares input(s) {sorted(missing)} that the ONNX model "
                                    f"does not have (model inputs: {self.input_names})")
+        self._check_sequence_tensors()
         self.batching = self.cfg.get("max_batch_size", 0) > 0
+
+    def _check_sequence_tensors(self) -> None:
+        """The control and state inputs, and the state outputs, sequence_batching feeds and
+        takes: the graph must have them, with the same datatypes (Triton's words)."""
+        inputs, outputs = sequence.declared(self.cfg)
+        types = {i.name: _ORT_TYPES.get(i.type, "") for i in self.session.get_inputs()}
+        for name, wire in inputs.items():
+            if name not in types:
+                raise BackendLoadError(f"configuration specified sequence control or state input "
+                                       f"'{name}', but model does not provide that input")
+            if wire and types[name] != wire:
+                raise BackendLoadError(f"unable to load model '{self.cfg.get('name', '')}', sequence "
+                                       f"input '{name}', the model expects data-type {types[name]} "
+                                       f"but the model configuration specifies data-type {wire}")
+        for name, wire in outputs.items():
+            if name not in self.output_types:
+                raise BackendLoadError(f"configuration specified state output '{name}', but model "
+                                       f"does not provide that output")
+            if wire and self.output_types[name] != wire:
+                raise BackendLoadError(f"unable to load model '{self.cfg.get('name', '')}', state "
+                                       f"output '{name}', the model produces data-type "
+                                       f"{self.output_types[name]} but the model configuration "
+                                       f"specifies data-type {wire}")
 
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse]:
         if len(requests) == 1 or not self.batching:
             return [self._run_one(r) for r in requests]
-        feeds = {}
-        for name in requests[0].inputs:
-            feeds[name] = np.concatenate([r.inputs[name] for r in requests], axis=0)
+        try:
+            feeds = {name: np.concatenate([r.inputs[name] for r in requests], axis=0)
+                     for name in requests[0].inputs}
+        except ValueError:
+            # shapes that differ past the batch dimension: a variable-dim implicit state (the
+            # scheduler's shape key sees only the client's inputs). Equal shapes run together.
+            return self._by_shape(requests)
         try:
             results = self.session.run(self.output_names, self._text(feeds))
         except _NotText as e:
@@ -91,6 +120,19 @@ class OnnxBackend:
             n = next(iter(r.inputs.values())).shape[0]
             out.append(self._response(r, [a[start:start + n] for a in results]))
             start += n
+        return out
+
+    def _by_shape(self, requests: list[WorkRequest]) -> list[WorkResponse]:
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            key = tuple((name, arr.shape[1:]) for name, arr in r.inputs.items())
+            groups.setdefault(key, []).append(i)
+        if len(groups) == 1:        # not a matter of shapes: one at a time, each its own answer
+            return [self._run_one(r) for r in requests]
+        out: list[WorkResponse] = [WorkResponse()] * len(requests)
+        for members in groups.values():
+            for i, resp in zip(members, self.execute([requests[i] for i in members])):
+                out[i] = resp
         return out
 
     def _run_one(self, r: WorkRequest) -> WorkResponse:

@@ -31,10 +31,6 @@ SKIP = {
     "memory_growth_test.py": "Triton's C++ custom_identity_int32 backend",
     "simple_grpc_cudashm_client.py": "a GPU (issue 19)",
     "simple_http_cudashm_client.py": "a GPU (issue 19)",
-    "simple_grpc_aio_sequence_stream_infer_client.py": "the sequence batcher (issue 17)",
-    "simple_grpc_sequence_stream_infer_client.py": "the sequence batcher (issue 17)",
-    "simple_grpc_sequence_sync_infer_client.py": "the sequence batcher (issue 17)",
-    "simple_http_sequence_sync_infer_client.py": "the sequence batcher (issue 17)",
 }
 # Run against a server in explicit model-control mode, as Triton's QA runs them. They check how
 # many models the repository holds (the two QA repositories differ), so each gets a repository of

@@ -210,8 +210,8 @@ class Harness:
                 if r.frontend == ENSEMBLE_FRONTEND]
 
     def answer(self, sid: int, error: str = "", times=(10, 20, 30)) -> list[InferResult]:
-        """Worker ``sid`` finishes its batch as a worker does: the answers of the scheduler's
-        requests in it (with their times in ``done``) to the core, then BatchDone."""
+        """Worker ``sid`` finishes its batch as a worker does: one BatchDone with its times,
+        which carries the answers of the scheduler's requests in it (an ensemble's steps)."""
         _, batch, payloads = self.batches(sid)[-1]
         model = self.port.spawned[sid].model_name
         sent, failed = [], []
@@ -224,11 +224,8 @@ class Harness:
             else:
                 res = InferResult(route.req_id, model, 1, self.outputs_for(sid, frame),
                                   worker=self.address(sid))
-            res.done = BatchDone(sid, batch.batch_id, [], *times)
             sent.append(res)
-        if sent:
-            self.core.handle(sent[0] if len(sent) == 1 else InferResults(sent))
-        self.core.handle(BatchDone(sid, batch.batch_id, failed, *times))
+        self.core.handle(BatchDone(sid, batch.batch_id, failed, *times, answers=sent))
         return sent
 
     def respond(self, sid: int, req_id: int, final: bool = False,

@@ -185,7 +185,7 @@ def test_normalize_is_idempotent():
      "output 'OUT' of model 'm' must specify a valid data_type"),
     (BASIC.replace('"OUT", data_type: TYPE_FP32, dims: [ 4 ]', '"OUT", data_type: TYPE_FP32, dims: [ 0 ]'),
      "output 'OUT' of model 'm' has invalid dim 0"),
-    (BASIC + "sequence_batching { }", "sequence_batching is not supported"),
+    (BASIC + "sequence_batching { oldest { } }", "max_candidate_sequences must be > 0"),
     (BASIC.replace('"python"', '"onnxruntime"') + "model_transaction_policy { decoupled: true }",
      "the onnxruntime backend cannot serve a decoupled model"),
     (BASIC + "instance_group [ { count: -1 } ]", "instance_group 'm_0' of model 'm' has a negative count"),

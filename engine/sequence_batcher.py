@@ -1,0 +1,306 @@
+"""Triton's sequence batcher (docs/triton-compat.md §5.3) as a pure queue: stateful models whose
+requests carry a correlation id and START/END flags.
+
+Each live sequence is pinned to one instance, which holds its state (the model's own, or the
+implicit state its worker keeps: workers/sequence.py), until its END request leaves for that
+instance or it idles past ``max_sequence_idle_microseconds``. An instance holds at most
+``capacity`` live sequences: its batch slots with the direct strategy (max_batch_size, at least
+1), ``max_candidate_sequences`` with oldest. Sequences that find no room wait in a backlog, in
+arrival order, for a sequence to end. A batch for an idle instance takes at most one request per
+sequence pinned to it, oldest first, so a sequence's requests run in order, one at a time.
+
+There are no padding requests: every request a model gets is real (READY true), so the batch
+position of a sequence may change from one execution to the next; models find their sequence by
+its CORRID or ``request.correlation_id()``.
+
+Same interface as the other queues (engine/batching.py), plus ``take_failed``: requests of the
+sequences whose instance died, to fail with the reason (their state is gone).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+from .batching import IdleInstances, QueuedRequest, QueueFull
+
+log = logging.getLogger("shmserve.scheduler")
+
+SEQUENCE_START = 1
+SEQUENCE_END = 2
+DEFAULT_IDLE_US = 1_000_000
+LOST_KEPT = 4096            # sequences remembered as lost, so their next request says why
+
+
+class SequenceError(Exception):
+    """A request the sequence rules refuse (400, INVALID_ARG); the message names why."""
+
+
+@dataclass(frozen=True)
+class SequenceConfig:
+    model: str
+    capacity: int                   # live sequences per instance
+    max_batch: int                  # requests per execution
+    oldest: bool = False
+    delay_us: int = 0               # wait this long for fuller batches
+    preferred: tuple[int, ...] = ()     # oldest: send at once when a batch reaches one of these
+    min_slot_utilization: float = 0.0   # direct: send at once when this share of slots is ready
+    idle_us: int = DEFAULT_IDLE_US
+
+
+def sequence_config(cfg) -> SequenceConfig:
+    """From a normalized ModelConfig with ``sequence_batching``."""
+    sb = cfg.sequence_batching
+    mbs = max(1, cfg.max_batch_size)
+    idle = sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US
+    if sb.HasField("oldest"):
+        o = sb.oldest
+        return SequenceConfig(cfg.name, max(1, o.max_candidate_sequences), mbs, True,
+                              o.max_queue_delay_microseconds,
+                              tuple(sorted(p for p in o.preferred_batch_size if 0 < p <= mbs)),
+                              idle_us=idle)
+    d = sb.direct
+    return SequenceConfig(cfg.name, mbs, mbs, False, d.max_queue_delay_microseconds,
+                          min_slot_utilization=d.minimum_slot_utilization, idle_us=idle)
+
+
+@dataclass(eq=False)
+class Sequence:
+    cid: int | str
+    queue: deque = field(default_factory=deque)     # its requests not yet sent
+    instance: Hashable | None = None                # None: in the backlog
+    open: bool = True               # its last request queued had no END
+    running: bool = False           # a request of it is executing
+    last_ns: int = 0                # when it last had a request queued or finished one
+
+
+class SequenceBatcher(IdleInstances):
+    def __init__(self, cfg: SequenceConfig, max_queue_size: int = 0,
+                 clock: Callable[[], int] = time.monotonic_ns):
+        self.cfg = cfg
+        self.clock = clock
+        self.max_queue_size = max_queue_size
+        self.idle: list[Hashable] = []
+        self.instances: dict[Hashable, list[Sequence]] = {}    # alive -> sequences pinned there
+        self.sequences: dict[int | str, Sequence] = {}
+        self.backlog: deque[Sequence] = deque()
+        self.lost: OrderedDict[int | str, str] = OrderedDict()  # cid -> why it ended
+        self.failed: list[tuple[QueuedRequest, str]] = []
+        self.count = 0                  # queued requests
+        self.delay_ns = cfg.delay_us * 1000
+        self.idle_ns = cfg.idle_us * 1000
+
+    # ---- requests ----------------------------------------------------------------------------
+    def enqueue(self, req: QueuedRequest) -> None:
+        cid, name = req.sequence_id, self.cfg.model
+        if cid == 0 or cid == "":
+            raise SequenceError(f"inference request to model '{name}' must specify a non-zero "
+                                f"or non-empty correlation ID")
+        if self.max_queue_size and self.count >= self.max_queue_size:
+            raise QueueFull("Exceeds maximum queue size")
+        now = self.clock()
+        seq = self.sequences.get(cid)
+        start = bool(req.flags & SEQUENCE_START)
+        if not start and (seq is None or not seq.open):
+            why = self.lost.get(cid)
+            if why is not None:
+                raise SequenceError(f"inference request for sequence {cid} to model '{name}' "
+                                    f"must specify the START flag on the first request of the "
+                                    f"sequence: {why}")
+            raise SequenceError(f"inference request for sequence {cid} to model '{name}' must "
+                                f"specify the START flag on the first request of the sequence")
+        if start:
+            self.lost.pop(cid, None)
+            if seq is not None and seq.open:
+                log.warning("sequence %s of model '%s' started again before it ended: the new "
+                            "START ends the old one", cid, name)
+        if seq is None:
+            seq = self.sequences[cid] = Sequence(cid)
+            self.place(seq)
+        req.enqueued_ns = now
+        seq.queue.append(req)
+        seq.open = not req.flags & SEQUENCE_END
+        seq.last_ns = now
+        self.count += 1
+
+    def place(self, seq: Sequence) -> None:
+        """Pin a new sequence to the instance with the most room, or put it in the backlog."""
+        best, room = None, 0
+        for inst, pinned in self.instances.items():
+            free = self.cfg.capacity - len(pinned)
+            if free > room:
+                best, room = inst, free
+        if best is None:
+            self.backlog.append(seq)
+        else:
+            seq.instance = best
+            self.instances[best].append(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence ended (or idled out): its slot goes to the oldest backlog sequence."""
+        self.sequences.pop(seq.cid, None)
+        inst = seq.instance
+        if inst is None:
+            return
+        pinned = self.instances.get(inst)
+        if pinned is not None and seq in pinned:
+            pinned.remove(seq)
+            if self.backlog:
+                nxt = self.backlog.popleft()
+                nxt.instance = inst
+                pinned.append(nxt)
+
+    # ---- batches -----------------------------------------------------------------------------
+    def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]:
+        if not self.count:
+            return []
+        out = []
+        now = self.clock()
+        for inst in list(self.idle):
+            ready = [s for s in self.instances.get(inst, ()) if s.queue and not s.running]
+            if not ready or not self.due(ready, now):
+                continue
+            ready.sort(key=lambda s: s.queue[0].enqueued_ns)
+            batch = []
+            for seq in ready[:self.cfg.max_batch]:
+                req = seq.queue.popleft()
+                req.dispatched_ns = now
+                self.count -= 1
+                seq.running = True
+                seq.last_ns = now
+                batch.append(req)
+                if req.flags & SEQUENCE_END and not seq.queue:
+                    seq.running = False
+                    self.release(seq)
+            self.idle.remove(inst)
+            out.append((inst, batch))
+        return out
+
+    def due(self, ready: list[Sequence], now: int) -> bool:
+        """Send now, or wait (up to the delay) for a fuller batch."""
+        if not self.delay_ns:
+            return True
+        n = min(len(ready), self.cfg.max_batch)
+        if n >= self.cfg.max_batch:
+            return True
+        if self.cfg.oldest:
+            if self.cfg.preferred and n >= self.cfg.preferred[-1] or n in self.cfg.preferred:
+                return True
+        elif self.cfg.min_slot_utilization and n / self.cfg.capacity >= \
+                self.cfg.min_slot_utilization:
+            return True
+        oldest = min(s.queue[0].enqueued_ns for s in ready)
+        return now - oldest >= self.delay_ns
+
+    def instance_idle(self, key: Hashable) -> None:
+        """An instance is free: its sequences' requests are done (they may send the next)."""
+        if key not in self.instances:       # a new (or restarted) instance: room for the backlog
+            self.instances[key] = []
+            while self.backlog and len(self.instances[key]) < self.cfg.capacity:
+                seq = self.backlog.popleft()
+                seq.instance = key
+                self.instances[key].append(seq)
+        now = self.clock()
+        for seq in self.instances[key]:
+            if seq.running:
+                seq.running = False
+                seq.last_ns = now
+        if key not in self.idle:
+            self.idle.append(key)
+
+    def instance_gone(self, key: Hashable) -> None:
+        """Its worker died: the state of the sequences it held is gone with it. Their queued
+        requests fail (``take_failed``), and so would their next ones without START."""
+        if key in self.idle:
+            self.idle.remove(key)
+        pinned = self.instances.pop(key, None) or []
+        for seq in pinned:
+            why = (f"sequence {seq.cid} of model '{self.cfg.model}' lost its state: the worker "
+                   f"process that held it ended; start the sequence again")
+            self.sequences.pop(seq.cid, None)
+            self.lost[seq.cid] = why
+            while len(self.lost) > LOST_KEPT:
+                self.lost.popitem(last=False)
+            for req in seq.queue:
+                self.failed.append((req, why))
+            self.count -= len(seq.queue)
+            seq.queue.clear()
+        for seq in list(self.backlog):      # room may have opened elsewhere
+            self.backlog.remove(seq)
+            self.place(seq)
+
+    def take_failed(self) -> list[tuple[QueuedRequest, str]]:
+        out, self.failed = self.failed, []
+        return out
+
+    # ---- time --------------------------------------------------------------------------------
+    def take_expired(self) -> list[QueuedRequest]:
+        """Idle sequences end silently (their slot is freed); a backlog sequence whose oldest
+        request's timeout passed is rejected whole (Triton applies timeouts only there)."""
+        now = self.clock()
+        if self.idle_ns:
+            for seq in [s for s in self.sequences.values() if s.instance is not None
+                        and not s.queue and not s.running and now - s.last_ns >= self.idle_ns]:
+                log.info("sequence %s of model '%s' idled for %.1f s: its slot is released",
+                         seq.cid, self.cfg.model, self.idle_ns / 1e9)
+                self.release(seq)
+        out: list[QueuedRequest] = []
+        for seq in list(self.backlog):
+            head = seq.queue[0] if seq.queue else None
+            if head is not None and head.timeout_us and \
+                    now - head.enqueued_ns >= head.timeout_us * 1000:
+                self.backlog.remove(seq)
+                self.sequences.pop(seq.cid, None)
+                out.extend(seq.queue)
+                self.count -= len(seq.queue)
+                seq.queue.clear()
+        return out
+
+    def next_deadline_ns(self) -> int | None:
+        earliest = None
+
+        def consider(t: int) -> None:
+            nonlocal earliest
+            if earliest is None or t < earliest:
+                earliest = t
+        for seq in self.sequences.values():
+            if seq.instance is None:
+                if seq.queue and seq.queue[0].timeout_us:
+                    consider(seq.queue[0].enqueued_ns + seq.queue[0].timeout_us * 1000)
+            elif seq.queue:
+                if self.delay_ns and not seq.running and seq.instance in self.idle:
+                    consider(seq.queue[0].enqueued_ns + self.delay_ns)
+            elif self.idle_ns and not seq.running:
+                consider(seq.last_ns + self.idle_ns)
+        return earliest
+
+    # ---- the rest of the queue interface ----------------------------------------------------------
+    def requeue(self, req: QueuedRequest) -> None:
+        seq = self.sequences.get(req.sequence_id)
+        if seq is None:
+            self.failed.append((req, f"sequence {req.sequence_id} of model '{self.cfg.model}' "
+                                     f"has ended"))
+            return
+        seq.queue.appendleft(req)
+        self.count += 1
+
+    def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
+        for seq in self.sequences.values():
+            for r in seq.queue:
+                if r.req_id == req_id and r.frontend == frontend:
+                    seq.queue.remove(r)
+                    self.count -= 1
+                    return r
+        return None
+
+    def drain(self) -> list[QueuedRequest]:
+        out = [r for seq in self.sequences.values() for r in seq.queue]
+        for seq in self.sequences.values():
+            seq.queue.clear()
+        self.count = 0
+        return out
+
+    def __len__(self) -> int:
+        return self.count
