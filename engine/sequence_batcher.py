@@ -212,11 +212,20 @@ class SequenceBatcher(IdleInstances):
 
     def instance_gone(self, key: Hashable) -> None:
         """Its worker died: the state of the sequences it held is gone with it. Their queued
-        requests fail (``take_failed``), and so would their next ones without START."""
+        requests fail (``take_failed``), and so would their next ones without START. One whose
+        next request is a START (it never ran there) lost nothing: it goes back to the backlog."""
         if key in self.idle:
             self.idle.remove(key)
         pinned = self.instances.pop(key, None) or []
+        fresh = []
         for seq in pinned:
+            seq.running = False
+            if seq.queue and seq.queue[0].flags & SEQUENCE_START:
+                # its next request starts it afresh (it never ran here, or was started again):
+                # nothing of it is lost; it goes first in the backlog
+                seq.instance = None
+                fresh.append(seq)
+                continue
             why = (f"sequence {seq.cid} of model '{self.cfg.model}' lost its state: the worker "
                    f"process that held it ended; start the sequence again")
             self.sequences.pop(seq.cid, None)
@@ -227,6 +236,7 @@ class SequenceBatcher(IdleInstances):
                 self.failed.append((req, why))
             self.count -= len(seq.queue)
             seq.queue.clear()
+        self.backlog.extendleft(reversed(fresh))
         for seq in list(self.backlog):      # room may have opened elsewhere
             self.backlog.remove(seq)
             self.place(seq)
@@ -270,7 +280,9 @@ class SequenceBatcher(IdleInstances):
                 if seq.queue and seq.queue[0].timeout_us:
                     consider(seq.queue[0].enqueued_ns + seq.queue[0].timeout_us * 1000)
             elif seq.queue:
-                if self.delay_ns and not seq.running and seq.instance in self.idle:
+                # on an idle instance: due when its delay passes (now, without one: a sequence
+                # just moved there from a dead instance)
+                if not seq.running and seq.instance in self.idle:
                     consider(seq.queue[0].enqueued_ns + self.delay_ns)
             elif self.idle_ns and not seq.running:
                 consider(seq.last_ns + self.idle_ns)
@@ -292,6 +304,11 @@ class SequenceBatcher(IdleInstances):
                 if r.req_id == req_id and r.frontend == frontend:
                     seq.queue.remove(r)
                     self.count -= 1
+                    if seq.instance is None and not seq.queue and seq in self.backlog:
+                        # nothing of it ran or waits to: it gives up its place in the backlog
+                        # (else it would take a slot, and hold it until it idled out)
+                        self.backlog.remove(seq)
+                        self.sequences.pop(seq.cid, None)
                     return r
         return None
 

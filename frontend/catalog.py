@@ -41,6 +41,7 @@ class ModelView:
     preserve_ordering: bool = False
     decoupled: bool = False             # any number of answers per request (streams only)
     sequence: bool = False              # a sequence batcher: requests carry a correlation id
+    integer_corrid: str = ""            # its CORRID control's integer data type, if it has one
 
     @property
     def batch_sensitive(self) -> bool:
@@ -76,6 +77,10 @@ def _view(info) -> ModelView:
     view.has_optional = any(t.optional for t in cfg.input)
     view.decoupled = cfg.model_transaction_policy.decoupled
     view.sequence = cfg.HasField("sequence_batching")
+    for ci in cfg.sequence_batching.control_input:
+        for ctl in ci.control:
+            if ctl.kind == ctl.CONTROL_SEQUENCE_CORRID and ctl.data_type != DataType.TYPE_STRING:
+                view.integer_corrid = DataType.Name(ctl.data_type)
     view.preserve_ordering = cfg.HasField("dynamic_batching") and \
         cfg.dynamic_batching.preserve_ordering and not view.decoupled
     for t in cfg.input:

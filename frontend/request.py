@@ -239,6 +239,11 @@ def _check_sequence(model: ModelView, batch: int, correlation_id: int | str) -> 
     if correlation_id == 0 or correlation_id == "":
         raise invalid(f"inference request to model '{model.name}' must specify a non-zero or "
                       f"non-empty correlation ID")
+    if isinstance(correlation_id, str) and model.integer_corrid:
+        # refused here, before the sequence takes a slot its worker would refuse it in
+        raise invalid(f"inference request to model '{model.name}' has the string correlation "
+                      f"ID '{correlation_id}', but the model's CORRID control is "
+                      f"{model.integer_corrid}: use an unsigned integer sequence_id")
     if model.max_batch_size > 0 and batch != 1:
         raise invalid(f"inference request to model '{model.name}' must specify batch-size 1 "
                       f"due to requirements of sequence batcher")

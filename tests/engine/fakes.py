@@ -187,6 +187,10 @@ class Harness:
                          [payload])
         return self.next_req
 
+    def submit_seq(self, model: str, cid: int | str, flags: int = 0, **kw) -> int:
+        """A request of sequence ``cid``; ``flags``: SEQUENCE_START 1 | SEQUENCE_END 2."""
+        return self.submit(model, sequence_id=cid, sequence_flags=flags, **kw)
+
     # ---- a worker answering the scheduler's own requests (an ensemble's steps) --------------
     @staticmethod
     def address(sid: int) -> str:
@@ -279,6 +283,10 @@ class Harness:
 
     def last_batch(self, sid: int) -> ExecuteBatch:
         return self.batches(sid)[-1][1]
+
+    def sent_to(self, sid: int) -> list[list[int]]:
+        """The request ids of each batch worker ``sid`` got, in order."""
+        return [[r.req_id for r in m.routes] for _, m, _ in self.batches(sid)]
 
     def to_worker(self, kind) -> list[tuple[int, object]]:
         return [(s, m) for s, m, _ in self.port.to_worker if isinstance(m, kind)]
