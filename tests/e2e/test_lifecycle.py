@@ -168,10 +168,29 @@ def test_cli_errors_are_clear():
     assert r.returncode == 2 and "expected a boolean" in r.stderr
 
 
+def _queued(srv: Server, model: str) -> int:
+    """The scheduler's queue of ``model`` (nv_inference_pending_request_count)."""
+    text = requests.get(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=5).text
+    for line in text.splitlines():
+        if line.startswith("nv_inference_pending_request_count{") and f'model="{model}"' in line:
+            return int(float(line.rsplit(" ", 1)[1]))
+    return 0
+
+
 def test_sigterm_answers_every_request_in_flight(test_repo):
-    srv = Server(test_repo, "--exit-timeout-secs", "20")
+    # no leases: every request waits in the scheduler's queue, where the test can count them
+    srv = Server(test_repo, "--exit-timeout-secs", "20", "--instance-leases", "false")
     c = httpclient.InferenceServerClient(srv.url, concurrency=8, network_timeout=60)
     pending = send_sleeping(srv, c, "pid_slow", 8, delay_ms=400)
+    # all 8 in flight (2 executing, 6 queued) before the signal: one still connecting would be
+    # refused, which is not what this test is about
+    stats = httpclient.InferenceServerClient(srv.url)
+
+    def arrived() -> int:       # queued, plus 2 executing while any is queued, plus answered
+        done = stats.get_inference_statistics("pid_slow")["model_stats"][0]["inference_count"]
+        queued = _queued(srv, "pid_slow")
+        return queued + (2 if queued else 0) + int(done)
+    wait_for(lambda: arrived() >= 8, 20, "all 8 requests to reach the server")
     t = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
     # not ready any more as soon as the drain starts
