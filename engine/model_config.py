@@ -178,14 +178,7 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
             if spec.input_data_file:
                 _check_file_name(name, f"model_warmup '{w.name}' input '{input_name}' "
                                        f"input_data_file", spec.input_data_file)
-    if cfg.max_batch_size < 0:
-        raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
-    _check_tensors(cfg, "input", cfg.input)
-    _check_tensors(cfg, "output", cfg.output)
-    if not cfg.HasField("version_policy"):
-        cfg.version_policy.latest.num_versions = 1
-    elif cfg.version_policy.HasField("latest") and cfg.version_policy.latest.num_versions == 0:
-        cfg.version_policy.latest.num_versions = 1
+    _check_io_and_versions(cfg)
     if cfg.HasField("dynamic_batching"):
         _check_dynamic_batching(cfg)
     if cfg.HasField("sequence_batching"):
@@ -221,20 +214,25 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
     return cfg
 
 
-def _normalize_ensemble(cfg: mc.ModelConfig, name: str) -> mc.ModelConfig:
-    """An ensemble runs no code of its own: no backend, no instances, no batcher (its steps
-    are checked by engine/ensemble_plan.py when it loads)."""
-    if cfg.backend:
-        raise ConfigError(f"ensemble '{name}' must not set a backend (it has platform "
-                          f"'ensemble'; its composing models have backends)")
+def _check_io_and_versions(cfg: mc.ModelConfig) -> None:
+    """What every model's config needs, ensembles' too: tensors, batch size, version policy."""
     if cfg.max_batch_size < 0:
-        raise ConfigError(f"model '{name}': max_batch_size must be >= 0")
+        raise ConfigError(f"model '{cfg.name}': max_batch_size must be >= 0")
     _check_tensors(cfg, "input", cfg.input)
     _check_tensors(cfg, "output", cfg.output)
     if not cfg.HasField("version_policy"):
         cfg.version_policy.latest.num_versions = 1
     elif cfg.version_policy.HasField("latest") and cfg.version_policy.latest.num_versions == 0:
         cfg.version_policy.latest.num_versions = 1
+
+
+def _normalize_ensemble(cfg: mc.ModelConfig, name: str) -> mc.ModelConfig:
+    """An ensemble runs no code of its own: no backend, no instances, no batcher (its steps
+    are checked by engine/ensemble_plan.py when it loads)."""
+    if cfg.backend:
+        raise ConfigError(f"ensemble '{name}' must not set a backend (it has platform "
+                          f"'ensemble'; its composing models have backends)")
+    _check_io_and_versions(cfg)
     cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
     return cfg
 
