@@ -226,8 +226,9 @@ TRITON_BENCH = os.path.join(os.path.dirname(REPO), "shared", "tools", "triton-be
 PA_MODELS = ["id0", *(f"ens_{n}" for n in STEPS)]
 
 
-def start_triton(repo: str, log_path: str, deadline_s: float = 120):
-    """Triton 2.51 from $ANCHOR (default /tmp/triton-bench), started as triton-bench does."""
+def start_triton(repo: str, log_path: str, deadline_s: float = 120, models=PA_MODELS):
+    """Triton 2.51 from $ANCHOR (default /tmp/triton-bench), started as triton-bench does;
+    returns once ``models`` are ready (also used by bench/streaming.py)."""
     sys.path.insert(0, TRITON_BENCH)
     import sbs_server
     if not os.path.exists(f"{sbs_server.ANCHOR}/triton/bin/tritonserver"):
@@ -240,7 +241,7 @@ def start_triton(repo: str, log_path: str, deadline_s: float = 120):
             raise RuntimeError(f"tritonserver exited:\n{srv.log_text()[-3000:]}")
         try:
             return all(sbs_server.http_get(f"http://{srv.http_url}/v2/models/{m}/ready")[0] == 200
-                       for m in PA_MODELS)
+                       for m in models)
         except OSError:
             return False
     try:
