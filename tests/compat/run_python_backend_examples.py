@@ -55,7 +55,7 @@ EXAMPLES = {
 # Examples that need what shmserve does not have yet, and the issue that brings it.
 SKIP = {
     "instance_kind": "a GPU, torch and a ResNet-50 exported by the user (issue 19)",
-    "preprocessing": "ensembles (issue 16), torchvision and NVIDIA DALI",
+    "preprocessing": "a TensorRT ResNet-50 plan the user builds on a GPU (issue 19) and torchvision",
 }
 
 
