@@ -182,7 +182,8 @@ class EnsembleRunner:
                                        shape_key(inputs, step.variable_inputs,
                                                  bool(step.optional_inputs),
                                                  step.max_batch_size > 0),
-                                       chain=chain), encode(payload))
+                                       chain=chain, sequence_id=p.correlation_id,
+                                       sequence_flags=p.flags), encode(payload))
 
     def result(self, res: InferResult) -> None:
         """A step's answer (a worker's, or the scheduler's error for it)."""
