@@ -32,6 +32,9 @@ SEQUENCE_START = 1
 SEQUENCE_END = 2
 DEFAULT_IDLE_US = 1_000_000
 LOST_KEPT = 4096            # sequences remembered as lost, so their next request says why
+# Idle releases need no precision: their deadline is rounded up to this grid, so that it does
+# not move (and re-arm the scheduler's alarm) with every request of every sequence
+IDLE_GRID_NS = 100_000_000
 
 
 class SequenceError(Exception):
@@ -85,6 +88,9 @@ class SequenceBatcher(IdleInstances):
         self.idle: list[Hashable] = []
         self.instances: dict[Hashable, list[Sequence]] = {}    # alive -> sequences pinned there
         self.sequences: dict[int | str, Sequence] = {}
+        # pinned sequences with nothing queued or running, least recently active first: the
+        # idle release and its deadline look at the first one only
+        self.quiet: OrderedDict[Sequence, None] = OrderedDict()
         self.backlog: deque[Sequence] = deque()
         self.lost: OrderedDict[int | str, str] = OrderedDict()  # cid -> why it ended
         self.failed: list[tuple[QueuedRequest, str]] = []
@@ -123,7 +129,14 @@ class SequenceBatcher(IdleInstances):
         seq.queue.append(req)
         seq.open = not req.flags & SEQUENCE_END
         seq.last_ns = now
+        self.quiet.pop(seq, None)
         self.count += 1
+
+    def calm(self, seq: Sequence, now: int) -> None:
+        """``seq`` has nothing queued or running: its idle time counts from ``now``."""
+        seq.last_ns = now
+        self.quiet.pop(seq, None)
+        self.quiet[seq] = None
 
     def place(self, seq: Sequence) -> None:
         """Pin a new sequence to the instance with the most room, or put it in the backlog."""
@@ -141,6 +154,7 @@ class SequenceBatcher(IdleInstances):
     def release(self, seq: Sequence) -> None:
         """The sequence ended (or idled out): its slot goes to the oldest backlog sequence."""
         self.sequences.pop(seq.cid, None)
+        self.quiet.pop(seq, None)
         inst = seq.instance
         if inst is None:
             return
@@ -207,6 +221,8 @@ class SequenceBatcher(IdleInstances):
             if seq.running:
                 seq.running = False
                 seq.last_ns = now
+                if not seq.queue:
+                    self.calm(seq, now)
         if key not in self.idle:
             self.idle.append(key)
 
@@ -220,6 +236,7 @@ class SequenceBatcher(IdleInstances):
         fresh = []
         for seq in pinned:
             seq.running = False
+            self.quiet.pop(seq, None)
             if seq.queue and seq.queue[0].flags & SEQUENCE_START:
                 # its next request starts it afresh (it never ran here, or was started again):
                 # nothing of it is lost; it goes first in the backlog
@@ -250,12 +267,14 @@ class SequenceBatcher(IdleInstances):
         """Idle sequences end silently (their slot is freed); a backlog sequence whose oldest
         request's timeout passed is rejected whole (Triton applies timeouts only there)."""
         now = self.clock()
-        if self.idle_ns:
-            for seq in [s for s in self.sequences.values() if s.instance is not None
-                        and not s.queue and not s.running and now - s.last_ns >= self.idle_ns]:
-                log.info("sequence %s of model '%s' idled for %.1f s: its slot is released",
-                         seq.cid, self.cfg.model, self.idle_ns / 1e9)
-                self.release(seq)
+        quiet = self.quiet
+        while quiet and self.idle_ns:
+            seq = next(iter(quiet))
+            if now - seq.last_ns < self.idle_ns:
+                break
+            log.info("sequence %s of model '%s' idled for %.1f s: its slot is released",
+                     seq.cid, self.cfg.model, self.idle_ns / 1e9)
+            self.release(seq)
         out: list[QueuedRequest] = []
         for seq in list(self.backlog):
             head = seq.queue[0] if seq.queue else None
@@ -275,17 +294,19 @@ class SequenceBatcher(IdleInstances):
             nonlocal earliest
             if earliest is None or t < earliest:
                 earliest = t
-        for seq in self.sequences.values():
-            if seq.instance is None:
-                if seq.queue and seq.queue[0].timeout_us:
-                    consider(seq.queue[0].enqueued_ns + seq.queue[0].timeout_us * 1000)
-            elif seq.queue:
-                # on an idle instance: due when its delay passes (now, without one: a sequence
-                # just moved there from a dead instance)
-                if not seq.running and seq.instance in self.idle:
-                    consider(seq.queue[0].enqueued_ns + self.delay_ns)
-            elif self.idle_ns and not seq.running:
-                consider(seq.last_ns + self.idle_ns)
+        if self.quiet and self.idle_ns:
+            due = next(iter(self.quiet)).last_ns + self.idle_ns
+            consider(-(-due // IDLE_GRID_NS) * IDLE_GRID_NS)
+        for seq in self.backlog:
+            if seq.queue and seq.queue[0].timeout_us:
+                consider(seq.queue[0].enqueued_ns + seq.queue[0].timeout_us * 1000)
+        if self.count:
+            # waiting on an idle instance: due when the delay passes (now, without one: a
+            # sequence just moved there from a dead instance)
+            for inst in self.idle:
+                for seq in self.instances.get(inst, ()):
+                    if seq.queue and not seq.running:
+                        consider(seq.queue[0].enqueued_ns + self.delay_ns)
         return earliest
 
     # ---- the rest of the queue interface ----------------------------------------------------------
@@ -296,6 +317,7 @@ class SequenceBatcher(IdleInstances):
                                      f"has ended"))
             return
         seq.queue.appendleft(req)
+        self.quiet.pop(seq, None)
         self.count += 1
 
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
@@ -309,6 +331,8 @@ class SequenceBatcher(IdleInstances):
                         # (else it would take a slot, and hold it until it idled out)
                         self.backlog.remove(seq)
                         self.sequences.pop(seq.cid, None)
+                    elif seq.instance is not None and not seq.queue and not seq.running:
+                        self.calm(seq, self.clock())
                     return r
         return None
 

@@ -10,10 +10,13 @@ import triton_python_backend_utils as pb_utils
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
-        # The direct strategy gives an instance max_batch_size slots, so at most that many of
-        # its sequences are live. One that idles past max_sequence_idle_microseconds loses its
-        # slot without an END: the least recently used sum goes when a new sequence needs room.
-        self.capacity = max(int(config.get("max_batch_size", 0)), 1)
+        # The direct strategy gives an instance max_batch_size slots, the oldest strategy
+        # max_candidate_sequences, so at most that many of its sequences are live. One that
+        # idles past max_sequence_idle_microseconds loses its slot without an END: the least
+        # recently used sum goes when a new sequence needs room.
+        oldest = (config.get("sequence_batching") or {}).get("oldest") or {}
+        self.capacity = max(int(config.get("max_batch_size", 0)), 1,
+                            int(oldest.get("max_candidate_sequences", 0)))
         self.sums = OrderedDict()
 
     def execute(self, requests):
