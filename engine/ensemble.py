@@ -168,6 +168,13 @@ class EnsembleRunner:
         if not outputs:             # a step whose outputs nobody wants still runs (for its effects)
             outputs = [OutputSpec(own) for own in step.outputs]
         p, head = run.payload, run.head
+        now = self.clock()
+        timeout_us = head.timeout_us
+        if timeout_us:      # the request's timeout covers all its steps: a step gets what is left
+            timeout_us -= (now - head.received_ns) // 1000
+            if timeout_us <= 0:
+                self.fail(run, step, ErrorCode.UNAVAILABLE, "Request timeout expired")
+                return
         chain = [*head.chain, run.version.name]
         payload = InferPayload(p.request_id, inputs, outputs, p.parameters, p.correlation_id,
                                p.flags, chain)
@@ -178,7 +185,7 @@ class EnsembleRunner:
         batch = inputs[0].shape[0] if step.max_batch_size > 0 and inputs and inputs[0].shape \
             else 1
         self.submit_step(SubmitRequest(rid, ENSEMBLE_FRONTEND, step.model, version, batch,
-                                       self.clock(), head.priority, head.timeout_us,
+                                       now, head.priority, timeout_us,
                                        shape_key(inputs, step.variable_inputs,
                                                  bool(step.optional_inputs),
                                                  step.max_batch_size > 0),

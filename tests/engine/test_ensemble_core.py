@@ -627,3 +627,22 @@ def test_an_output_that_feeds_a_step_cannot_be_a_classification(repo):
     assert p.outputs == [OutputSpec("OUTPUT0", None, 3)]    # the step that writes it classifies
     h.answer(sid_of(h, "b"))
     assert [t.name for t in h.results()[ok].outputs] == ["mid", "OUT"]
+
+
+def test_a_step_gets_the_time_left_of_the_requests_timeout(repo):
+    h = Harness(repo).start()
+    a, b = sid_of(h, "a"), sid_of(h, "b")
+    rid = h.submit("E", payload=tensor_payload({"IN": CLIENT_IN}), timeout_us=1_000_000)
+    h.clock.advance(0.4)
+    h.answer(a)                                     # step 1 starts 0.4 s into the request
+    (res,) = h.answer(b)
+    assert h.answers(rid)[-1].error == ""
+    # the request's timeout covers its steps: one whose time ran out during step 0 fails at
+    # step 1, before it is queued there
+    rid = h.submit("E", payload=tensor_payload({"IN": CLIENT_IN}), timeout_us=100_000)
+    h.clock.advance(0.2)
+    h.answer(a)
+    (res,) = h.answers(rid)
+    assert res.code == ErrorCode.UNAVAILABLE
+    assert res.error == "in ensemble 'E', step 1 (model 'b'): Request timeout expired"
+    assert len(h.steps_of(b)) == 1                  # only the first request's step reached b
