@@ -76,6 +76,7 @@ class Sequence:
     instance: Hashable | None = None                # None: in the backlog
     open: bool = True               # its last request queued had no END
     running: bool = False           # a request of it is executing
+    ran: bool = False               # a request of it has gone to its instance
     last_ns: int = 0                # when it last had a request queued or finished one
 
 
@@ -182,7 +183,7 @@ class SequenceBatcher(IdleInstances):
                 req = seq.queue.popleft()
                 req.dispatched_ns = now
                 self.count -= 1
-                seq.running = True
+                seq.running = seq.ran = True
                 seq.last_ns = now
                 batch.append(req)
                 if req.flags & SEQUENCE_END and not seq.queue:
@@ -331,6 +332,10 @@ class SequenceBatcher(IdleInstances):
                         # (else it would take a slot, and hold it until it idled out)
                         self.backlog.remove(seq)
                         self.sequences.pop(seq.cid, None)
+                    elif not seq.queue and not seq.ran:
+                        # its START never ran and nothing else waits: it never began, and
+                        # its slot goes to the next (a request without START is refused)
+                        self.release(seq)
                     elif seq.instance is not None and not seq.queue and not seq.running:
                         self.calm(seq, self.clock())
                     return r

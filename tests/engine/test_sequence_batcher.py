@@ -677,3 +677,22 @@ def test_lost_sequences_are_remembered_boundedly(clock, req, monkeypatch):
     assert str(e.value) == START_ERR.format(1)
     with pytest.raises(SequenceError, match="lost its state"):
         b.enqueue(req(3))
+
+
+def test_a_cancelled_start_that_never_ran_ends_its_sequence(clock, req):
+    b = make(clock, capacity=1)
+    send(b, req(1, S))                              # 1 runs on the only slot...
+    assert ids(b.next_batches()) == [("a", [1])]
+    send(b, req(1))
+    b.instance_idle("a")
+    assert ids(b.next_batches()) == [("a", [2])]
+    send(b, req(1, E))                              # ...its END is queued behind a running one
+    b.instance_idle("a")
+    assert ids(b.next_batches()) == [("a", [3])]    # 1 ends; its slot is free
+    send(b, req(7, S))                              # 7 takes it, waits for "a"
+    assert pinned(b, "a") == [7]
+    cancelled = b.cancel(0, 4)
+    assert cancelled is not None and cancelled.sequence_id == 7
+    assert 7 not in b.sequences and pinned(b, "a") == []
+    with pytest.raises(SequenceError, match="must specify the START flag"):
+        send(b, req(7))                             # its START never ran: it never began
