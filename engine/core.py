@@ -348,7 +348,9 @@ class SchedulerCore:
         for inst, reqs in batches:
             for r in reqs:
                 queued_in.pop((r.frontend, r.req_id), None)
-                if r.frontend == ENSEMBLE_FRONTEND:     # a step: its queue time is the ensemble's
+                if r.frontend == ENSEMBLE_FRONTEND and not r.alone:
+                    # a step: its queue time is the ensemble's too (once: a retry, alone after
+                    # its worker died, waited from the same enqueue)
                     self.ensembles.timings(r.req_id, r.dispatched_ns - r.enqueued_ns, 0, 0, 0)
             self.batch_counter += 1
             inst.state = InstanceState.BUSY

@@ -310,6 +310,7 @@ def test_a_step_whose_worker_dies_is_retried_once_then_fails_the_request(repo):
 def test_a_retried_step_that_succeeds_completes_the_request(repo):
     h = Harness(repo).start()
     rid = run(h)
+    h.clock.advance(0.5)                            # step 0 runs 0.5 s, then its worker dies
     h.die(sid_of(h, "a"))
     h.tick(0)
     (a2,) = h.waiting()
@@ -317,6 +318,8 @@ def test_a_retried_step_that_succeeds_completes_the_request(repo):
     h.answer(a2)
     h.answer(sid_of(h, "b"))
     assert h.results()[rid].error == "" and [t.name for t in h.results()[rid].outputs] == ["OUT"]
+    # its wait before the first run counts once; the run its worker died in is no queue time
+    assert stats(h, "E").queue.ns == 0
 
 
 def test_a_step_of_a_model_without_retries_fails_at_once(repo):
