@@ -333,6 +333,7 @@ class ModelLifecycle:
     def unload(self, name: str, waiter: Waiter | None, dependents: bool = False) -> None:
         """``dependents``: an ensemble's composing models are unloaded with it, except those
         another serving ensemble still uses."""
+        composing: set[str] = set()
         if dependents:
             plans = [v.ensemble for v in self.serving_versions(name) if v.ensemble is not None]
             if plans:
@@ -340,15 +341,28 @@ class ModelLifecycle:
                 others = {m for v in self.versions.values() if v.ensemble is not None
                           and v.name != name and v.state == ModelState.READY
                           for m in v.ensemble.composing()}
-                for model in {m for p in plans for m in p.composing()} - others:
-                    self.unload(model, None)
+                composing = {m for p in plans for m in p.composing()} - others
         if name in self.loads:
             self.finish_load(self.loads[name], "unloaded while loading")
         for v in self.serving_versions(name):
             del self.versions[(name, v.version)]
             self.begin_drain(v)
+        for model in sorted(composing):     # after the ensemble itself: it was unloaded
+            self.unload(model, None)
+        self.unload_ensembles_of(name)
         self.publish()
         self.reply(waiter, None, "")
+
+    def unload_ensembles_of(self, name: str) -> None:
+        """As Triton does, an ensemble whose composing model is unloaded is unloaded too (its
+        requests could only fail); the index says why. Loading the model again does not bring
+        it back: load the ensemble."""
+        for (n, v), ver in list(self.versions.items()):
+            if ver.ensemble is not None and name in ver.ensemble.composing():
+                del self.versions[(n, v)]
+                self.begin_drain(ver)
+                self.retired[(n, v)] = (f"ensemble '{n}' contains models that are not "
+                                        f"available: {name}")
 
     def begin_drain(self, ver: ModelVersion) -> None:
         """No new requests reach ``ver``; those it holds finish, then its workers stop."""

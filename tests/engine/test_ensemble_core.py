@@ -207,9 +207,9 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }},
 
 def test_ensemble_requests_for_a_composing_model_that_went_away_fail(repo):
     h = Harness(repo, model_control_mode="explicit", load_models=["E"]).start()
+    rid = run(h)                                    # in flight while b goes away
     control(h, ControlAction.UNLOAD, "b")
     h.tick(0)
-    rid = run(h)
     h.answer(sid_of(h, "a"))
     err = h.results()[rid]
     assert err.code is ErrorCode.UNAVAILABLE
@@ -466,7 +466,8 @@ def test_unload_with_dependents_spares_models_another_ensemble_uses(repo):
     assert all(h.states(m)[1][0] is ModelState.READY for m in ("E", "Q", "a", "b", "c"))
     control(h, ControlAction.UNLOAD, "E", dependents=True)
     assert h.replies()[-1].error == ""
-    assert h.states("E")[1][0] is ModelState.UNAVAILABLE
+    # E was unloaded (not "contains models that are not available": its models went after it)
+    assert h.states("E")[1] == (ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)
     assert h.states("a")[1] == (ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)
     assert h.states("b")[1][0] is ModelState.READY and h.states("c")[1][0] is ModelState.READY
     assert h.states("Q")[1][0] is ModelState.READY
@@ -649,3 +650,17 @@ def test_a_step_gets_the_time_left_of_the_requests_timeout(repo):
     assert res.code == ErrorCode.UNAVAILABLE
     assert res.error == "in ensemble 'E', step 1 (model 'b'): Request timeout expired"
     assert len(h.steps_of(b)) == 1                  # only the first request's step reached b
+
+
+def test_unloading_a_composing_model_unloads_the_ensemble(repo):
+    h = Harness(repo, model_control_mode="explicit", load_models=["E"]).start()
+    control(h, ControlAction.UNLOAD, "b")
+    state, reason, _ = h.states("E")[1]
+    assert state is ModelState.UNAVAILABLE
+    assert reason == "ensemble 'E' contains models that are not available: b"
+    assert h.states("a")[1][0] is ModelState.READY
+    rid = run(h)                                    # refused, as for any unloaded model
+    assert h.answers(rid)[0].code == ErrorCode.UNAVAILABLE
+    # loading the ensemble again loads b again (explicit mode)
+    control(h, ControlAction.LOAD, "E")
+    assert h.states("b")[1][0] is ModelState.LOADING
