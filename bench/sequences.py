@@ -64,7 +64,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 sys.path.insert(0, HERE)
 import run_perf_analyzer  # noqa: E402
-from serverproc import Server, descendants  # noqa: E402
+from serverproc import Server, cpu_seconds  # noqa: E402
 
 EXAMPLES = os.path.join(REPO, "configs", "models")
 DIRECT, OLDEST, ONNX = "sequence_accumulator", "sequence_accumulator_oldest", "onnx_accumulator"
@@ -145,19 +145,6 @@ def stats(url: str, model: str) -> tuple[int, int]:
     with urllib.request.urlopen(f"http://{url}/v2/models/{model}/stats", timeout=10) as r:
         s = json.load(r)["model_stats"][0]
     return int(s["inference_count"]), int(s["execution_count"])
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of pid and its live descendants (python backend stubs, workers)."""
-    total = 0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_busy(seconds: float) -> float:

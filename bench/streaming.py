@@ -54,7 +54,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 sys.path.insert(0, HERE)
 from repo_builder import write_model  # noqa: E402
-from serverproc import Server, descendants  # noqa: E402
+from serverproc import Server, cpu_seconds  # noqa: E402
 
 ADDER = textwrap.dedent('''
     import triton_python_backend_utils as pb_utils
@@ -100,19 +100,6 @@ class Endpoint:
     grpc_url: str      # host:port
     base: str          # http://host:port
     pid: int           # the server process (its tree's CPU is counted)
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of pid and its live descendants (python backend stubs, workers)."""
-    total = 0
-    for p in [pid, *descendants(pid)]:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 # ---- one client's loop: 1 unmeasured request, wait for the others, n measured ones ---------------

@@ -61,6 +61,20 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants (a server's whole tree: workers,
+    Triton's python backend stubs), from /proc: what the benches charge a server."""
+    total = 0
+    for p in [pid, *descendants(pid)]:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
