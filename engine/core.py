@@ -32,7 +32,6 @@ from shmserve.ipc.messages import (
     ForgetSegments,
     FrontendHello,
     InferResult,
-    InferResults,
     LeasedDone,
     LeaseEnded,
     LogSettings,
@@ -104,7 +103,6 @@ class SchedulerCore:
             CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
             LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
             SetLogSettings: self.set_log_settings,
-            InferResult: self.ensembles.result, InferResults: self.step_results,
             ReleaseOutputs: self.release_handed,
         }
 
@@ -168,10 +166,6 @@ class SchedulerCore:
             self.port.send_frontend(frontend, res)
 
     # ---- ensembles (engine/ensemble.py) -----------------------------------------------------------
-    def step_results(self, msg: InferResults) -> None:
-        for res in msg.results:
-            self.ensembles.result(res)
-
     def cancel_step(self, req_id: int, spawn_id: int = 0) -> None:
         """An ensemble cancels a step: dropped if queued, its worker told if running; one that
         streams past its execution (``spawn_id``, a decoupled model) is in no batch, so its
@@ -348,10 +342,6 @@ class SchedulerCore:
         for inst, reqs in batches:
             for r in reqs:
                 queued_in.pop((r.frontend, r.req_id), None)
-                if r.frontend == ENSEMBLE_FRONTEND and not r.alone:
-                    # a step: its queue time is the ensemble's too (once: a retry, alone after
-                    # its worker died, waited from the same enqueue)
-                    self.ensembles.timings(r.req_id, r.dispatched_ns - r.enqueued_ns, 0, 0, 0)
             self.batch_counter += 1
             inst.state = InstanceState.BUSY
             inst.batch = reqs
@@ -444,10 +434,12 @@ class SchedulerCore:
                 stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
                                 done.compute_input_ns, done.compute_infer_ns,
                                 done.compute_output_ns)
-                if r.frontend == ENSEMBLE_FRONTEND:     # the ensemble's too
-                    self.ensembles.timings(r.req_id, 0, done.compute_input_ns,
+                if r.frontend == ENSEMBLE_FRONTEND:
+                    # an ensemble's step: its times are the ensemble's too (a retry, alone
+                    # after its worker died, waited through the run that died: no queue time)
+                    self.ensembles.timings(r.req_id, 0 if r.alone else
+                                           r.dispatched_ns - r.enqueued_ns, done.compute_input_ns,
                                            done.compute_infer_ns, done.compute_output_ns)
-
 
     def lease_ended(self, msg: LeaseEnded) -> None:
         lease = self.leases.ended(msg.spawn_id, msg.lease_id)
