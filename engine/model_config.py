@@ -189,8 +189,9 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         if not group.name:
             group.name = f"{name}_{i}"
         if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
-            group.kind = mc.ModelInstanceGroup.KIND_GPU if gpu_count and cfg.backend != "python" \
-                else mc.ModelInstanceGroup.KIND_CPU
+            # a TensorRT engine runs only on a GPU: without one its load fails with the reason
+            gpu = cfg.backend == "tensorrt" or (gpu_count and cfg.backend != "python")
+            group.kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
         if group.kind == mc.ModelInstanceGroup.KIND_GPU and not group.gpus:
             group.gpus.extend(range(gpu_count))
         if group.count == 0:

@@ -5,8 +5,11 @@ import asyncio
 import logging
 
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 
 log = logging.getLogger("shmserve.metrics")
+
+ENERGY = "nv_energy_consumption"
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -27,17 +30,23 @@ def _memory() -> tuple[int, int]:
 
 
 class _Gpus:
-    """nvidia-ml-py, if installed and a driver answers; otherwise no GPU gauges at all."""
+    """nvidia-ml-py, if installed and a driver answers; otherwise no GPU gauges at all. Each
+    reading is taken on its own: a GPU that does not report one (power on some boards) lacks
+    that family, and keeps the others."""
 
     def __init__(self):
         self.nvml = None
+        self.handles = []
+        self.energy_start: dict[str, float] = {}       # uuid -> mJ at the first sample
+        self.failed: set[tuple[str, str]] = set()       # (uuid, reading) already logged
         try:
             import pynvml
             pynvml.nvmlInit()
-            self.nvml = pynvml
             self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
                             for i in range(pynvml.nvmlDeviceGetCount())]
-        except Exception:       # no package, no driver, no device: CPU-only server
+            self.nvml = pynvml
+        except Exception as e:  # no package, no driver, no device: CPU-only server
+            log.debug("no GPU metrics: %s", e)
             self.nvml = None
             self.handles = []
 
@@ -47,17 +56,38 @@ class _Gpus:
         for h in self.handles:
             try:
                 uuid = nv.nvmlDeviceGetUUID(h)
-                uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-                mem = nv.nvmlDeviceGetMemoryInfo(h)
-                out.append((uuid, {
-                    "utilization": nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0,
-                    "memory_total": float(mem.total), "memory_used": float(mem.used),
-                    "power_usage": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,
-                    "power_limit": nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,
-                }))
             except Exception as e:
-                log.warning("reading GPU metrics failed: %s", e)
+                self._failed("?", "uuid", e)
+                continue
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+            values: dict[str, float] = {}
+            readings = (
+                ("utilization", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu / 100.0),
+                ("memory", lambda: nv.nvmlDeviceGetMemoryInfo(h)),
+                ("power_usage", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000.0),
+                ("power_limit", lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0),
+                ("energy", lambda: float(nv.nvmlDeviceGetTotalEnergyConsumption(h))),
+            )
+            for key, read in readings:
+                try:
+                    value = read()
+                except Exception as e:
+                    self._failed(uuid, key, e)
+                    continue
+                if key == "memory":
+                    values["memory_total"], values["memory_used"] = float(value.total), float(value.used)
+                elif key == "energy":    # Triton's: joules since the server started
+                    start = self.energy_start.setdefault(uuid, value)
+                    values["energy"] = (value - start) / 1000.0
+                else:
+                    values[key] = value
+            out.append((uuid, values))
         return out
+
+    def _failed(self, uuid: str, reading: str, error: Exception) -> None:
+        if (uuid, reading) not in self.failed:      # once per GPU and reading, not every interval
+            self.failed.add((uuid, reading))
+            log.warning("reading GPU %s %s failed: %s", uuid, reading, error)
 
 
 class SystemSampler:
@@ -111,5 +141,15 @@ class SystemSampler:
             for key, (name, doc) in names.items():
                 g = GaugeMetricFamily(name, doc, labels=["gpu_uuid"])
                 for uuid, values in self.gpu_values:
-                    g.add_metric([uuid], values[key])
+                    if key in values:
+                        g.add_metric([uuid], values[key])
                 yield g
+            # a counter, named as Triton names it (no _total: frontend/metrics.exposition)
+            from .metrics import TRITON_COUNTERS
+            TRITON_COUNTERS.add(ENERGY)
+            energy = Metric(ENERGY, "GPU energy consumption in joules since the Triton Server "
+                                    "started", "counter")
+            for uuid, values in self.gpu_values:
+                if "energy" in values:
+                    energy.add_sample(ENERGY, {"gpu_uuid": uuid}, values["energy"])
+            yield energy

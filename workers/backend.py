@@ -11,7 +11,7 @@ from shmserve.ipc.messages import ErrorCode, InstanceSpec
 
 @dataclass(slots=True)
 class WorkRequest:
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, np.ndarray]      # or gpu.DeviceTensor: an input already on a GPU
     datatypes: dict[str, str]           # wire datatype per input (BF16 is uint16 in numpy)
     requested_outputs: list[str]        # empty: every output
     request_id: str = ""
@@ -53,4 +53,7 @@ def load_backend(spec: InstanceSpec,
     if spec.backend == "onnxruntime":
         from .onnx_backend import OnnxBackend
         return OnnxBackend(spec)
+    if spec.backend == "tensorrt":
+        from .tensorrt_backend import TensorRTBackend
+        return TensorRTBackend(spec)
     raise BackendLoadError(f"backend '{spec.backend}' is not available in this build")

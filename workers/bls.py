@@ -123,7 +123,7 @@ class BlsClient:
         try:
             with worker.out_lock:           # the arena is the worker's output arena
                 for t in req.inputs():
-                    arr = t.as_numpy()
+                    arr = t._host()     # a GPU tensor is copied to the host
                     if not isinstance(arr, np.ndarray):
                         arr = np.asarray(arr)
                     placed = tensors.from_numpy(t.name(), t.datatype(), arr, worker.arena)

@@ -1,6 +1,7 @@
 """ONNX Runtime backend: CPU provider, or CUDA for KIND_GPU instances (never a silent fallback)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 
@@ -8,8 +9,9 @@ import numpy as np
 
 from shmserve.ipc.messages import ErrorCode
 
-from . import sequence
+from . import gpu, sequence
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+from .gpu import DeviceTensor
 
 _ORT_TYPES = {
     "tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
@@ -29,7 +31,10 @@ def _param(cfg: dict, *names: str, default: str | None = None) -> str | None:
 
 
 class OnnxBackend:
-    def __init__(self, spec: InstanceSpec):
+    def __init__(self, spec: InstanceSpec, io_binding: bool | None = None):
+        """``io_binding`` (default: on for KIND_GPU): run through ``session.io_binding()``, which
+        binds inputs already in device memory (``gpu.DeviceTensor``) where they are; tests turn
+        it on for a CPU session to exercise that path."""
         import onnxruntime as ort
 
         self.cfg = json.loads(spec.config_json)
@@ -45,12 +50,9 @@ class OnnxBackend:
         except ValueError:
             raise BackendLoadError(f"parameter intra_op_thread_count must be an integer, got "
                                    f"'{threads}'") from None
+        self.device = ("cuda", spec.device_id) if spec.kind == "GPU" else ("cpu", 0)
         if spec.kind == "GPU":
-            if "CUDAExecutionProvider" not in ort.get_available_providers():
-                raise BackendLoadError("instance kind KIND_GPU needs onnxruntime's CUDA execution "
-                                       "provider, which this installation does not have "
-                                       "(install shmserve[gpu] on a machine with a GPU)")
-            providers = [("CUDAExecutionProvider", {"device_id": spec.device_id})]
+            providers = _cuda_providers(ort, spec)
         else:
             providers = ["CPUExecutionProvider"]
         try:
@@ -58,8 +60,13 @@ class OnnxBackend:
         except Exception as e:  # onnxruntime raises its own exception types
             raise BackendLoadError(f"onnxruntime failed to load {path}: {e}") from None
         if spec.kind == "GPU" and "CUDAExecutionProvider" not in self.session.get_providers():
-            raise BackendLoadError("KIND_GPU was requested but onnxruntime did not activate the CUDA "
-                                   "execution provider (is a GPU visible?)")
+            # onnxruntime falls back to CPU when the provider cannot start (missing CUDA or
+            # cuDNN libraries, a driver too old): never serve a KIND_GPU instance that way
+            raise BackendLoadError(f"instance '{spec.instance_name}' is KIND_GPU, but onnxruntime "
+                                   f"could not start its CUDA execution provider on GPU "
+                                   f"{spec.device_id} (session providers: "
+                                   f"{self.session.get_providers()}; missing CUDA 12/13 or cuDNN 9 "
+                                   f"libraries? see onnxruntime's log above)")
         self.input_names = [i.name for i in self.session.get_inputs()]
         # BYTES arrive as numpy object arrays of bytes; onnxruntime's string tensors take str
         # (given bytes, it feeds their repr, "b'0'", to the graph)
@@ -67,6 +74,10 @@ class OnnxBackend:
                               if i.type == "tensor(string)"}
         self.output_types = {o.name: _ORT_TYPES.get(o.type, "") for o in self.session.get_outputs()}
         self.output_names = list(self.output_types)
+        # onnxruntime binds no string tensor: such a model runs through session.run, which
+        # keeps strings on the CPU anyway
+        strings = self.string_inputs or "BYTES" in self.output_types.values()
+        self.io_binding = (spec.kind == "GPU" if io_binding is None else io_binding) and not strings
         declared = {i["name"] for i in self.cfg.get("input", [])}
         missing = declared - set(self.input_names)
         if missing:
@@ -102,14 +113,14 @@ class OnnxBackend:
         if len(requests) == 1 or not self.batching:
             return [self._run_one(r) for r in requests]
         try:
-            feeds = {name: np.concatenate([r.inputs[name] for r in requests], axis=0)
+            feeds = {name: self._concat([r.inputs[name] for r in requests])
                      for name in requests[0].inputs}
         except ValueError:
             # shapes that differ past the batch dimension: a variable-dim implicit state (the
             # scheduler's shape key sees only the client's inputs). Equal shapes run together.
             return self._by_shape(requests)
         try:
-            results = self.session.run(self.output_names, self._text(feeds))
+            results = self._run(self._text(feeds))
         except _NotText as e:
             return [WorkResponse(error=str(e), code=ErrorCode.INVALID_ARG) for _ in requests]
         except Exception as e:
@@ -117,7 +128,7 @@ class OnnxBackend:
                     for _ in requests]
         out, start = [], 0
         for r in requests:
-            n = next(iter(r.inputs.values())).shape[0]
+            n = next(iter(r.inputs.values())).shape[0]      # (a DeviceTensor's too)
             out.append(self._response(r, [a[start:start + n] for a in results]))
             start += n
         return out
@@ -125,7 +136,7 @@ class OnnxBackend:
     def _by_shape(self, requests: list[WorkRequest]) -> list[WorkResponse]:
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            key = tuple((name, arr.shape[1:]) for name, arr in r.inputs.items())
+            key = tuple((name, tuple(arr.shape[1:])) for name, arr in r.inputs.items())
             groups.setdefault(key, []).append(i)
         if len(groups) == 1:        # not a matter of shapes: one at a time, each its own answer
             return [self._run_one(r) for r in requests]
@@ -137,12 +148,37 @@ class OnnxBackend:
 
     def _run_one(self, r: WorkRequest) -> WorkResponse:
         try:
-            results = self.session.run(self.output_names, self._text(r.inputs))
+            results = self._run(self._text(r.inputs))
         except _NotText as e:
             return WorkResponse(error=str(e), code=ErrorCode.INVALID_ARG)
         except Exception as e:
             return WorkResponse(error=f"onnxruntime execution failed: {e}", code=ErrorCode.INTERNAL)
         return self._response(r, results)
+
+    def _run(self, feeds: dict) -> list:
+        if not self.io_binding:
+            return self.session.run(self.output_names, feeds)
+        # I/O binding: host arrays are bound where they are (onnxruntime copies them to the
+        # device once), device tensors where they are (no trip through the host); outputs come
+        # back to host memory, where the worker sends them from
+        binding = self.session.io_binding()
+        for name, value in feeds.items():
+            if isinstance(value, DeviceTensor):
+                binding.bind_input(name, value.device_type, value.device_id, value.dtype,
+                                   list(value.shape), value.ptr)
+            else:
+                binding.bind_cpu_input(name, value)
+        for name in self.output_names:
+            binding.bind_output(name, "cpu")
+        self.session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
+
+    def _concat(self, parts: list):
+        """One batch input from the requests' parts: host arrays are concatenated on the host;
+        where any part is already on the device, the batch is gathered on the device."""
+        if not any(isinstance(p, DeviceTensor) for p in parts):
+            return np.concatenate(parts, axis=0)
+        return _gather(parts, self.device)
 
     def _text(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """String inputs as onnxruntime wants them: str elements (UTF-8 decoded)."""
@@ -167,6 +203,79 @@ class OnnxBackend:
 
     def finalize(self) -> None:
         self.session = None
+
+
+def _cuda_providers(ort, spec: InstanceSpec) -> list:
+    """The CUDA execution provider on the instance's GPU, or the load error that says why not:
+    no GPU, or an onnxruntime without CUDA. Never a silent CPU fallback."""
+    who = f"instance '{spec.instance_name}'"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        count, why = gpu.device_count()
+        machine = f"this machine has no GPU that CUDA can use ({why}), and " if count == 0 else ""
+        raise BackendLoadError(f"{who} is KIND_GPU (GPU {spec.device_id}), but {machine}this "
+                               f"onnxruntime has no CUDA "
+                               f"execution provider (providers: {ort.get_available_providers()}; "
+                               f"install shmserve[gpu], which brings onnxruntime-gpu, on a "
+                               f"machine with a GPU)")
+    gpu.require_device(spec.device_id, who)
+    preload = getattr(ort, "preload_dlls", None)
+    if preload is not None:     # onnxruntime-gpu >= 1.21: CUDA and cuDNN from nvidia-* wheels
+        try:
+            preload()
+        except Exception:       # the session's own error says more
+            pass
+    return [("CUDAExecutionProvider", {"device_id": spec.device_id}), "CPUExecutionProvider"]
+
+
+def _gather(parts: list, device: tuple[str, int]) -> DeviceTensor:
+    """Concatenate batch parts (host arrays and device tensors of one dtype) along the first
+    dimension into one new tensor on ``device``."""
+    first = parts[0]
+    dtype = np.dtype(first.dtype)
+    rows = sum(p.shape[0] for p in parts)
+    inner = tuple(first.shape[1:])
+    for p in parts:
+        if tuple(p.shape[1:]) != inner or np.dtype(p.dtype) != dtype:
+            raise ValueError("batch parts differ past the batch dimension")
+    shape = (rows, *inner)
+    if device[0] == "cpu":
+        out = np.empty(shape, dtype)
+        start = 0
+        for p in parts:
+            n = p.shape[0]
+            if isinstance(p, DeviceTensor):
+                ctypes.memmove(out[start:start + n].ctypes.data, p.ptr, p.nbytes)
+            else:
+                out[start:start + n] = p
+            start += n
+        return DeviceTensor(out.ctypes.data, shape, dtype, 0, "cpu", out)
+    cuda = gpu.cuda(device[1])
+    total = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = _DeviceBuffer(cuda, total)
+    offset = 0
+    for p in parts:
+        if isinstance(p, DeviceTensor):
+            cuda.dtod(buf.ptr + offset, p.ptr, p.nbytes)
+            offset += p.nbytes
+        else:
+            host = np.ascontiguousarray(p)
+            cuda.htod(buf.ptr + offset, host.ctypes.data, host.nbytes)
+            offset += host.nbytes
+    cuda.synchronize(0)
+    return DeviceTensor(buf.ptr, shape, dtype, device[1], "cuda", buf)
+
+
+class _DeviceBuffer:
+    """Device memory freed with its last reference."""
+
+    def __init__(self, cuda: gpu.Cuda, nbytes: int):
+        self.cuda, self.ptr = cuda, cuda.alloc(nbytes)
+
+    def __del__(self):
+        try:
+            self.cuda.free(self.ptr)
+        except Exception:
+            pass
 
 
 class _NotText(ValueError):

@@ -1,8 +1,9 @@
 """shmserve's own ``triton_python_backend_utils``.
 
 Worker processes install this module as ``sys.modules["triton_python_backend_utils"]`` before importing
-a repository ``model.py``, so unmodified Triton python models run against it.  Everything is CPU-side:
-tensors wrap numpy arrays, and the worker moves them through shared memory itself.
+a repository ``model.py``, so unmodified Triton python models run against it.  Tensors wrap numpy
+arrays, and the worker moves them through shared memory itself; a GPU tensor a model makes with
+``Tensor.from_dlpack`` stays in GPU memory (workers/dlpack.py) until it leaves the model.
 """
 
 import enum
@@ -104,7 +105,7 @@ def _to_bytes_object_array(arr):
 
 
 class Tensor:
-    __slots__ = ("_name", "_array", "_wire")
+    __slots__ = ("_name", "_array", "_wire", "_device")
 
     def __init__(self, name, numpy_array, datatype=None):
         if not isinstance(name, str):
@@ -125,45 +126,130 @@ class Tensor:
             else:
                 raise ValueError(f"tensor '{name}': datatype {datatype} does not match numpy dtype {arr.dtype}"
                                  + (" (BF16 needs the raw bits in a uint16 array)" if datatype == "BF16" else ""))
-        self._name, self._array, self._wire = name, arr, datatype or natural
+        self._name, self._array, self._wire, self._device = name, arr, datatype or natural, None
 
     @classmethod
     def _from_worker(cls, name, array, datatype):
         """Trusted path: `array` already has the numpy type that `datatype` (a wire name) implies."""
         t = cls.__new__(cls)
-        t._name, t._array, t._wire = name, array, datatype
+        t._name, t._array, t._wire, t._device = name, array, datatype, None
         return t
 
     def name(self): return self._name
-    def as_numpy(self): return self._array
     def datatype(self): return self._wire
     def triton_dtype(self): return WIRE_TO_ENUM[self._wire]
-    def shape(self): return list(self._array.shape)
-    def is_cpu(self): return True
-    def memory_type(self): return TRITONSERVER_MEMORY_CPU
+    def is_cpu(self): return self._device is None
+    def memory_type(self): return TRITONSERVER_MEMORY_CPU if self._device is None else TRITONSERVER_MEMORY_GPU
     def to_dlpack(self): return self.__dlpack__()
+
+    def as_numpy(self):
+        if self._device is not None:        # Triton's words
+            raise TritonModelException("Tensor is stored in GPU and cannot be converted to NumPy.")
+        return self._array
+
+    def shape(self):
+        return list(self._array.shape if self._device is None else self._device.shape)
+
+    def _host(self):
+        """The tensor in host memory: the array itself, or a GPU tensor copied out (the worker
+        sends outputs from host memory)."""
+        if self._device is None:
+            return self._array
+        from . import gpu
+        return gpu.cuda(self._device.device_id).to_host(self._device)
 
     def __dlpack__(self, stream=None, **kwargs):
         if self._wire == "BYTES":
             raise TritonModelException(f"tensor '{self._name}': DLPack cannot carry BYTES tensors")
+        if self._device is not None:
+            from . import dlpack
+            return dlpack.capsule(self._device)
         if stream is not None:
             kwargs["stream"] = stream
-        return self._array.__dlpack__(**kwargs)
+        try:
+            return self._array.__dlpack__(**kwargs)
+        except BufferError:
+            # an input is a read-only view of memory the model does not own (a client's
+            # region, perhaps); the legacy protocol (to_dlpack(), a consumer that asks for no
+            # max_version) cannot say read-only, so it gets a copy the model may write
+            if self._array.flags.writeable:
+                raise
+            return np.array(self._array).__dlpack__(**kwargs)
 
-    def __dlpack_device__(self): return self._array.__dlpack_device__()
+    def __dlpack_device__(self):
+        if self._device is not None:
+            return (2, self._device.device_id)      # kDLCUDA
+        return self._array.__dlpack_device__()
 
     @staticmethod
     def from_dlpack(name, dlpack_tensor):
+        """CPU tensors become numpy arrays (no copy); GPU tensors stay in GPU memory (``is_cpu()``
+        is False), held through their capsule, and are copied to the host only when they leave
+        the model as outputs."""
         obj = dlpack_tensor
-        if type(obj).__name__ == "PyCapsule":  # Triton models pass torch.utils.dlpack.to_dlpack(t) capsules
+        is_capsule = type(obj).__name__ == "PyCapsule"
+        device = _dlpack_device(name, obj, is_capsule)
+        if device[0] in (2, 13):        # kDLCUDA, kDLCUDAManaged
+            return Tensor._from_gpu(name, obj, is_capsule, device)
+        if is_capsule:  # Triton models pass torch.utils.dlpack.to_dlpack(t) capsules
             obj = _CapsuleHolder(obj)
         try:
             arr = np.from_dlpack(obj)
         except (BufferError, RuntimeError, TypeError) as e:
-            raise TritonModelException(f"tensor '{name}': cannot import DLPack tensor on CPU: {e}") from e
+            arr = _cpu_fallback(dlpack_tensor, is_capsule)      # what numpy cannot take: BF16
+            if arr is None:
+                raise TritonModelException(f"tensor '{name}': cannot import DLPack tensor on CPU: {e}") from e
         return Tensor(name, arr)
 
+    @staticmethod
+    def _from_gpu(name, obj, is_capsule, device):
+        from . import dlpack, gpu
+        count, why = gpu.device_count()
+        if count == 0:
+            raise TritonModelException(f"tensor '{name}' is in GPU memory (DLPack device CUDA:{device[1]}), "
+                                       f"but this machine has no GPU that CUDA can use: {why}")
+        try:
+            dev = dlpack.read(obj if is_capsule else obj.__dlpack__())
+        except (ValueError, BufferError, TypeError) as e:
+            raise TritonModelException(f"tensor '{name}': cannot import DLPack tensor: {e}") from e
+        wire = _wire_of_dtype(dev.dtype)
+        if wire is None:
+            raise TritonModelException(f"tensor '{name}': dtype {dev.dtype} has no Triton data type")
+        t = Tensor.__new__(Tensor)
+        t._name, t._array, t._wire, t._device = name, None, wire, dev
+        return t
+
     def __repr__(self): return f"Tensor({self._name!r}, {self._wire}, shape={self.shape()})"
+
+
+def _cpu_fallback(obj, is_capsule):
+    """A CPU DLPack tensor read without numpy's importer (which refuses bfloat16); None if it
+    is not one."""
+    from . import dlpack
+    try:
+        t = dlpack.read(obj if is_capsule else obj.__dlpack__())
+    except Exception:
+        return None
+    return dlpack.host_array(t) if t.device_type == "cpu" else None
+
+
+def _dlpack_device(name, obj, is_capsule):
+    """(DLPack device type, device id) of what from_dlpack was given."""
+    if is_capsule:
+        from . import dlpack
+        try:
+            dev = dlpack.read(obj)
+        except ValueError as e:
+            raise TritonModelException(f"tensor '{name}': cannot import DLPack tensor: {e}") from e
+        return (2, dev.device_id) if dev.device_type == "cuda" else (1, 0)
+    get = getattr(obj, "__dlpack_device__", None)
+    if get is None:
+        return (1, 0)
+    try:
+        kind, index = get()
+        return int(kind), int(index)
+    except (TypeError, ValueError) as e:
+        raise TritonModelException(f"tensor '{name}': bad __dlpack_device__(): {e}") from e
 
 
 class _CapsuleHolder:

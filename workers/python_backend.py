@@ -144,7 +144,11 @@ class PythonBackend:
             if t is None:
                 return WorkResponse(error=f"model '{self.spec.model_name}' did not produce "
                                           f"requested output '{name}'", code=ErrorCode.INTERNAL)
-            arr = t.as_numpy()
+            try:
+                arr = t._host()         # a GPU tensor (from_dlpack) is copied out here
+            except Exception as e:
+                return WorkResponse(error=f"model '{self.spec.model_name}' output '{name}': {e}",
+                                    code=ErrorCode.INTERNAL)
             datatype = t.datatype()
             if datatype == "UINT16" and self.output_types.get(name) == "TYPE_BF16":
                 arr, datatype = arr.view(pb_utils.WIRE_TO_NUMPY["BF16"]), "BF16"  # raw bits

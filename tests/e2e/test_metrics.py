@@ -92,5 +92,5 @@ def test_gpu_gauges_per_device(server):
         uuids.add(u.decode() if isinstance(u, bytes) else u)
     fams = _families(server)
     for name in ("nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
-                 "nv_gpu_power_usage", "nv_gpu_power_limit"):
+                 "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"):
         assert {s.labels["gpu_uuid"] for s in fams[name].samples} == uuids, name
