@@ -41,12 +41,13 @@ BARE = "import sys, numpy, zmq, msgspec; print('up', flush=True); sys.stdin.read
 MIB = 2 ** 20
 
 
-def build_repository(root: str, n: int) -> list[str]:
-    with open(os.path.join(SOURCE, "config.pbtxt")) as f:
+def build_repository(root: str, n: int, source: str = SOURCE) -> list[str]:
+    """``n`` copies of the model in ``source`` (default identity_fp32), named <model>_000 ..."""
+    with open(os.path.join(source, "config.pbtxt")) as f:
         config = f.read()
-    names = [f"identity_fp32_{i:03d}" for i in range(n)]
+    names = [f"{os.path.basename(source)}_{i:03d}" for i in range(n)]
     for name in names:
-        shutil.copytree(os.path.join(SOURCE, "1"), os.path.join(root, name, "1"),
+        shutil.copytree(os.path.join(source, "1"), os.path.join(root, name, "1"),
                         ignore=shutil.ignore_patterns("__pycache__"))
         with open(os.path.join(root, name, "config.pbtxt"), "w") as f:
             f.write(re.sub(r'^name:\s*"[^"]*"', f'name: "{name}"', config, count=1, flags=re.M))

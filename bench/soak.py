@@ -40,6 +40,7 @@ def processes(root: int) -> dict[int, tuple[str, int]]:
             continue
         role = ("worker " + cmd.split('"model_name":"')[1].split('"')[0] if "workers.main" in cmd
                 else "scheduler" if "engine.scheduler" in cmd
+                else "zygote" if "workers.zygote" in cmd      # the fork server
                 else "frontend" if "frontend.main" in cmd else "launcher")
         out[pid] = (role, rss)
         todo.extend(children.get(pid, []))

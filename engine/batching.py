@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Protocol
+from typing import Any, Callable, Hashable, Iterable, Protocol
 
 
 @dataclass(slots=True)
@@ -54,6 +54,8 @@ class QueueFull(Exception):
 class RequestQueue(Protocol):
     """What the scheduler core asks of a version's queue (DefaultQueue, DynamicBatcher)."""
 
+    idle: list[Hashable]        # idle instances (IdleInstances)
+
     def enqueue(self, req: QueuedRequest) -> None: ...          # raises QueueFull
     def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]: ...     # (instance, batch)
     def next_deadline_ns(self) -> int | None: ...
@@ -62,6 +64,7 @@ class RequestQueue(Protocol):
     def take_failed(self) -> list[tuple[QueuedRequest, str]]: ...
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None: ...
     def drain(self) -> list[QueuedRequest]: ...
+    def pending(self) -> Iterable[QueuedRequest]: ...     # queued, without taking them out
     def instance_idle(self, key: Hashable) -> None: ...
     def instance_gone(self, key: Hashable) -> None: ...
     def __len__(self) -> int: ...
@@ -128,6 +131,9 @@ class DefaultQueue(IdleInstances):
                 self.queue.remove(r)
                 return r
         return None
+
+    def pending(self) -> Iterable[QueuedRequest]:
+        return self.queue
 
     def drain(self) -> list[QueuedRequest]:
         """Take every queued request out (the model is going away)."""

@@ -10,7 +10,7 @@ import msgspec
 from shmserve.frontend import restricted
 from shmserve.ipc.messages import LogFormat, ServerSettings
 
-from . import launcher
+from . import launcher, residency
 
 # The one place defaults are written is ServerSettings; the flags take theirs from it.
 D = {f.name: f.default for f in msgspec.structs.fields(ServerSettings)
@@ -34,11 +34,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model-repository", "--model-store", dest="model_repository", action="append",
                    required=True, metavar="PATH", help="model repository path (repeatable)")
     p.add_argument("--model-control-mode", default=D["model_control_mode"], type=str.lower,
-                   choices=["none", "poll", "explicit"])
+                   choices=["none", "poll", "explicit", "on_demand"])
     p.add_argument("--repository-poll-secs", type=float, default=D["repository_poll_secs"],
                    help="poll mode: how often the repository is scanned for changes")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="explicit mode: load this model at startup (repeatable; '*' = all)")
+    p.add_argument("--model-memory-budget", type=byte_count, default=D["model_memory_budget"],
+                   metavar="BYTES",
+                   help="on_demand mode: memory (PSS) all loaded models' workers may use "
+                        "together, e.g. 512M or 4G; least recently used idle models are "
+                        "unloaded to make room (0 = no budget)")
+    p.add_argument("--model-idle-unload-secs", type=float, default=D["model_idle_unload_secs"],
+                   help="on_demand mode: unload a model that had no request for this long "
+                        "(0 = never)")
+    p.add_argument("--model-load-wait-secs", type=float, default=D["model_load_wait_secs"],
+                   help="on_demand mode: how long a request for a model that is not loaded "
+                        "waits for its load before it gets 503 'still loading'")
     p.add_argument("--model-load-thread-count", type=int, default=4,
                    help="accepted for compatibility: every instance loads in its own process, "
                         "so loads always run in parallel")
@@ -48,11 +59,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-inflight-requests", type=int, default=D["max_inflight_requests"],
                    help="requests a frontend holds at once before refusing more with 503 "
                         "(0 = no limit)")
+    p.add_argument("--frontends", type=frontend_count, default="auto",
+                   help="frontend processes serving the HTTP and gRPC ports together "
+                        "(SO_REUSEPORT: the kernel spreads connections over them); auto: 1 on "
+                        "a machine with up to 4 CPUs, else a quarter of the CPUs, at most 8")
     p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
                    help="lend an idle instance of a model without dynamic batching to the "
                         "frontend that uses it, which then sends it requests directly (one hop "
                         "fewer while the model's queue is empty); false sends every request "
                         "through the scheduler")
+    p.add_argument("--worker-start", default=D["worker_start"], type=str.lower,
+                   choices=["fork", "spawn"],
+                   help="fork: model instances' workers are forked from a fork server that has "
+                        "imported what they need, sharing those pages (a model may ask for a "
+                        "fresh interpreter with the config parameter FORK_WORKER: \"false\"); "
+                        "spawn: every worker is a fresh interpreter")
     p.add_argument("--disable-auto-complete-config", action="store_true",
                    help="do not fill in model configs from the models (ONNX inputs/outputs, "
                         "python auto_complete_config)")
@@ -160,6 +181,26 @@ def metrics_config(parser: argparse.ArgumentParser, items: list[str]) -> dict[st
     return known
 
 
+def frontend_count(text: str) -> int:
+    if text == "auto":
+        cpus = len(os.sched_getaffinity(0))
+        return 1 if cpus <= 4 else min(8, cpus // 4)
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+    if not 1 <= n <= 64:
+        raise argparse.ArgumentTypeError(f"must be between 1 and 64, got {n}")
+    return n
+
+
+def byte_count(text: str) -> int:
+    try:
+        return residency.parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -170,6 +211,14 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         parser.error("--load-model=* must be the only --load-model")
     if a.repository_poll_secs < 0:
         parser.error("--repository-poll-secs must be >= 0")
+    if a.model_control_mode != "on_demand":
+        for flag in ("model_memory_budget", "model_idle_unload_secs", "model_load_wait_secs"):
+            if getattr(a, flag) != D[flag]:
+                parser.error(f"--{flag.replace('_', '-')} needs --model-control-mode=on_demand")
+    if a.model_idle_unload_secs < 0:
+        parser.error("--model-idle-unload-secs must be >= 0")
+    if a.model_load_wait_secs <= 0:
+        parser.error("--model-load-wait-secs must be positive")
     if a.model_upload_max_bytes < 0:
         parser.error("--model-upload-max-bytes must be >= 0")
     if a.metrics_interval_ms <= 0:
@@ -223,10 +272,14 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         log_error=a.log_error, log_format=LogFormat(a.log_format), log_file=a.log_file,
         port_file=a.port_file,
         model_control_mode=a.model_control_mode, repository_poll_secs=a.repository_poll_secs,
+        model_memory_budget=a.model_memory_budget, model_idle_unload_secs=a.model_idle_unload_secs,
+        model_load_wait_secs=a.model_load_wait_secs,
         load_models=a.load_model,
         auto_complete=not (a.disable_auto_complete_config or a.strict_model_config is True),
         execution_timeout_secs=a.execution_timeout_secs,
-        max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases)
+        max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
+        worker_start=a.worker_start,
+        frontends=a.frontends)
     return settings, a
 
 

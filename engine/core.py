@@ -50,12 +50,13 @@ from shmserve.ipc.messages import (
     WorkerReady,
 )
 
-from .batching import DefaultQueue, QueuedRequest, QueueFull
+from .batching import QueuedRequest, QueueFull, RequestQueue
 from .ensemble import EnsembleRunner
 from .instances import Death, InstanceSupervisor, Outcome
 from .leases import LeaseBook
 from .lifecycle import ModelLifecycle, Waiter
 from .models import Instance, ModelVersion
+from .on_demand import OnDemand
 from .port import SchedulerPort
 from .repository import ModelRepository
 from .sequence_batcher import SequenceError
@@ -87,11 +88,13 @@ class SchedulerCore:
         self.worker_addresses: dict[str, int] = {}      # inbox address -> spawn id
         self.frontends: set[int] = set()
         self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
+        self.leased_counts: dict[str, int] = {}     # per model, for /metrics
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
         self.custom_metrics: dict[int, CustomMetrics] = {}          # spawn id -> latest
         self.log_settings: LogSettings | None = None    # set by a client (SetLogSettings)
         self.batch_counter = 0
         self.next_poll = 0.0
+        self.table_dirty = False        # on demand: a model table is due (publish)
         # seconds on the clock when housekeeping() is next due (0 = now); the shell reads it
         self.housekeeping_at = 0.0
         self.stopping = False
@@ -105,6 +108,10 @@ class SchedulerCore:
             SetLogSettings: self.set_log_settings,
             ReleaseOutputs: self.release_handed,
         }
+        # --model-control-mode=on_demand (engine/on_demand.py): requests hold loads
+        self.on_demand = OnDemand(self) if settings.model_control_mode == "on_demand" else None
+        if self.on_demand is not None:
+            self.handlers[ControlRequest] = self.on_demand.control
 
     @property
     def exit_requested(self) -> bool:
@@ -112,6 +119,9 @@ class SchedulerCore:
 
     def start(self) -> None:
         self.lifecycle.load_initial()
+        if self.on_demand is not None:
+            self.on_demand.start()
+            self.flush_table()
         if self.settings.model_control_mode == "poll":
             self.next_poll = self.clock() / 1e9 + self.settings.repository_poll_secs
 
@@ -120,23 +130,22 @@ class SchedulerCore:
         kind = type(msg)
         if kind is SubmitRequest:               # the hot path first
             self.submit(msg, frames[0])
-            return
-        if kind is BatchDone:
+        elif kind is BatchDone:
             self.batch_done(msg)
-            return
-        if kind is InferResult:             # an ensemble step's answer streamed by a worker
+        elif kind is InferResult:           # an ensemble step's answer streamed by a worker
             self.ensembles.result(msg)
-            return
-        if kind is LeasedDone:
+        elif kind is LeasedDone:
             self.leased_done(msg)
-            return
-        handler = self.handlers.get(kind)
-        if handler is None:
-            log.warning("ignoring an unexpected %s", kind.__name__)
-            return
-        handler(msg)
-        if kind is not Wake:        # rare messages may start restarts, loads or pings: check now
-            self.housekeeping_at = 0.0
+        else:
+            handler = self.handlers.get(kind)
+            if handler is None:
+                log.warning("ignoring an unexpected %s", kind.__name__)
+                return
+            handler(msg)
+            if kind is not Wake:    # rare messages may start restarts, loads or pings: check now
+                self.housekeeping_at = 0.0
+        if self.table_dirty:
+            self.flush_table()
 
     def frontend_hello(self, msg: FrontendHello) -> None:
         self.frontends.add(msg.frontend)
@@ -146,11 +155,24 @@ class SchedulerCore:
         self.port.send_frontend(msg.frontend, self.lifecycle.model_table())
 
     def publish(self) -> None:
+        if self.on_demand is not None:
+            # hundreds of models: the table is built and sent once per message handled, before
+            # any reply that depends on it (reply_control, reply_error) and at the end
+            self.table_dirty = True
+            return
+        table = self.lifecycle.model_table()
+        for fid in self.frontends:
+            self.port.send_frontend(fid, table)
+
+    def flush_table(self) -> None:
+        self.table_dirty = False
         table = self.lifecycle.model_table()
         for fid in self.frontends:
             self.port.send_frontend(fid, table)
 
     def reply_control(self, waiter: Waiter | None, code: ErrorCode | None, error: str) -> None:
+        if self.table_dirty:
+            self.flush_table()
         if waiter is None:
             if error:
                 log.error("%s", error)
@@ -159,6 +181,8 @@ class SchedulerCore:
 
     def reply_error(self, frontend: int, req_id: int, model: str, version: int,
                     code: ErrorCode, message: str) -> None:
+        if self.table_dirty:
+            self.flush_table()
         res = InferResult(req_id, model, version, error=message, code=code)
         if frontend == ENSEMBLE_FRONTEND:       # an ensemble's step: the runner hears it
             self.ensembles.result(res)
@@ -236,12 +260,17 @@ class SchedulerCore:
         live = self.supervisor.by_spawn
         return StatsReply(q.query_id, [v.stats.snapshot(len(v.queue)) for v in chosen], ipc,
                           custom_metrics=[m for sid, m in self.custom_metrics.items()
-                                          if sid in live])
+                                          if sid in live], leased=self.leased_counts,
+                          on_demand=self.on_demand.statistics() if self.on_demand else None)
 
     # ---- requests -------------------------------------------------------------------------------
     def submit(self, msg: SubmitRequest, payload) -> None:
         ver = self.versions.get((msg.model, msg.version))
+        if self.on_demand is not None:
+            self.on_demand.used(msg.model)
         if ver is None or ver.state != ModelState.READY:
+            if self.on_demand is not None and self.on_demand.hold(msg, payload):
+                return      # held while its model loads
             self.reply_error(msg.frontend, msg.req_id, msg.model, msg.version,
                              ErrorCode.UNAVAILABLE,
                              f"Request for unknown model: '{msg.model}' version {msg.version} is "
@@ -300,6 +329,8 @@ class SchedulerCore:
         ver = self.queued_in.pop(key, None)
         if ver is None and self.ensembles.runs and self.ensembles.cancel(*key):
             return
+        if ver is None and self.on_demand is not None and self.on_demand.cancel(*key):
+            return
         if ver is None:
             for sid, (_, inst) in self.supervisor.by_spawn.items():
                 if inst.batch and inst.connected and any(
@@ -325,15 +356,15 @@ class SchedulerCore:
         queue = ver.queue
         for req in queue.take_expired():
             self.reject(ver, req, "Request timeout expired")
-        if finished and self.leases.enabled and len(queue) and isinstance(queue, DefaultQueue) \
-                and queue.idle and len(ver.instances) == 1 and self.hand_over(ver, queue):
+        if finished and self.leases.enabled and len(queue) and queue.idle \
+                and len(ver.instances) == 1 and self.leases.leasable(ver) \
+                and self.hand_over(ver, queue):
             return
         batches = queue.next_batches()
         if self.leases.by_version and (len(queue) or ver.state != ModelState.READY):
             # requests wait for an instance, or the version drains: a leased one comes back
             self.leases.revoke(ver)
-        elif not len(queue) and self.leases.enabled and isinstance(queue, DefaultQueue) \
-                and queue.idle:
+        elif not len(queue) and self.leases.enabled and queue.idle:
             self.leases.offer(ver, queue.idle)
         if not batches:
             return
@@ -355,14 +386,13 @@ class SchedulerCore:
             self.port.send_worker(inst.spawn_id, ExecuteBatch(self.batch_counter, routes),
                                   [r.payload for r in reqs])
 
-    def hand_over(self, ver: ModelVersion, queue: DefaultQueue) -> bool:
+    def hand_over(self, ver: ModelVersion, queue: RequestQueue) -> bool:
         """The single instance of ``ver`` is idle and requests queue: when they all come from
         one frontend, lease it the instance and return them to it to send under the lease
         (engine/leases.py), instead of dispatching them here one by one."""
-        reqs = queue.queue
-        frontend = reqs[0].frontend
+        frontend = next(iter(queue.pending())).frontend
         if frontend not in self.lease_takers or any(r.frontend != frontend or r.alone
-                                                    for r in reqs) or \
+                                                    for r in queue.pending()) or \
                 not self.leases.can_hand_over(ver, frontend):
             return False
         taken = queue.drain()
@@ -376,11 +406,14 @@ class SchedulerCore:
 
     def leased_done(self, msg: LeasedDone) -> None:
         """Statistics of requests frontends sent under leases (their workers answered them)."""
-        by_spawn, versions = self.supervisor.by_spawn, self.versions
+        by_spawn, versions, leased = self.supervisor.by_spawn, self.versions, self.leased_counts
         for done in msg.records:
             head = done.leased
             if head is None:
                 continue
+            leased[head.model] = leased.get(head.model, 0) + 1
+            if self.on_demand is not None:
+                self.on_demand.used(head.model)
             found = by_spawn.get(done.spawn_id)
             if found is not None:
                 found[1].deaths_in_a_row = 0
@@ -395,7 +428,7 @@ class SchedulerCore:
             self.account(ver, [QueuedRequest(
                 head.req_id, head.frontend, head.batch_size, None, enqueued_ns=head.received_ns,
                 received_ns=head.received_ns,
-                dispatched_ns=max(head.received_ns, started))], done)
+                dispatched_ns=max(head.received_ns, started))], done, done.executed)
 
     def batch_done(self, msg: BatchDone) -> None:
         self.finish_batch(msg)
@@ -419,14 +452,22 @@ class SchedulerCore:
         self.dispatch(ver, finished=True)
         if ver.state != ModelState.READY:      # draining: its last batch may have ended
             self.lifecycle.drain_progress(ver)
+        if self.on_demand is not None:
+            self.on_demand.finished(ver)
 
-    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone) -> None:
+    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone,
+                executed: int = -1) -> None:
+        """Statistics of a finished batch; ``executed``: the inferences of the execution to
+        count (-1: the batch's; 0: none, another record of a leased batch counts it)."""
         now = done.finished_ns or self.clock()
         failed = set(done.failed)
         stats = ver.stats
-        stats.executed(sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or
-                       sum(r.batch_size for r in batch), done.compute_input_ns,
-                       done.compute_infer_ns, done.compute_output_ns)
+        if executed < 0:
+            executed = sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or \
+                sum(r.batch_size for r in batch)
+        if executed:
+            stats.executed(executed, done.compute_input_ns, done.compute_infer_ns,
+                           done.compute_output_ns)
         for i, r in enumerate(batch):
             if i in failed:
                 stats.failed("BACKEND", now - r.received_ns)
@@ -452,6 +493,8 @@ class SchedulerCore:
             self.dispatch(ver)
         if ver.state != ModelState.READY:
             self.lifecycle.drain_progress(ver)
+        if self.on_demand is not None:
+            self.on_demand.finished(ver)        # it may make room for a load now
 
     # ---- workers ----------------------------------------------------------------------------------
     def worker_ready(self, msg: WorkerReady) -> None:
@@ -532,6 +575,10 @@ class SchedulerCore:
             self.lifecycle.drain_progress(ver)
         elif death.outcome == Outcome.CRASH_LOOP:
             self.crash_loop(ver, inst, death.how)
+        if self.on_demand is not None:
+            self.on_demand.exited(ver.name)     # its memory may be free now
+            if self.table_dirty:
+                self.flush_table()
 
     def requests_of_dead_worker(self, death: Death) -> None:
         """Stateless models get one retry, unless we killed the worker for running too long.
@@ -602,8 +649,11 @@ class SchedulerCore:
         sup = self.supervisor
         live = self.lifecycle.live_versions()
         wait = min(sup.restart_due(), self.poll_due(), sup.hang_due(live),
+                   self.on_demand.due() if self.on_demand is not None else 1.0,
                    sup.ping_due(self.versions.values()), self.leases_due())
         self.housekeeping_at = self.clock() / 1e9 + wait
+        if self.table_dirty:
+            self.flush_table()
 
     def leases_due(self) -> float:
         wait, hung = self.leases.due()
@@ -631,7 +681,11 @@ class SchedulerCore:
         """Answer every queued request, ask every worker to finish its batch and exit.
         Returns the spawn ids the shell should wait for."""
         self.stopping = True
+        if self.on_demand is not None:
+            self.on_demand.shutdown()
         self.leases.stopping = True
         for ver in self.lifecycle.live_versions():
             self.fail_queued(ver, ErrorCode.UNAVAILABLE, "", "the server is shutting down")
+        if self.table_dirty:
+            self.flush_table()
         return self.supervisor.stop_all()

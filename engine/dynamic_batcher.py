@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 from .batching import IdleInstances, QueuedRequest, QueueFull
 
@@ -123,7 +123,8 @@ class DynamicBatcher(IdleInstances):
         return rejected
 
     # ---- forming batches -----------------------------------------------------------------------------
-    def _pending(self):
+    def pending(self) -> Iterator[QueuedRequest]:
+        """The queued requests, highest priority first, without taking them out."""
         for level in self.levels:
             yield from level.ready
             yield from level.delayed
@@ -142,7 +143,7 @@ class DynamicBatcher(IdleInstances):
         best = 0
         closed = False      # the batch cannot grow: full, or the next request does not fit
         oldest = 0
-        for r in self._pending():
+        for r in self.pending():
             if batch and (r.alone or r.shape_key != batch[0].shape_key
                           or total + r.batch_size > limit):
                 closed = True
@@ -228,7 +229,7 @@ class DynamicBatcher(IdleInstances):
         return None
 
     def drain(self) -> list[QueuedRequest]:
-        out = list(self._pending())
+        out = list(self.pending())
         for level in self.levels:
             level.ready.clear()
             level.delayed.clear()

@@ -8,6 +8,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -38,6 +39,28 @@ ORPHANED_FRONTEND_S = 5.0
 RUN_DIR_PREFIX = "shmserve-"
 
 
+def reserve_ports(settings: ServerSettings) -> list[socket.socket]:
+    """With several frontends, each listens on the same HTTP and gRPC port with SO_REUSEPORT.
+    A port of 0 must become one port for all of them, so the launcher binds a socket of that
+    group first (never listening: the kernel hands connections only to listening members) and
+    keeps it open until the end, which also keeps the port from going to another program."""
+    held = []
+    for allowed, host_field, port_field in ((settings.allow_http, "http_address", "http_port"),
+                                            (settings.allow_grpc, "grpc_address", "grpc_port")):
+        if not allowed:
+            continue
+        host, port = getattr(settings, host_field), getattr(settings, port_field)
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        held.append(sock)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind(addr)
+        setattr(settings, port_field, sock.getsockname()[1])
+    return held
+
+
 def remove_stale_run_dirs() -> int:
     """Remove the run directories (sockets, worker argument files) of servers whose launcher
     was killed: their names carry the launcher's pid."""
@@ -56,22 +79,34 @@ def remove_stale_run_dirs() -> int:
     return removed
 
 
-def _stop(children: dict[str, subprocess.Popen], timeout: float) -> None:
-    """Stop children one after another, in the given order, each within ``timeout``. A second
-    signal meanwhile kills them all (``_kill_now``), which ends these waits at once."""
-    for name, p in children.items():
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        wait = timeout
-        scheduler = children.get("scheduler")
-        if name == "frontend" and scheduler is not None and scheduler.poll() is not None:
-            wait = min(timeout, ORPHANED_FRONTEND_S)
-        try:
-            p.wait(timeout=wait)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0fs; killing it", name, wait)
-            p.kill()
-            p.wait()
+def frontend_name(i: int) -> str:
+    return "frontend" if i == 0 else f"frontend-{i}"
+
+
+def frontend_names(settings: ServerSettings) -> list[str]:
+    return [frontend_name(i) for i in range(settings.frontends)]
+
+
+def _stop(groups: list[dict[str, subprocess.Popen]], timeout: float,
+          scheduler: subprocess.Popen | None) -> None:
+    """Stop groups of children one group after another; the members of a group together (all
+    frontends stop accepting at once), each within ``timeout``. A second signal meanwhile kills
+    them all (``_kill_now``), which ends these waits at once."""
+    for children in groups:
+        for p in children.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for name, p in children.items():
+            wait = timeout
+            if name.startswith("frontend") and scheduler is not None \
+                    and scheduler.poll() is not None:
+                wait = min(timeout, ORPHANED_FRONTEND_S)
+            try:
+                p.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0fs; killing it", name, wait)
+                p.kill()
+                p.wait()
 
 
 def _kill_now(children: dict[str, subprocess.Popen]) -> None:
@@ -111,6 +146,12 @@ def run(settings: ServerSettings) -> int:
         os.unlink(settings.port_file)
     children: dict[str, subprocess.Popen] = {}
     forced: list[int] = []
+    try:
+        held = reserve_ports(settings) if settings.frontends > 1 else []
+    except OSError as e:
+        log.error("cannot reserve the ports for %d frontends: %s", settings.frontends, e)
+        shutil.rmtree(settings.run_dir, ignore_errors=True)
+        return 1
     # The loop sleeps in poll() on the children's pidfds and the read end of this pipe; the
     # signal handler writes a byte, so a stop signal ends the wait at once.
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -132,7 +173,8 @@ def run(settings: ServerSettings) -> int:
     code = 0
     try:
         children["scheduler"] = _spawn("shmserve.engine.scheduler", settings)
-        children["frontend"] = _spawn("shmserve.frontend.main", settings, "0")
+        for i, name in enumerate(frontend_names(settings)):
+            children[name] = _spawn("shmserve.frontend.main", settings, str(i))
         poller = select.poll()
         poller.register(wake_r, select.POLLIN)
         fds = {}
@@ -157,8 +199,11 @@ def run(settings: ServerSettings) -> int:
     finally:
         # frontend first: it stops accepting and answers what it holds; then the scheduler
         # drains and stops its workers
-        _stop({k: children[k] for k in ("frontend", "scheduler") if k in children},
-              settings.exit_timeout_secs + 5)
+        _stop([{k: children[k] for k in frontend_names(settings) if k in children},
+               {k: children[k] for k in ("scheduler",) if k in children}],
+              settings.exit_timeout_secs + 5, children.get("scheduler"))
+        for sock in held:
+            sock.close()
         orphans = kill_orphans(())
         if orphans:
             log.warning("killed or reaped %d process(es) left by the scheduler's workers",

@@ -32,8 +32,13 @@ timeout plus PING_TIMEOUT_S, or it is killed as for a batch past the timeout. So
 execution that hangs is killed at most TERM_NS + PING_TIMEOUT_S later than a dispatched one
 would be.
 
-Not leased: versions with dynamic batching (requests must meet in the queue to batch), and any
-version while the server stops. Pure: no sockets; it acts through the port and reads the
+A single-instance version with a plain dynamic batcher is leased too: its requests meet in the
+worker's inbox instead of the scheduler's queue, and the worker batches them by the same rules
+(workers/lease_batch.py); each completion record counts its request, and the first of a batch
+counts the execution. Not leased: sequence batching, decoupled models, dynamic batching with
+several instances (a lease takes one request at a time there, so requests could not meet) or
+with priorities or queue policies (the scheduler's queue applies those), and any version while
+the server stops. Pure: no sockets; it acts through the port and reads the
 injected clock.
 """
 from __future__ import annotations
@@ -43,6 +48,7 @@ from typing import Callable
 
 from shmserve.ipc.messages import LeaseGranted, LeaseLost, LeaseRevoked, RevokeLease
 
+from .dynamic_batcher import DynamicBatcher, QueuePolicy
 from .models import PING_TIMEOUT_S, Instance, ModelVersion
 from .port import SchedulerPort
 from .states import InstanceState, ModelState
@@ -53,6 +59,17 @@ from .states import InstanceState, ModelState
 COOLDOWN_NS = 200_000_000
 # How long a lease lasts before it is revoked and granted again (see above).
 TERM_NS = 2_000_000_000
+
+
+def worker_batches(ver: ModelVersion) -> bool:
+    """Whether a dynamic-batching version's requests can batch in its worker's inbox under a
+    lease (workers/lease_batch.py): a single instance, whose batcher has nothing the inbox
+    cannot do (priority levels, queue timeouts, a queue size bound, which the scheduler's
+    queue applies)."""
+    q = ver.queue
+    return (len(ver.instances) == 1 and isinstance(q, DynamicBatcher)
+            and q.cfg.priority_levels <= 1 and q.cfg.default_policy == QueuePolicy()
+            and not q.cfg.level_policies)
 
 
 @dataclass(eq=False)
@@ -83,11 +100,12 @@ class LeaseBook:
         self.stopping = False
 
     def leasable(self, ver: ModelVersion) -> bool:
-        # a sequence batcher (not built yet) would need its slots, and a decoupled model answers
-        # past its execution (the lease's completion records ride with one answer): never lent
+        # a sequence batcher needs its slots, and a decoupled model answers past its execution
+        # (the lease's completion records ride with one answer): never lent
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
-                and not ver.batching and not ver.config.HasField("sequence_batching")
-                and not ver.config.model_transaction_policy.decoupled)
+                and not ver.config.HasField("sequence_batching")
+                and not ver.config.model_transaction_policy.decoupled
+                and (not ver.config.HasField("dynamic_batching") or worker_batches(ver)))
 
     def note_request(self, ver: ModelVersion, frontend: int | None) -> None:
         """The frontend the version's latest request came from; None: not a lease taker."""

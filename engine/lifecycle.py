@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from shmserve.ipc.messages import (
     ControlAction,
@@ -41,6 +41,19 @@ log = logging.getLogger("shmserve.scheduler")
 LOAD_UNLOAD_REFUSED = "explicit model load / unload is not allowed if polling is enabled"
 
 Waiter = tuple[int, int]        # (frontend, query id) of a control request to answer
+
+
+class OnDemandHooks(Protocol):
+    """What the lifecycle asks of on-demand loading (engine/on_demand.py)."""
+
+    def need(self, name: str) -> None:
+        """An ensemble that is loading needs ``name``: load it when there is room."""
+
+    def pending(self, name: str) -> bool:
+        """Whether a load of ``name`` waits for room (an ensemble waits for it)."""
+
+    def load_ended(self, name: str, error: str) -> None:
+        """A load ended (``error`` says why it failed); the table is already published."""
 
 
 @dataclass
@@ -76,6 +89,9 @@ class ModelLifecycle:
         self.startup_done = False
         self.starting = True                        # load_initial is starting the first loads
         self.exit_requested = False                 # --exit-on-error and a model failed
+        # --model-control-mode=on_demand: engine/on_demand.py, which admits every load
+        self.on_demand: OnDemandHooks | None = None
+        self._serialized: dict[str, tuple[object, bytes]] = {}     # model_table's configs
 
     # ---- start-up -------------------------------------------------------------------------------
     def load_initial(self) -> None:
@@ -83,10 +99,14 @@ class ModelLifecycle:
         if self.settings.model_control_mode == "explicit":
             wanted = self.settings.load_models
             names = list(found) if wanted == ["*"] else wanted
+        elif self.on_demand is not None:
+            names = []      # each loads at its first request; its config is read now
         else:
             names = list(found)
         for name in found:
-            self.entries.setdefault(name, ModelEntry(name=name, path=found[name][0]))
+            self.entries.setdefault(name, self.repository.read_model(name, found[name])
+                                    if self.on_demand is not None else
+                                    ModelEntry(name=name, path=found[name][0]))
         for name in names:
             if name not in found:
                 self.entries[name] = ModelEntry(name=name, path="", error=(
@@ -120,7 +140,7 @@ class ModelLifecycle:
             return self.reply(waiter, ErrorCode.INVALID_ARG, failed_to_load(
                 req.name, "the uploaded model directory is not one of this server's"))
         try:
-            if self.settings.model_control_mode != "explicit":
+            if self.settings.model_control_mode not in ("explicit", "on_demand"):
                 return self.reply(waiter, ErrorCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
             if req.action == ControlAction.LOAD:
                 self.start_load(req.name, req.config, waiter, req.upload_dir)
@@ -208,11 +228,15 @@ class ModelLifecycle:
             ver.ensemble = plan
         log.info("loading ensemble '%s' (composing models %s)", load.name,
                  ", ".join(plan.composing()))
-        if self.settings.model_control_mode == "explicit":
+        if self.settings.model_control_mode in ("explicit", "on_demand"):
             found = self.repository.model_dirs()
             for model in plan.composing():
-                if model not in self.loads and not self.serving_versions(model) and \
-                        model in found:
+                if model in self.loads or model not in found:
+                    continue
+                if self.on_demand is not None:
+                    if self.ready_version(model, -1) is None:
+                        self.on_demand.need(model)      # loads when there is room for it
+                elif not self.serving_versions(model):
                     self.start_load(model)
         self.publish()
         self.check_ensembles()
@@ -226,7 +250,9 @@ class ModelLifecycle:
                      ld.versions[0].ensemble is not None]:
             plan = load.versions[0].ensemble
             assert plan is not None
-            if load.name not in self.loads or any(m in self.loads for m in plan.composing()):
+            if load.name not in self.loads or any(
+                    m in self.loads or (self.on_demand is not None and self.on_demand.pending(m))
+                    for m in plan.composing()):
                 continue
             try:
                 ensemble_plan.bind(plan, load.entry.config, self.ready_config)
@@ -327,6 +353,8 @@ class ModelLifecycle:
         for ver in load.versions:
             if ver.state == ModelState.READY:
                 self.dispatch(ver)
+        if self.on_demand is not None:
+            self.on_demand.load_ended(name, error)
         self.check_ensembles()      # one may have waited for this model
 
     # ---- unload and drain ---------------------------------------------------------------------
@@ -449,30 +477,51 @@ class ModelLifecycle:
         return [*self.versions.values(), *self.draining]
 
     def model_table(self) -> ModelTable:
+        # each source indexed by name once: a repository of hundreds of models (on demand) is
+        # published at every load and unload of any of them
+        states_of: dict[str, dict[int, VersionInfo]] = {}
+        for (n, v), reason in self.retired.items():
+            states_of.setdefault(n, {})[v] = VersionInfo(v, ModelState.UNAVAILABLE, reason,
+                                                         StateCause.UNLOADED)
+        for ver in self.draining:
+            states_of.setdefault(ver.name, {})[ver.version] = VersionInfo(
+                ver.version, ver.state, ver.reason, ver.cause)
+        for name, load in self.loads.items():
+            for ver in load.versions:
+                states_of.setdefault(name, {})[ver.version] = VersionInfo(ver.version,
+                                                                          ModelState.LOADING)
+        for (n, _), ver in self.versions.items():
+            states_of.setdefault(n, {})[ver.version] = VersionInfo(ver.version, ver.state,
+                                                                   ver.reason, ver.cause)
         models = []
         for name, entry in sorted(self.entries.items()):
-            cfg = entry.config.SerializeToString() if entry.config is not None else b""
-            states: dict[int, VersionInfo] = {}
-            for (n, v), reason in self.retired.items():
-                if n == name:
-                    states[v] = VersionInfo(v, ModelState.UNAVAILABLE, reason,
-                                            StateCause.UNLOADED)
-            for ver in self.draining:
-                if ver.name == name:
-                    states[ver.version] = VersionInfo(ver.version, ver.state, ver.reason,
-                                                      ver.cause)
-            load = self.loads.get(name)
-            if load is not None:
-                for ver in load.versions:
-                    states[ver.version] = VersionInfo(ver.version, ModelState.LOADING)
-            for ver in self.serving_versions(name):
-                states[ver.version] = VersionInfo(ver.version, ver.state, ver.reason, ver.cause)
+            cfg = self._config_bytes(name, entry.config)
+            states = states_of.get(name, {})
             vers = [states[k] for k in sorted(states)]
             if entry.error and not vers:       # model-wide failure
                 vers = [VersionInfo(-1, ModelState.UNAVAILABLE, entry.error,
                                     StateCause.LOAD_FAILED)]
-            models.append(ModelInfo(name, cfg, vers))
+            on_demand = self.on_demand is not None and not entry.error
+            if on_demand:
+                if not vers:        # never loaded: each version loads at its first request
+                    vers = [VersionInfo(p.version, ModelState.UNAVAILABLE, p.error or "unloaded",
+                                        StateCause.LOAD_FAILED if p.error else StateCause.UNLOADED)
+                            for p in entry.versions]
+                if entry.auto_complete and entry.config is not None and \
+                        (not entry.config.input or not entry.config.output):
+                    cfg = b""       # the model completes it when it first loads
+            models.append(ModelInfo(name, cfg, vers, on_demand))
         return ModelTable(models, self.startup_done)
+
+    def _config_bytes(self, name: str, config) -> bytes:
+        """``config`` serialized, once per config object (an entry's config is replaced, not
+        changed, once it is in ``entries``; the cache holds the object, so its id stays)."""
+        if config is None:
+            return b""
+        cached = self._serialized.get(name)
+        if cached is None or cached[0] is not config:
+            cached = self._serialized[name] = (config, config.SerializeToString())
+        return cached[1]
 
 
 def failed_to_load(name: str, error: str) -> str:

@@ -49,6 +49,10 @@ class SchedulerPort(Protocol):
     def unlink(self, spawn_id: int) -> None:
         """Remove the shared-memory segments a worker created."""
 
+    def memory(self, spawn_id: int) -> int | None:
+        """The worker's proportional set size in bytes (its share of the pages it maps), or
+        None when it cannot be read (the process is gone)."""
+
     def apply_log_settings(self, settings: LogSettings) -> None:
         """This process logs by ``settings`` from now on, and workers spawned later start
         with them."""

@@ -28,7 +28,8 @@ from . import supervision
 from .alarm import Alarm
 from .core import SchedulerCore
 from .exits import ExitWatcher
-from .supervision import WorkerProcess, spawn_worker
+from .forkserver import WATCH_ID, ForkServer
+from .supervision import WorkerProcess, fork_opt_out, spawn_worker
 
 log = logging.getLogger("shmserve.scheduler")
 
@@ -48,6 +49,12 @@ class SchedulerShell:
         self.frontends: dict[int, packets.PacketOutbox | channel.Outbox] = {}
         self.workers: dict[int, packets.PacketOutbox | channel.Outbox] = {}
         self.procs: dict[int, WorkerProcess] = {}
+        # started before any model loads; workers are forked from it (engine/forkserver.py)
+        self.forkserver: ForkServer | None = None
+        if settings.worker_start == "fork":
+            self.forkserver = ForkServer(watch=lambda fd: self.exits.watch(fd, WATCH_ID),
+                                         unwatch=self.exits.unwatch)
+            self.forkserver.start()
         self.core = SchedulerCore(settings, self, counters=channel.COUNTERS.as_dict)
         self.stop: StopFlag | None = None       # once install_signals ran
         self.waker: InboxWaker | None = None
@@ -91,8 +98,12 @@ class SchedulerShell:
             log.warning("could not send a %s to worker %d: %s", type(msg).__name__, spawn_id, e)
 
     def spawn(self, spawn_id: int, spec) -> None:
+        forkserver = self.forkserver
+        if forkserver is not None and fork_opt_out(spec):
+            forkserver = None               # this model asks for a fresh interpreter
         proc = spawn_worker(spawn_id, self.settings.run_dir, self.inbox.worker_address,
-                            self.segment_prefix(spawn_id), spec, logs.current(), logs.log_file())
+                            self.segment_prefix(spawn_id), spec, logs.current(), logs.log_file(),
+                            forkserver)
         self.procs[spawn_id] = proc
         self.exits.watch(proc.pidfd, spawn_id)
 
@@ -121,6 +132,10 @@ class SchedulerShell:
 
     def unlink(self, spawn_id: int) -> None:
         shm.unlink_prefixed(self.segment_prefix(spawn_id))
+
+    def memory(self, spawn_id: int) -> int | None:
+        proc = self.procs.get(spawn_id)
+        return None if proc is None else pss_bytes(proc.pid)
 
     def apply_log_settings(self, settings: LogSettings) -> None:
         logs.apply(settings)
@@ -192,6 +207,11 @@ class SchedulerShell:
                 armed_ms = ms
 
     def process_exited(self, spawn_id: int) -> None:
+        if spawn_id == WATCH_ID:
+            fs = self.forkserver
+            if fs is not None and not fs.exited():
+                self.exits.rearm(fs.pidfd)
+            return
         proc = self.procs.get(spawn_id)
         if proc is None:
             return                          # already handled (a stale report)
@@ -205,7 +225,12 @@ class SchedulerShell:
         processes left behind), at most once a second, so none stays a zombie."""
         if now >= self.next_orphan_reap:
             self.next_orphan_reap = now + 1.0
-            supervision.reap_orphans({p.pid for p in self.procs.values()})
+            known = {p.pid for p in self.procs.values()}
+            if self.forkserver is not None:
+                self.forkserver.maintain(now)       # restarts it when its delay has passed
+                if self.forkserver.pid is not None:
+                    known.add(self.forkserver.pid)
+            supervision.reap_orphans(known)
 
     def shutdown(self, timeout_s: float) -> None:
         """Queued requests get 503; each worker finishes its batch and exits, or is killed
@@ -219,6 +244,8 @@ class SchedulerShell:
                 proc.exited(None)
             self.reap(sid)
             self.unlink(sid)
+        if self.forkserver is not None:
+            self.forkserver.close()
         # what escaped the workers' process groups (a child that called setsid) came to us
         n = supervision.kill_orphans(())
         if n:
@@ -227,6 +254,24 @@ class SchedulerShell:
         self.alarm.close()
         if self.waker is not None:
             self.waker.close()
+
+
+def pss_bytes(pid: int) -> int | None:
+    """A process's proportional set size (Pss = Pss_Anon + Pss_File + Pss_Shmem) in bytes,
+    from /proc/<pid>/smaps_rollup; None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    start = text.find(b"\nPss:")
+    if start < 0:
+        return None
+    fields = text[start + 5:text.find(b"\n", start + 5)].split()
+    try:
+        return int(fields[0]) * 1024        # kB
+    except (IndexError, ValueError):
+        return None
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Iterator
 
 from .batching import IdleInstances, QueuedRequest, QueueFull
 
@@ -341,8 +341,12 @@ class SequenceBatcher(IdleInstances):
                     return r
         return None
 
+    def pending(self) -> Iterator[QueuedRequest]:
+        for seq in self.sequences.values():
+            yield from seq.queue
+
     def drain(self) -> list[QueuedRequest]:
-        out = [r for seq in self.sequences.values() for r in seq.queue]
+        out = list(self.pending())
         for seq in self.sequences.values():
             seq.queue.clear()
         self.count = 0

@@ -10,22 +10,34 @@ and with it the group id, cannot have been reused by then. A child that leaves t
 (setsid, setpgid) escapes this; the scheduler is a child subreaper (``become_subreaper``), so
 such a process becomes the scheduler's child once its parent dies: it is reaped
 (``reap_orphans``), and killed when the server stops (``kill_orphans``).
+
+A worker is either spawned (``python -m shmserve.workers.main``, a fresh interpreter) or forked
+by the fork server (engine/forkserver.py), which hands it over as the scheduler's child with
+the same command line; ``WorkerProcess`` treats both alike, reaping a forked one with
+``os.waitpid`` instead of through ``subprocess.Popen``.
 """
 from __future__ import annotations
 
 import ctypes
+import json
+import logging
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
-from typing import Collection
+from typing import TYPE_CHECKING, Collection
 
 import msgspec
 
 from shmserve.ipc.messages import InstanceSpec, LogSettings, WorkerArgs, WorkerLabel
 from shmserve.ipc.proc import failure_path
+
+if TYPE_CHECKING:
+    from .forkserver import ForkServer
+
+log = logging.getLogger("shmserve.scheduler")
 
 
 def describe_exit(returncode: int | None) -> str:
@@ -40,27 +52,71 @@ def describe_exit(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+# A model config parameter: "false" (or no, off, 0) gives the model's workers fresh interpreters.
+FORK_PARAMETER = "FORK_WORKER"
+
+
+def fork_opt_out(spec: InstanceSpec) -> str:
+    """Why this instance's worker must be a fresh interpreter rather than forked, or "": a
+    python model with its own EXECUTION_ENV_PATH, or a config that says FORK_WORKER false."""
+    try:
+        params = json.loads(spec.config_json).get("parameters") or {}
+    except (ValueError, AttributeError):
+        return ""
+    if not isinstance(params, dict):
+        return ""
+
+    def value(key: str) -> str | None:
+        p = params.get(key)
+        if isinstance(p, dict):
+            return str(p.get("string_value", ""))
+        return None if p is None else str(p)
+
+    if spec.backend == "python" and value("EXECUTION_ENV_PATH"):
+        return "EXECUTION_ENV_PATH"
+    flag = value(FORK_PARAMETER)
+    if flag is not None and flag.strip().lower() in ("false", "no", "off", "0"):
+        return FORK_PARAMETER
+    return ""
+
+
 class WorkerProcess:
-    def __init__(self, args: WorkerArgs):
+    def __init__(self, args: WorkerArgs, forkserver: ForkServer | None = None):
+        """Forks the worker from ``forkserver`` when given and able, else spawns it."""
         self.args = args
         spec = args.spec
-        label = WorkerLabel(spec.model_name, spec.version, spec.instance_name, args.spawn_id)
+        label = msgspec.json.encode(
+            WorkerLabel(spec.model_name, spec.version, spec.instance_name, args.spawn_id)).decode()
         # the arguments go through a file in the run directory: a config may be larger than
         # one command-line argument may be, and a pipe would block us until the child reads
         self.args_path = os.path.join(args.run_dir, f"w{args.spawn_id}.args.json")
         with open(self.args_path, "wb") as f:
             f.write(msgspec.json.encode(args))
+        self.popen: subprocess.Popen | None = None
+        self.returncode: int | None = None      # once reaped
         try:
-            self.popen = subprocess.Popen(
-                [sys.executable, "-m", "shmserve.workers.main",
-                 msgspec.json.encode(label).decode(), self.args_path],
-                # a session (so a group) of its own: process_group=0 needs Python 3.11
-                stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+            forked = None
+            if forkserver is not None:
+                try:
+                    forked = forkserver.fork(label, self.args_path)
+                except Exception:           # a bug there must not cost the model its worker
+                    log.exception("the fork server failed unexpectedly; spawning the worker")
+            if forked is not None:
+                self.pid, self.pidfd = forked
+            else:
+                self.popen = subprocess.Popen(
+                    [sys.executable, "-m", "shmserve.workers.main", label, self.args_path],
+                    # a session (so a group) of its own: process_group=0 needs Python 3.11
+                    stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
+                self.pid = self.popen.pid
+                self.pidfd = os.pidfd_open(self.pid)
         except BaseException:
             self.forget_args()
             raise
-        self.pid = self.popen.pid
-        self.pidfd = os.pidfd_open(self.pid)
+
+    @property
+    def forked(self) -> bool:
+        return self.popen is None
 
     def forget_args(self) -> None:
         """The worker removes its arguments file once read; this covers one that died first."""
@@ -91,17 +147,28 @@ class WorkerProcess:
         """Kill what is left of the worker's process group, then collect the exit status of
         this one child (never any other)."""
         self.kill_group()
-        try:
-            return self.popen.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            return None
+        if self.popen is not None:
+            try:
+                self.returncode = self.popen.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                return None
+            return self.returncode
+        if self.returncode is None and self.exited(1.0):
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:       # not ours (cannot happen: it was re-parented)
+                return None
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
 
     def kill(self) -> None:
         """SIGKILL the worker and its process group."""
         self.kill_group()
 
     def kill_group(self) -> None:
-        if self.popen.returncode is None:       # not reaped: the group id is still ours
+        reaped = self.popen.returncode if self.popen is not None else self.returncode
+        if reaped is None:                      # not reaped: the group id is still ours
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -115,11 +182,12 @@ class WorkerProcess:
 
 
 def spawn_worker(spawn_id: int, run_dir: str, scheduler_addr: str, segment_prefix: str,
-                 spec: InstanceSpec, log: LogSettings, log_file: str = "") -> WorkerProcess:
+                 spec: InstanceSpec, log: LogSettings, log_file: str = "",
+                 forkserver: ForkServer | None = None) -> WorkerProcess:
     args = WorkerArgs(spawn_id=spawn_id, parent=os.getpid(), run_dir=run_dir,
                       scheduler=scheduler_addr, segment_prefix=segment_prefix, spec=spec,
                       log_verbose=log.verbose, log=log, log_file=log_file)
-    return WorkerProcess(args)
+    return WorkerProcess(args, forkserver)
 
 
 def process_stopped(pid: int) -> bool:

@@ -5,6 +5,7 @@ asking the scheduler.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from tritonclient.grpc.model_config_pb2 import DataType
@@ -42,6 +43,11 @@ class ModelView:
     decoupled: bool = False             # any number of answers per request (streams only)
     sequence: bool = False              # a sequence batcher: requests carry a correlation id
     integer_corrid: str = ""            # its CORRID control's integer data type, if it has one
+    # --model-control-mode=on_demand: a request for a version that is not loaded is sent all
+    # the same, and the scheduler holds it while the model loads
+    on_demand: bool = False
+    raw_config: bytes = b""             # as the table carried it (unchanged: the view is reused)
+    raw_versions: list = field(default_factory=list)    # the table's VersionInfos, likewise
 
     @property
     def batch_sensitive(self) -> bool:
@@ -50,9 +56,16 @@ class ModelView:
     def ready_versions(self) -> list[int]:
         return sorted(v for v, (s, _, _) in self.states.items() if s == ModelState.READY)
 
+    def servable(self, state: tuple[ModelState, str, StateCause]) -> bool:
+        """Whether a request for a version in ``state`` is served: READY, or (on demand) not
+        loaded, loading or unloading, as long as its last load did not fail."""
+        return state[0] == ModelState.READY or (
+            self.on_demand and state[2] not in (StateCause.LOAD_FAILED, StateCause.CRASH_LOOP))
+
     def metadata(self, version: int | None) -> dict:
         lead = [-1] if self.max_batch_size > 0 else []
-        versions = [version] if version is not None else self.ready_versions()
+        versions = [version] if version is not None else (
+            self.ready_versions() or (sorted(self.states) if self.on_demand else []))
         return {
             "name": self.name,
             "versions": [str(v) for v in versions],
@@ -64,14 +77,27 @@ class ModelView:
         }
 
 
-def _view(info) -> ModelView:
+def _view(info, old: ModelView | None = None) -> ModelView:
+    if old is not None and old.raw_config == info.config and old.on_demand == info.on_demand:
+        # the same config (on demand, a table comes with every load and unload of any model,
+        # and parsing hundreds of configs each time would cost): the same view, or a copy
+        # with the new states
+        if old.raw_versions == info.versions:
+            return old
+        view = copy.copy(old)
+        view.states = {v.version: (v.state, v.reason, v.cause) for v in info.versions}
+        view.raw_versions = list(info.versions)
+        return view
     states = {v.version: (v.state, v.reason, v.cause) for v in info.versions}
     if not info.config:
-        return ModelView(info.name, None, b"", states)
+        return ModelView(info.name, None, b"", states, on_demand=info.on_demand,
+                         raw_versions=list(info.versions))
     cfg = ModelConfig()
     cfg.ParseFromString(info.config)
     view = ModelView(info.name, cfg, config_to_json(cfg).encode(), states,
-                     max_batch_size=cfg.max_batch_size, platform=cfg.platform or cfg.backend)
+                     max_batch_size=cfg.max_batch_size, platform=cfg.platform or cfg.backend,
+                     on_demand=info.on_demand, raw_config=info.config,
+                     raw_versions=list(info.versions))
     view.variable_inputs = frozenset(t.name for t in cfg.input
                                      if -1 in t.dims and not t.allow_ragged_batch)
     view.has_optional = any(t.optional for t in cfg.input)
@@ -113,7 +139,8 @@ class ModelCatalog:
         self.startup_done = False
 
     def update(self, table: ModelTable) -> None:
-        self.models = {m.name: _view(m) for m in table.models}
+        old = self.models
+        self.models = {m.name: _view(m, old.get(m.name)) for m in table.models}
         self.startup_done = table.startup_done
 
     def server_ready(self, strict: bool = True) -> bool:
@@ -121,8 +148,9 @@ class ModelCatalog:
             return False
         if not strict:
             return True
-        return all(s == ModelState.READY or cause == StateCause.UNLOADED
-                   for m in self.models.values() for s, _, cause in m.states.values())
+        return all(s == ModelState.READY or cause == StateCause.UNLOADED or
+                   (m.on_demand and m.servable((s, _r, cause)))
+                   for m in self.models.values() for s, _r, cause in m.states.values())
 
     def index(self, ready_only: bool) -> list[dict]:
         """Entries of the repository index: one per model version (version -1: the whole model)."""
@@ -152,6 +180,8 @@ class ModelCatalog:
         view = self.get(name)
         if not version:
             ready = view.ready_versions()
+            if not ready and view.on_demand:
+                return view, self._on_demand(view, max(view.states))
             if not ready:
                 reasons = "; ".join(r for _, r, _ in view.states.values() if r)
                 raise InferError(ErrorCode.NOT_FOUND,
@@ -164,6 +194,19 @@ class ModelCatalog:
             raise InferError(ErrorCode.NOT_FOUND,
                              f"Request for unknown model: '{name}' version {v} is not found")
         if state[0] != ModelState.READY:
+            if view.on_demand:
+                return view, self._on_demand(view, v)
             raise InferError(ErrorCode.UNAVAILABLE,
                              f"Request for unknown model: '{name}' version {v} is not at ready state")
         return view, v
+
+    @staticmethod
+    def _on_demand(view: ModelView, version: int) -> int:
+        """A version of an on-demand model that is not loaded: the scheduler loads it."""
+        if view.config is None:
+            raise InferError(ErrorCode.UNAVAILABLE,
+                             f"model '{view.name}' is not loaded, and its inputs and outputs "
+                             f"come from the model itself (auto-complete) when it loads: load "
+                             f"it once first (POST /v2/repository/models/{view.name}/load), or "
+                             f"list them in its config.pbtxt")
+        return version

@@ -103,7 +103,6 @@ class EngineClient:
         self.queries: dict[int, asyncio.Future] = {}
         self.leases: dict[tuple[str, int], Lease] = {}      # (model, version) -> lease
         self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
-        self.leased_requests: dict[str, int] = {}   # per model, for /metrics
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
         self.done: list = []                    # leased completion records not yet sent
         self.flusher: asyncio.TimerHandle | None = None
@@ -338,8 +337,6 @@ class EngineClient:
             return False
         lease.inflight += 1
         self.direct[head.req_id] = lease
-        counts = self.leased_requests
-        counts[head.model] = counts.get(head.model, 0) + 1
         return True
 
     def _lease_done(self, req_id: int) -> None:

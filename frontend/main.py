@@ -27,6 +27,7 @@ from .metrics import MetricsApp
 from .model_upload import ModelUploads
 from .request import RequestLimits
 from .service import FrontendService
+from .shm_regions import RegionTable
 from .shm_registry import ShmRegistry
 from .system_metrics import SystemSampler
 
@@ -50,8 +51,9 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
     shm_timer = _ShmTimer(loop, arena, maps)
+    regions = RegionTable(os.path.join(settings.run_dir, "client-shm"))   # one per server
     registry = ShmRegistry(settings.allow_client_shm,
-                           local_only=settings.client_shm_from != "any")
+                           local_only=settings.client_shm_from != "any", table=regions)
     limits = RequestLimits(max_tensor_bytes=settings.max_request_tensor_bytes,
                            max_json_elements=settings.http_max_json_elements)
     uploads = (ModelUploads(settings.model_upload_dir, settings.model_upload_max_bytes)
@@ -72,7 +74,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                 request_timeout_s=settings.http_request_timeout_secs,
                 idle_timeout_s=settings.http_idle_timeout_secs)
             srv = await http_server.serve(app, settings.http_address, settings.http_port,
-                                          limits=http_limits)
+                                          reuse_port=settings.frontends > 1, limits=http_limits)
             servers.append(srv)
             ports["http"] = srv.sockets[0].getsockname()[1]
             log.info("HTTP service listening on %s:%d", settings.http_address, ports["http"])
@@ -82,7 +84,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                 restricted.parse(settings.grpc_restricted_protocol),
                 settings.grpc_max_message_size)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
-        if settings.allow_metrics:
+        # one page for the server: its numbers come from the scheduler, not from this process
+        if settings.allow_metrics and frontend_id == 0:
             sampler = None
             if settings.allow_cpu_metrics or settings.allow_gpu_metrics:
                 sampler = SystemSampler(settings.metrics_interval_ms / 1000,
@@ -96,7 +99,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
             servers.append(srv)
             ports["metrics"] = srv.sockets[0].getsockname()[1]
             log.info("metrics service listening on port %d", ports["metrics"])
-        if settings.port_file:
+        if settings.port_file and frontend_id == 0:
             tmp = settings.port_file + ".tmp"
             with open(tmp, "w") as f:
                 json.dump(ports, f)
@@ -119,6 +122,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         client.close()
         arena.close()
         maps.close()
+        regions.close()
 
 
 class _ShmTimer:
@@ -154,7 +158,8 @@ def main() -> None:
     die_with_parent(settings.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a log call never blocks the loop
-    logs.setup("frontend", settings=logs.from_server(settings), path=settings.log_file)
+    name = "frontend" if frontend_id == 0 else f"frontend-{frontend_id}"
+    logs.setup(name, settings=logs.from_server(settings), path=settings.log_file)
     uvloop.run(run(settings, frontend_id))
     logs.flush()
     os._exit(0)

@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import Metric
 
 from shmserve.engine.stats import DEFAULT_LATENCY_BUCKETS_MS, FAILURE_REASONS, SUMMARY_QUANTILES
 from shmserve.ipc import channel
-from shmserve.ipc.messages import CustomMetrics, MetricKind, ModelStatistics
+from shmserve.ipc.messages import CustomMetrics, MetricKind, ModelStatistics, OnDemandStats
 
 from .engine_client import EngineClient
 from .http_server import HttpApp, HttpConnection, HttpRequest
@@ -56,6 +56,7 @@ class InferenceCollector:
         self.models: list[ModelStatistics] = []
         self.ipc: dict[str, int] = {}
         self.leased: dict[str, int] = {}        # model -> requests sent under a lease
+        self.on_demand: OnDemandStats | None = None     # --model-control-mode=on_demand
         self.counter_latencies = counter_latencies
         self.histogram_latencies = histogram_latencies
 
@@ -120,6 +121,8 @@ class InferenceCollector:
             yield hist
         yield from self._summaries()
         yield from self._ipc()
+        if self.on_demand is not None:
+            yield from self._on_demand(self.on_demand)
 
     def _summaries(self):
         """Quantiles over each model's latest observations (--metrics-config summary_latencies)."""
@@ -166,12 +169,53 @@ class InferenceCollector:
         yield total
         yield msgs
         yield largest
-        leased = CounterMetricFamily("shmserve_leased_requests", "Requests this frontend sent "
-                                     "straight to a model instance the scheduler lent it, "
-                                     "without the scheduler hop", labels=["model"])
+        leased = CounterMetricFamily("shmserve_leased_requests", "Requests frontends sent "
+                                     "straight to a model instance the scheduler lent them, "
+                                     "without the scheduler hop (counted once finished)",
+                                     labels=["model"])
         for model, n in sorted(self.leased.items()):
             leased.add_metric([model], n)
         yield leased
+
+
+    @staticmethod
+    def _on_demand(st: OnDemandStats):
+        """--model-control-mode=on_demand: loads, evictions, memory against the budget, and
+        how long the requests that waited for a load waited."""
+        loads = CounterMetricFamily("shmserve_on_demand_loads", "Loads of the model started "
+                                    "on demand (by a request, a load request or an ensemble)",
+                                    labels=["model"])
+        evictions = CounterMetricFamily("shmserve_on_demand_evictions", "Unloads of the model "
+                                        "decided on demand: reason=budget to make room for "
+                                        "another model under --model-memory-budget, reason=idle "
+                                        "after --model-idle-unload-secs without requests",
+                                        labels=["model", "reason"])
+        memory = GaugeMetricFamily("shmserve_on_demand_model_memory_bytes", "Memory (PSS of its "
+                                   "workers, or its estimate while it loads) the model is "
+                                   "charged against the budget", labels=["model"])
+        for m in st.models:
+            loads.add_metric([m.name], m.loads)
+            evictions.add_metric([m.name, "budget"], m.evictions)
+            evictions.add_metric([m.name, "idle"], m.idle_unloads)
+            if m.memory_bytes:
+                memory.add_metric([m.name], m.memory_bytes)
+        yield loads
+        yield evictions
+        yield memory
+        yield GaugeMetricFamily("shmserve_on_demand_resident_bytes", "Memory charged against "
+                                "the budget by every model loaded, loading or unloading",
+                                value=st.resident_bytes)
+        yield GaugeMetricFamily("shmserve_on_demand_budget_bytes", "--model-memory-budget "
+                                "(0: no budget)", value=st.budget_bytes)
+        running, buckets = 0, []
+        for bound, n in zip([*st.wait_bounds_us, math.inf], st.wait_counts):
+            running += n
+            buckets.append((_le(bound), running))
+        wait = HistogramMetricFamily("shmserve_on_demand_load_wait_us", "How long requests for a "
+                                     "model that was not loaded waited for its load, in "
+                                     "microseconds")
+        wait.add_metric([], buckets, st.wait_sum_us)
+        yield wait
 
 
 _METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
@@ -332,7 +376,8 @@ class MetricsApp(HttpApp):
             reply = await self.client.statistics()
             self.inference.models = reply.models
             self.inference.ipc = reply.ipc
-            self.inference.leased = self.client.leased_requests
+            self.inference.leased = reply.leased
+            self.inference.on_demand = reply.on_demand
             self.custom.reports = reply.custom_metrics
         except asyncio.TimeoutError:
             log.warning("scheduler did not answer the statistics query in time")

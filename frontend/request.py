@@ -16,7 +16,8 @@ from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 from . import validation
 from .catalog import ModelView
 from .errors import invalid, shm_error
-from .shm_registry import ShmRegistry, SystemRegion
+from .shm_regions import SystemRegion
+from .shm_registry import ShmRegistry
 
 # request parameters that steer the protocol layer (the only 'triton_' keys a request may send)
 PROTOCOL_PARAMS = ("binary_data_output", "triton_enable_empty_final_response")

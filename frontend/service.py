@@ -66,12 +66,13 @@ class FrontendService:
         catalog = self.catalog
         catalog.get(name)
         try:
-            catalog.resolve(name, version)
+            view, v = catalog.resolve(name, version)
         except InferError as e:
             if e.code == ErrorCode.INVALID_ARG:
                 raise
             return False
-        return True
+        # on demand, a model that is not loaded is ready: a request loads it and is served
+        return view.servable(view.states[v])
 
     def model(self, name: str, version: str) -> tuple[ModelView, int]:
         """The model and version a metadata, config or infer request addresses."""

@@ -11,25 +11,15 @@ import _posixshmem
 import ipaddress
 import os
 import stat
-from dataclasses import dataclass
 
 from shmserve.ipc.messages import ErrorCode, ShmRef
 from shmserve.ipc.shm import PREFIX
 
 from .errors import InferError, invalid
+from .shm_regions import RegionTable, SystemRegion
 
 CUDA_UNSUPPORTED = "CUDA shared memory is not supported on this server"
 _UINT64_MAX = 2 ** 64 - 1
-
-
-@dataclass
-class SystemRegion:
-    name: str
-    key: str
-    offset: int
-    byte_size: int
-    segment: str                # key without its leading '/'
-    in_use: int = 0
 
 
 def _unsupported() -> InferError:
@@ -59,12 +49,18 @@ def _non_negative_int(value, what: str) -> int:
 
 
 class ShmRegistry:
-    def __init__(self, allowed: bool = True, local_only: bool = True):
+    def __init__(self, allowed: bool = True, local_only: bool = True,
+                 table: RegionTable | None = None):
         self.allowed = allowed
         # a region gives its client read and write access to a segment through the server's
         # own permissions; only a client on this host can have put its tensors there anyway
         self.local_only = local_only
-        self.system: dict[str, SystemRegion] = {}
+        # shared by the server's frontend processes (frontend/shm_regions.py)
+        self.table = table if table is not None else RegionTable()
+
+    @property
+    def system(self) -> dict[str, SystemRegion]:
+        return self.table.current()
 
     # ---- system shared memory ----------------------------------------------------------------
     def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> SystemRegion:
@@ -113,27 +109,34 @@ class ShmRegistry:
                           f"(offset {offset} + byte_size {byte_size} exceeds the {size} bytes "
                           f"of segment '{key}')")
         region = SystemRegion(name, key, offset, byte_size, segment)
-        self.system[name] = region
+        with self.table.change() as table:
+            if name in table:       # registered meanwhile, through another frontend
+                raise InferError(ErrorCode.ALREADY_EXISTS,
+                                 f"shared memory region '{name}' already in manager")
+            table[name] = region
         return region
 
     def unregister_system(self, name: str | None) -> list[str]:
         """Forget one region (or all); returns the segments no longer referenced by any region."""
         if not self.allowed:
             raise _unsupported()
-        if name:
-            region = self.system.get(name)
-            if region is None:
-                return []       # as Triton: unregistering an unknown region is not an error
-            regions = [region]
-        else:
-            regions = list(self.system.values())
-        busy = [r.name for r in regions if r.in_use]
-        if busy:
-            raise invalid(f"cannot unregister shared memory region(s) {busy} while requests "
-                          f"that use them are in flight")
-        for r in regions:
-            del self.system[r.name]
-        still = {r.segment for r in self.system.values()}
+        if name and name not in self.system:
+            return []           # as Triton: unregistering an unknown region is not an error
+        with self.table.change() as table:
+            if name:
+                region = table.get(name)
+                regions = [region] if region is not None else []
+            else:
+                regions = list(table.values())
+            # in flight through this frontend; another's requests hold their own mapping of
+            # the client's segment, which stays valid (nothing here unlinks it)
+            busy = [r.name for r in regions if r.in_use]
+            if busy:
+                raise invalid(f"cannot unregister shared memory region(s) {busy} while "
+                              f"requests that use them are in flight")
+            for r in regions:
+                del table[r.name]
+            still = {r.segment for r in table.values()}
         return sorted({r.segment for r in regions} - still)
 
     def status_system(self, name: str | None) -> list[dict]:

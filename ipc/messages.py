@@ -219,6 +219,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     name: str
     config: bytes               # serialized inference.ModelConfig (normalized)
     versions: list[VersionInfo]
+    # --model-control-mode=on_demand: a request for a version that is not READY is held by the
+    # scheduler while the model loads (config b"": the model completes it when it first loads)
+    on_demand: bool = False
 
 
 class ModelTable(msgspec.Struct, array_like=True, tag=10):
@@ -287,6 +290,26 @@ class StatsReply(msgspec.Struct, array_like=True, tag=11):
     ipc: dict[str, int]
     error: str = ""
     custom_metrics: list[CustomMetrics] = []     # python models' own metrics, per live worker
+    leased: dict[str, int] = {}     # per model: requests frontends sent under leases (finished)
+    on_demand: OnDemandStats | None = None      # --model-control-mode=on_demand only
+
+
+class OnDemandModel(msgspec.Struct, array_like=True):
+    """One model's on-demand counters (engine/residency.py), for /metrics."""
+    name: str
+    loads: int = 0
+    evictions: int = 0          # unloaded to make room for another model under the budget
+    idle_unloads: int = 0       # unloaded after --model-idle-unload-secs without requests
+    memory_bytes: int = 0       # charged against the budget now (0: not resident)
+
+
+class OnDemandStats(msgspec.Struct, array_like=True):
+    budget_bytes: int                   # 0 = no budget
+    resident_bytes: int                 # everything charged against the budget now
+    models: list[OnDemandModel]         # the models ever loaded
+    wait_bounds_us: list[float] = []    # histogram of the waits of requests held for a load
+    wait_counts: list[int] = []         # per bound, then +Inf
+    wait_sum_us: float = 0.0
 
 
 # ---- scheduler -> worker ---------------------------------------------------------------------
@@ -395,6 +418,9 @@ class BatchDone(msgspec.Struct, array_like=True, tag=32):
     finished_ns: int = 0        # leased: when it finished (statistics count to then, not to
                                 # when the record reaches the scheduler)
     answers: list["InferResult"] = []   # the answers of an ensemble's steps in the batch
+    # leased: the inferences of the execution this record counts (-1: its request's alone; 0:
+    # another record of the same execution counts it; workers/lease_batch.py)
+    executed: int = -1
 
 
 class LeaseEnded(msgspec.Struct, array_like=True, tag=35):
@@ -542,13 +568,18 @@ class ServerSettings(msgspec.Struct):
     exit_timeout_secs: float = 30.0
     strict_readiness: bool = True
     exit_on_error: bool = False
-    model_control_mode: str = "none"       # none | poll | explicit
+    model_control_mode: str = "none"       # none | poll | explicit | on_demand
+    model_memory_budget: int = 0           # on_demand: bytes all loaded models may use (0 = any)
+    model_idle_unload_secs: float = 0.0    # on_demand: unload a model idle this long (0 = never)
+    model_load_wait_secs: float = 120.0    # on_demand: how long a request waits for its load
     repository_poll_secs: float = 15.0
     load_models: list[str] = []
     auto_complete: bool = True
     execution_timeout_secs: float = 300.0
     max_inflight_requests: int = 10000
     instance_leases: bool = True           # lend idle instances to frontends (engine/leases.py)
+    worker_start: str = "fork"             # fork (from the fork server, engine/forkserver.py) | spawn
+    frontends: int = 1                     # frontend processes sharing the ports (SO_REUSEPORT)
     log_verbose: int = 0
     log_info: bool = True
     log_warning: bool = True
@@ -592,3 +623,36 @@ class WorkerArgs(msgspec.Struct):
     log_verbose: int = 0
     log: LogSettings = LogSettings()    # the scheduler's settings when it spawned the worker
     log_file: str = ""
+
+
+# ---- scheduler <-> fork server (engine/forkserver.py, workers/zygote.py) ------------------------
+# Not inbox messages: they travel on the socket pair between the scheduler and its fork server,
+# each a msgpack array, with ForkReply carrying the worker's "go" pipe as SCM_RIGHTS.
+class ZygoteSettings(msgspec.Struct, array_like=True):
+    """The fork server's command-line argument (after it comes a blank placeholder argument
+    whose bytes a forked worker overwrites with its own command line)."""
+    parent: int                 # the scheduler: workers are re-parented to it
+    sock_fd: int                # its end of the socket pair
+
+
+class ZygoteHello(msgspec.Struct, array_like=True, frozen=True):
+    """Sent once the fork server has imported what workers need and can fork."""
+    pid: int
+    title_room: int             # bytes a worker's command line may take (arg_start..arg_end)
+    threads: int                # threads of the fork server (forks only when 1)
+    preloaded: list[str] = []   # modules imported for the workers (onnxruntime when fork-safe)
+    notes: list[str] = []       # what it would have logged (the scheduler logs it, verbose)
+
+
+class ForkRequest(msgspec.Struct, array_like=True, frozen=True):
+    seq: int
+    label: str                  # the WorkerLabel JSON: argv[1] of `python -m shmserve.workers.main`
+    args_path: str              # argv[2]: the WorkerArgs file
+    parent: int                 # the scheduler's pid: the worker waits to be its child
+
+
+class ForkReply(msgspec.Struct, array_like=True, frozen=True):
+    seq: int
+    pid: int = 0                # the worker, already the scheduler's child; 0 when none
+    error: str = ""             # why not (fork failed, or threads appeared: fork no more)
+    refuse_for_good: bool = False

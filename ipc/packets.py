@@ -123,6 +123,12 @@ class PacketInbox:
             pass
         return bool(self.ready)
 
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` seconds for something readable; whether a message is ready."""
+        if not self.ready:
+            self._collect(timeout_s)
+        return bool(self.ready)
+
     def recv(self, flags: int = 0):
         """Returns (message, payload frames as bytes); raises zmq.Again when nothing arrives
         (at once with NOBLOCK, else after the timeout)."""

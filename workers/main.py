@@ -52,6 +52,7 @@ from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, classification, pb_metrics, pb_utils, sequence, tensors, warmup
 from .backend import WorkRequest, load_backend
+from .lease_batch import LeasedBatcher
 
 log = logging.getLogger("shmserve.worker")
 
@@ -114,6 +115,7 @@ class Worker:
         config = json.loads(config_json)
         self.reshapes = tensors.Reshapes(config)
         self.checks = tensors.OutputChecks(config)
+        self.lease_batcher = LeasedBatcher(config)
         # read again after load: auto_complete_config may have made the model decoupled
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
 
@@ -247,7 +249,13 @@ class Worker:
         if msg.lease_id <= self.revoked_upto:
             self.answer(head.frontend, LeaseBounced(self.args.spawn_id, head.req_id))
             return
-        self.execute(ExecuteBatch(0, [RequestRoute(head.req_id, head.frontend)]), frames, head)
+        batch = [(msg, frames)]
+        if self.lease_batcher.limit:    # requests behind it in the inbox may join it
+            batch = self.lease_batcher.gather(msg, frames, self.inbox, self.backlog,
+                                              self.revoked_upto)
+        heads = [m.head for m, _ in batch]
+        self.execute(ExecuteBatch(0, [RequestRoute(h.req_id, h.frontend) for h in heads]),
+                     [f for _, fs in batch for f in fs], heads)
 
     def revoke_lease(self, msg: RevokeLease) -> None:
         # everything accepted under the lease ran before this message was read (one loop)
@@ -355,7 +363,7 @@ class Worker:
                 self.backlog.append((msg, frames))
         return key in self.cancelled
 
-    def execute(self, batch: ExecuteBatch, frames, leased=None) -> None:
+    def execute(self, batch: ExecuteBatch, frames, leased: list | None = None) -> None:
         clock = time.monotonic_ns
         t0 = clock()
         work, ready, targets, classes = [], [], [], []
@@ -424,12 +432,20 @@ class Worker:
                         results[i] = self.result(batch.routes[i].req_id, resp, target, top)
         t3 = clock()
         if leased is not None:
-            # its statistics ride with the answer; the frontend passes them on in bulk
-            res = results[0]
-            if res is not None:         # (one a response sender answered has gone already)
+            # their statistics ride with the answers; the frontend passes them on in bulk. The
+            # first record counts the execution (the inferences of the requests that did not
+            # fail, or of all if all failed), the others only their requests.
+            executed = sum(h.batch_size for h, r in zip(leased, results)
+                           if r is not None and not r.error) or \
+                sum(h.batch_size for h in leased)
+            for head, res in zip(leased, results):
+                if res is None:         # (one a response sender answered has gone already)
+                    continue
                 res.done = BatchDone(self.args.spawn_id, 0, [0] if res.error else [],
-                                     t1 - t0, t2 - t1, t3 - t2, finished_ns=t3)
-                self.answer(leased.frontend, res)
+                                     t1 - t0, t2 - t1, t3 - t2, finished_ns=t3,
+                                     executed=executed)
+                executed = 0
+                self.answer(head.frontend, res)
             return
         failed = []
         by_frontend: dict[int, list[InferResult]] = {}

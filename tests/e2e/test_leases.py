@@ -78,6 +78,10 @@ def repo(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("leases"))
     write_model(root, "echo", ECHO_CONFIG, PID_SLOW)
     write_model(root, "crash_once", ECHO_CONFIG, CRASH_ONCE)
+    write_model(root, "batched_echo", ECHO_CONFIG + '''
+        instance_group [ { count: 1, kind: KIND_CPU } ]
+        dynamic_batching { }
+    ''', PID_SLOW)
     write_model(root, "cancellable", '''
         backend: "python"
         max_batch_size: 0
@@ -215,3 +219,35 @@ def test_unload_while_leased_finishes_the_leased_request(srv, client):
     other.load_model("echo")
     take_lease(srv, client, "echo", lambda: echo(client, "echo", 4))
     other.close()
+
+
+def test_leased_requests_of_a_dynamic_batching_model_batch_in_the_worker(srv):
+    """A single-instance dynamic-batching model is lent too; what its frontend sends meanwhile
+    waits in the worker's inbox and runs in batches (workers/lease_batch.py), counted as such."""
+    client = httpclient.InferenceServerClient(srv.url, concurrency=16, network_timeout=60)
+    take_lease(srv, client, "batched_echo", lambda: echo(client, "batched_echo", 1))
+    stats = client.get_inference_statistics("batched_echo")["model_stats"][0]
+    before = (int(stats["inference_count"]), int(stats["execution_count"]),
+              leased(srv, "batched_echo"))
+    pending = []
+    for i in range(16):
+        x = np.full((1, 4), i, dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x)
+        # the first runs for 100 ms, and the others reach the worker's inbox meanwhile
+        pending.append((x, client.async_infer("batched_echo", [inp],
+                                              parameters={"delay_ms": 100})))
+    for x, p in pending:
+        np.testing.assert_array_equal(p.get_result().as_numpy("OUTPUT0"), x)
+
+    def counted():
+        st = client.get_inference_statistics("batched_echo")["model_stats"][0]
+        return int(st["inference_count"]) == before[0] + 16 and st
+    stats = wait_for(counted, 20, "the 16 requests in the statistics")
+    executions = int(stats["execution_count"]) - before[1]
+    assert executions < 16, "nothing was batched"
+    assert max(int(b["batch_size"]) for b in stats["batch_stats"]) <= 8
+    # the lease is renewed every 2 s, so one may have gone through the scheduler
+    wait_for(lambda: leased(srv, "batched_echo") - before[2] >= 8, 20,
+             "the requests to be counted as leased")
+    client.close()

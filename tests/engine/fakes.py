@@ -59,6 +59,7 @@ class FakePort:
         self.stopped_workers: set[int] = set()      # spawn ids whose process is stopped
         self.failures: dict[int, str] = {}          # last words of workers that failed to load
         self.log_settings = None                    # what apply_log_settings was given last
+        self.memory_bytes: dict[int, int] = {}      # what memory() reports, per spawn id
 
     def connect_frontend(self, frontend, address):
         self.frontend_addresses[frontend] = address
@@ -94,6 +95,11 @@ class FakePort:
 
     def unlink(self, spawn_id):
         self.unlinked.append(spawn_id)
+
+    def memory(self, spawn_id):
+        if spawn_id in self.reaped:
+            return None
+        return self.memory_bytes.get(spawn_id)
 
     def apply_log_settings(self, settings):
         self.log_settings = settings

@@ -41,6 +41,13 @@ def repo(tmp_path):
                             f'parameters {{ key: "execution_timeout_ms" '
                             f'value {{ string_value: "1000" }} }}')
     write_model(r, "batched", f"max_batch_size: 8\n{IO}\n{ONE}\ndynamic_batching {{ }}")
+    write_model(r, "batched_pair", f"max_batch_size: 8\n{IO}\n{TWO}\ndynamic_batching {{ }}")
+    write_model(r, "batched_levels", f"max_batch_size: 8\n{IO}\n{ONE}\n"
+                                     f"dynamic_batching {{ priority_levels: 2 "
+                                     f"default_priority_level: 1 }}")
+    write_model(r, "batched_policy", f"max_batch_size: 8\n{IO}\n{ONE}\n"
+                                     f"dynamic_batching {{ default_queue_policy {{ "
+                                     f"default_timeout_microseconds: 1000 }} }}")
     return r
 
 
@@ -80,12 +87,12 @@ def first_request_leases(h, model="plain"):
     return sid, grant
 
 
-def leased_done(h, sid, req_id, failed=(), took_ns=1000):
+def leased_done(h, sid, req_id, failed=(), took_ns=1000, model="plain", executed=-1):
     """The worker ran a request its frontend sent under the lease; the frontend passes its
     completion record on (in bulk, later: the clock has moved on since)."""
-    head = SubmitRequest(req_id, FRONTEND, "plain", 1, 2, h.clock())
+    head = SubmitRequest(req_id, FRONTEND, model, 1, 2, h.clock())
     record = BatchDone(sid, 0, list(failed), 10, 20, 30, leased=head,
-                       finished_ns=h.clock() + took_ns)
+                       finished_ns=h.clock() + took_ns, executed=executed)
     h.clock.advance(0.05)
     h.core.handle(LeasedDone([record]))
 
@@ -212,10 +219,24 @@ def test_leases_are_renewed_and_a_hung_leased_worker_is_killed(repo):
     assert not lost.retry and "execution timeout of 1 s" in lost.reason
 
 
-def test_dynamic_batching_models_are_not_leased(repo):
+def test_a_single_instance_plain_dynamic_batcher_is_leased_and_batches_count_once(repo):
     h = leased_harness(repo)
-    sid = sid_of(h, "batched")
-    h.submit("batched")
+    sid, grant = first_request_leases(h, "batched")
+    assert grant.depth == 0                     # any number in flight: they batch in the worker
+    # a batch of three leased requests (batch size 2 each): the first record counts the
+    # execution of 6 inferences, the others only their requests
+    for req_id, executed in ((100, 6), (101, 0), (102, 0)):
+        leased_done(h, sid, req_id, model="batched", executed=executed)
+    st = h.core.statistics(StatsQuery(0, 1, "batched")).models[0]
+    assert st.inference_count == 1 + 6 and st.execution_count == 1 + 1
+    assert {b.batch_size: b.compute_infer.count for b in st.batch_stats} == {1: 1, 6: 1}
+
+
+@pytest.mark.parametrize("model", ["batched_pair", "batched_levels", "batched_policy"])
+def test_dynamic_batchers_the_worker_cannot_stand_in_for_are_not_leased(repo, model):
+    h = leased_harness(repo)
+    sid = sid_of(h, model)
+    h.submit(model)
     h.tick(0.01)
     h.finish(sid)
     assert grants(h) == []
@@ -317,16 +338,18 @@ def test_a_lease_that_makes_progress_is_not_renewed(repo):
     assert h.to_worker(RevokeLease) == [(sid, RevokeLease(grant.lease_id))]
 
 
-def test_a_single_instance_dynamic_batching_model_under_load_keeps_dispatching(repo):
+def test_a_dynamic_batching_queue_of_one_frontend_is_handed_over_with_the_lease(repo):
     h = leased_harness(repo)
     sid = sid_of(h, "batched")
-    for _ in range(3):
-        h.submit("batched")
+    reqs = [h.submit("batched") for _ in range(3)]
     h.tick(0.01)
-    n = len(h.batches(sid))
+    [(_, batch, _)] = h.batches(sid)            # the first went as a batch; the rest queue
+    queued = [r for r in reqs if r not in [route.req_id for route in batch.routes]]
     h.finish(sid)                                # idle, one frontend's requests queued
     h.tick(0.01)
-    assert len(h.batches(sid)) == n + 1 and grants(h) == []
+    [grant] = grants(h)
+    assert grant.depth == 0 and sorted(grant.returned) == sorted(queued)
+    assert len(h.batches(sid)) == 1 and len(h.core.versions[("batched", 1)].queue) == 0
 
 
 def test_a_version_with_a_sequence_batcher_is_never_lent(repo):

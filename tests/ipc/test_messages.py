@@ -108,7 +108,7 @@ def test_every_message_type_is_covered():
 def test_messages_are_tagged_arrays():
     assert m.encode(m.Shutdown()) == msgspec.msgpack.encode([21])
     assert m.encode(m.BatchDone(1, 2)) == msgspec.msgpack.encode([32, 1, 2, [], 0, 0, 0, None, 0,
-                                                                  []])
+                                                                  [], -1])
 
 
 @pytest.mark.parametrize("payload", [

@@ -18,6 +18,7 @@ from shmserve.ipc.messages import (
     RevokeLease,
     SubmitRequest,
 )
+from shmserve.workers.lease_batch import LeasedBatcher
 from shmserve.workers.main import Worker
 
 SPAWN = 7
@@ -37,6 +38,7 @@ def worker(tmp_path):
     w.args = SimpleNamespace(spawn_id=SPAWN)
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), SPAWN))
     w.backlog, w.revoked_upto = deque(), 0
+    w.lease_batcher = LeasedBatcher({"max_batch_size": 0})     # no dynamic batching
     w.scheduler = Recorder()
     w.tell_lock = threading.Lock()
     w.executed, w.answers = [], []
@@ -57,7 +59,7 @@ def test_runs_leased_requests_until_the_revoke_then_hands_them_back(worker):
     w.leased(LeasedExecute(3, head(10)), [b"p10"])
     [(batch, frames, leased)] = w.executed
     assert batch.batch_id == 0 and [(r.req_id, r.frontend) for r in batch.routes] == [(10, 2)]
-    assert frames == [b"p10"] and leased == head(10)     # BatchDone carries it, for statistics
+    assert frames == [b"p10"] and leased == [head(10)]   # BatchDone carries it, for statistics
     w.revoke_lease(RevokeLease(3))
     assert w.scheduler.sent == [LeaseEnded(SPAWN, 3)]
     w.leased(LeasedExecute(3, head(11)), [b"p11"])       # read after the revoke: not run

@@ -1,0 +1,236 @@
+"""Several frontend processes (--frontends N) sharing the HTTP and gRPC ports through SO_REUSEPORT:
+connections spread over them, client shared memory registered through one is usable through every
+other, leases stay correct while two frontends race for one instance, and the server stops clean."""
+import os
+import signal
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from repo_builder import write_model
+from serverproc import Server, descendants, segments_of, wait_for
+from test_perf_analyzer import perf_analyzer  # noqa: F401  (the session fixture)
+
+ONE_INSTANCE = '''
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            x = pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x * 2)]))
+        return out
+'''
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("frontends"))
+    write_model(root, "double", '''
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]
+        instance_group [ { count: 1, kind: KIND_CPU } ]
+    ''', ONE_INSTANCE)
+    return root
+
+
+@pytest.fixture(scope="module")
+def srv(repo):
+    s = Server(repo, "--frontends", "2")
+    yield s
+    s.stop()
+
+
+def frontend_pids(server) -> list[int]:
+    pids = []
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"shmserve.frontend.main" in f.read():
+                    pids.append(pid)
+        except OSError:
+            continue
+    return sorted(pids)
+
+
+def connections(pids: list[int], port: int) -> dict[int, int]:
+    """Established TCP connections on the server side of ``port``, per process."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    counts = {}
+    for pid in pids:
+        n = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                n += 1
+        counts[pid] = n
+    return counts
+
+
+def double(client, value: float, mod=httpclient):
+    x = np.full((1, 16), value, dtype=np.float32)
+    i = mod.InferInput("INPUT0", x.shape, "FP32")
+    i.set_data_from_numpy(x)
+    out = client.infer("double", [i]).as_numpy("OUTPUT0")
+    np.testing.assert_array_equal(out, x * 2)
+
+
+def grpc_client(srv):
+    # gRPC channels of one process share their connections unless told not to
+    return lambda: grpcclient.InferenceServerClient(
+        srv.grpc_url, channel_args=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def clients_on_every_frontend(srv, make, port: int, first: int = 8) -> list:
+    """Open clients (each one connection, used once) until every frontend holds one: the kernel
+    picks a frontend per connection by a hash, so a few are enough almost always."""
+    pids = frontend_pids(srv)
+    assert len(pids) == 2, pids
+    clients = []
+
+    def spread() -> bool:
+        c = make()
+        clients.append(c)
+        double(c, len(clients), grpcclient if isinstance(c, grpcclient.InferenceServerClient)
+               else httpclient)
+        return len(clients) >= first and all(connections(pids, port).values())
+
+    wait_for(spread, 30, "connections on both frontends")
+    return clients
+
+
+def test_connections_spread_over_the_frontends_http_and_grpc(srv):
+    http = clients_on_every_frontend(
+        srv, lambda: httpclient.InferenceServerClient(srv.url), srv.http_port)
+    grpc = clients_on_every_frontend(srv, grpc_client(srv), srv.grpc_port)
+    for c in http + grpc:
+        double(c, 7.0, grpcclient if c in grpc else httpclient)
+        c.close()
+
+
+def test_a_region_registered_through_one_frontend_serves_every_frontend(srv):
+    key = f"/fe_region_{os.getpid()}"
+    handle = shm.create_shared_memory_region("fe_in", key, 128)
+    try:
+        x = np.arange(16, dtype=np.float32).reshape(1, 16)
+        shm.set_shared_memory_region(handle, [x])
+        control = httpclient.InferenceServerClient(srv.url)
+        control.register_system_shared_memory("fe_io", key, 128)
+        clients = clients_on_every_frontend(
+            srv, lambda: httpclient.InferenceServerClient(srv.url), srv.http_port)
+        for c in clients:
+            assert [r["name"] for r in c.get_system_shared_memory_status()] == ["fe_io"]
+            with pytest.raises(Exception, match="already in manager"):
+                c.register_system_shared_memory("fe_io", key, 128)
+            i = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            i.set_shared_memory("fe_io", 64)
+            o = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
+            o.set_shared_memory("fe_io", 64, offset=64)
+            r = c.infer("double", [i], outputs=[o])
+            out = shm.get_contents_as_numpy(handle, np.float32, [1, 16], offset=64)
+            np.testing.assert_array_equal(out, x * 2)
+            assert r.get_output("OUTPUT0") is not None
+        control.unregister_system_shared_memory("fe_io")
+        for c in clients:
+            i = httpclient.InferInput("INPUT0", [1, 16], "FP32")
+            i.set_shared_memory("fe_io", 64)
+            with pytest.raises(Exception, match="Unable to find shared memory region"):
+                c.infer("double", [i])
+            assert c.get_system_shared_memory_status() == []
+            c.close()
+        control.close()
+    finally:
+        shm.destroy_shared_memory_region(handle)
+
+
+def test_two_frontends_racing_for_one_instance_lose_nothing(srv):
+    """The model has one instance and no dynamic batching, so each frontend may hold its lease
+    in turn; clients on both frontends at once, and the worker killed in the middle. (gRPC
+    clients: an HTTP client of tritonclient belongs to the thread that made it.)"""
+    clients = clients_on_every_frontend(srv, grpc_client(srv), srv.grpc_port)
+    stats = httpclient.InferenceServerClient(srv.url)
+    before = int(stats.get_inference_statistics("double")["model_stats"][0]["inference_count"])
+    errors, done = [], []
+    half = threading.Event()
+    per_client = 60
+
+    def run(c, seed):
+        try:
+            for k in range(per_client):
+                double(c, seed * 1000 + k, grpcclient)
+                done.append(1)
+                if len(done) >= per_client * len(clients) // 2:
+                    half.set()
+        except Exception as e:          # noqa: BLE001  (reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(c, n)) for n, c in enumerate(clients)]
+    for t in threads:
+        t.start()
+    assert half.wait(60), f"half the requests in time: {len(done)} done, errors {errors[:3]}"
+    worker = [p for p in descendants(srv.proc.pid)
+              if b'"model_name":"double"' in open(f"/proc/{p}/cmdline", "rb").read()]
+    assert worker
+    os.kill(worker[0], signal.SIGKILL)
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:3]
+    total = per_client * len(clients)
+    assert len(done) == total
+    wait_for(lambda: int(stats.get_inference_statistics("double")["model_stats"][0]
+                         ["inference_count"]) >= before + total, 20,
+             "every request counted in the statistics")
+    for c in clients + [stats]:
+        c.close()
+
+
+def test_perf_analyzer_with_system_shared_memory_over_two_frontends(srv, perf_analyzer,  # noqa: F811
+                                                                    tmp_path):
+    cmd = [perf_analyzer, "-m", "double", "-u", f"127.0.0.1:{srv.http_port}", "-i", "http",
+           "--shared-memory", "system", "--output-shared-memory-size", "64",
+           "--concurrency-range", "4", "--measurement-interval", "800", "--max-trials", "4",
+           "--stability-percentage", "999"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "Throughput:" in out.stdout and "error" not in out.stdout.lower(), out.stdout
+
+
+def test_a_killed_frontend_stops_the_server_and_nothing_is_left(repo):
+    s = Server(repo, "--frontends", "3")
+    try:
+        pids = frontend_pids(s)
+        assert len(pids) == 3
+        tree = descendants(s.proc.pid)
+        os.kill(pids[1], signal.SIGKILL)
+        s.proc.wait(60)
+        assert s.proc.returncode == 1
+        assert "frontend-" in s.log_text() and "stopping the server" in s.log_text()
+        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
+                                 open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"
+                                 for p in tree), 20, "every process of the server to exit")
+        assert segments_of(s.proc.pid) == []
+    finally:
+        s.stop()
+
+
+def test_frontends_flag_is_checked():
+    out = subprocess.run(["python3", "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
+                          "--frontends", "0"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--frontends: must be between 1 and 64" in out.stderr
