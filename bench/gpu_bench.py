@@ -9,8 +9,11 @@ convolutions (stem 7x7/2, four stages with stride-2 transitions, global average 
 HTTP with binary tensors (tritonclient.http) at concurrency 1 and 16; the server batches them
 (dynamic batching, max_batch_size 16). The limit at c=1 is a batch-1 session.run loop, at c=16
 a batch-16 loop (its images per second), both with host arrays in and out, as the server's
-worker has them. The CUDA shared-memory row is skipped, with the server's reason, while the
-server does not serve CUDA shared memory.
+worker has them. The CUDA shared-memory row registers two regions made with tritonclient's
+cuda_shared_memory (cudaMalloc + cudaIpcGetMemHandle here) and runs an onnxruntime identity on
+KIND_GPU with its input and output in them (the input bound on the device where it is, the
+output copied host to device into the client's region); it is skipped only where tritonclient's
+CUDA module cannot run, and a server that refuses the regions fails the bench.
 
   python3 bench/gpu_bench.py [--seconds 5] [--json PATH]
   python3 bench/gpu_bench.py --cpu-dry-run     # tiny network, CPU provider, KIND_CPU: checks
@@ -250,11 +253,9 @@ def cuda_shm_identity(url: str, nbytes: int, iters: int = 10) -> tuple[list[floa
     hout = cudashm.create_shared_memory_region("bench_out", nbytes, 0)
     try:
         cudashm.set_shared_memory_region(hin, [x])
-        try:
-            client.register_cuda_shared_memory("bench_in", cudashm.get_raw_handle(hin), 0, nbytes)
-            client.register_cuda_shared_memory("bench_out", cudashm.get_raw_handle(hout), 0, nbytes)
-        except Exception as e:  # noqa: BLE001 - the server's refusal is the reason to print
-            return None, f"CUDA shared memory is not served yet ({e})"
+        # a refusal is the server's failure (it serves CUDA shared memory): it fails the bench
+        client.register_cuda_shared_memory("bench_in", cudashm.get_raw_handle(hin), 0, nbytes)
+        client.register_cuda_shared_memory("bench_out", cudashm.get_raw_handle(hout), 0, nbytes)
         inp = httpclient.InferInput("INPUT0", [n], "FP32")
         inp.set_shared_memory("bench_in", nbytes)
         out = httpclient.InferRequestedOutput("OUTPUT0", binary_data=True)
@@ -266,7 +267,7 @@ def cuda_shm_identity(url: str, nbytes: int, iters: int = 10) -> tuple[list[floa
             times.append((time.perf_counter() - t) * 1e3)
         got = cudashm.get_contents_as_numpy(hout, np.float32, [n])
         if not np.array_equal(got, x):
-            return None, "CUDA shared memory identity returned wrong bytes"
+            raise SystemExit("the CUDA shared memory identity returned wrong bytes")
         return times[2:], ""
     finally:
         try:

@@ -71,7 +71,9 @@ assert "CUDAExecutionProvider" in ort.get_available_providers(), "no CUDA provid
 PY
 
 step "tests marked gpu"
-timeout 240 "$py" -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 2>&1 | tee "$out_dir/gpu_tests.txt"
+# among them tests/e2e/test_cuda_shm_gpu.py: CUDA shared memory from tritonclient's
+# cuda_shared_memory (a server of its own, a TensorRT engine built, a 64 MiB identity)
+timeout 330 "$py" -m pytest -m gpu -q -rs -p no:cacheprovider --timeout 200 2>&1 | tee "$out_dir/gpu_tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed+=("gpu tests")
 
 step "bench/gpu_bench.py"

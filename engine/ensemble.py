@@ -153,7 +153,7 @@ class EnsembleRunner:
         inputs = []
         for own, tensor in step.inputs.items():
             t = branch.tensors[tensor]
-            inputs.append(Tensor(own, t.datatype, t.shape, t.data, t.shm))
+            inputs.append(Tensor(own, t.datatype, t.shape, t.data, t.shm, t.cuda))
         problem = step_input_problem(step, inputs)
         if problem:
             self.fail(run, step, ErrorCode.INVALID_ARG, problem)
@@ -164,7 +164,8 @@ class EnsembleRunner:
             if spec is None and not run.plan.consumers.get(tensor):
                 continue            # nobody reads it: the model need not return it
             outputs.append(OutputSpec(own, spec.shm if spec else None,
-                                      spec.classification if spec else 0))
+                                      spec.classification if spec else 0,
+                                      spec.cuda if spec else None))
         if not outputs:             # a step whose outputs nobody wants still runs (for its effects)
             outputs = [OutputSpec(own) for own in step.outputs]
         p, head = run.payload, run.head
@@ -269,7 +270,7 @@ class EnsembleRunner:
             t = branch.tensors.get(spec.name)
             if t is None:       # cannot happen: checked at load (every output is written)
                 continue
-            outs.append(Tensor(spec.name, t.datatype, t.shape, t.data, t.shm))
+            outs.append(Tensor(spec.name, t.datatype, t.shape, t.data, t.shm, t.cuda))
             ref = t.shm
             if ref is None:
                 continue

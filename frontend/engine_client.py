@@ -411,8 +411,8 @@ class EngineClient:
                                       error="the scheduler queue is full",
                                       code=ErrorCode.UNAVAILABLE))
 
-    def forget_segments(self, segments: list[str]) -> None:
-        self.scheduler.send(ForgetSegments(segments))
+    def forget_segments(self, segments: list[str], cuda_handles: list[bytes] = ()) -> None:
+        self.scheduler.send(ForgetSegments(segments, list(cuda_handles)))
 
     async def control(self, action: ControlAction, name: str, config: str = "",
                       unload_dependents: bool = False, timeout: float = 600.0,

@@ -100,8 +100,7 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
             if typed:
                 raise invalid(f"input '{name}' must set only one of contents and the "
                               f"'shared_memory_region' parameter")
-            request.input_from_region(registry, model, t, tparams, regions)
-            budget.data(t, t.shm.nbytes if t.shm is not None else 0)
+            budget.data(t, request.input_from_region(registry, model, t, tparams, regions))
             tensors.append(t)
             continue
         if typed:

@@ -215,13 +215,15 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def CudaSharedMemoryStatus(self, request, context):
-        self.service.status_cuda(request.name)     # no CUDA regions: always empty, or an error
-        return pb.CudaSharedMemoryStatusResponse()
+        resp = pb.CudaSharedMemoryStatusResponse()
+        for r in self.service.status_cuda(request.name):
+            resp.regions[r["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(**r))
+        return resp
 
     @translated
     async def CudaSharedMemoryRegister(self, request, context):
         self.service.register_cuda(request.name, request.raw_handle, request.device_id,
-                                   request.byte_size)
+                                   request.byte_size, context.peer())
         return pb.CudaSharedMemoryRegisterResponse()
 
     @translated

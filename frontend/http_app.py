@@ -354,9 +354,9 @@ class KServeHttpApp(HttpApp):
                                   f"'{field}'")
             self.service.register_system(region, doc["key"], doc.get("offset", 0),
                                          doc["byte_size"], conn.peer())
-        else:
+        else:       # raw_handle {"b64": ...}; what is missing is None, and named as such
             self.service.register_cuda(region, doc.get("raw_handle"), doc.get("device_id"),
-                                       doc.get("byte_size"))
+                                       doc.get("byte_size"), conn.peer())
         conn.respond(req, 200, content_type="")
 
     # ---- inference ------------------------------------------------------------------------------

@@ -160,8 +160,7 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
             raise invalid(f"input '{name}' must set only one of 'data', the 'binary_data_size' "
                           f"parameter and the 'shared_memory_region' parameter")
         if "shared_memory_region" in tparams:
-            request.input_from_region(registry, model, t, tparams, regions)
-            budget.data(t, t.shm.nbytes if t.shm is not None else 0)
+            budget.data(t, request.input_from_region(registry, model, t, tparams, regions))
         elif "binary_data_size" in tparams:
             bsize = tparams["binary_data_size"]
             if not isinstance(bsize, int) or isinstance(bsize, bool) or bsize < 0:

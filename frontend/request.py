@@ -10,13 +10,21 @@ from typing import Any
 from shmserve.engine import batching
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import InferPayload, InferResult, OutputSpec, ShmRef, Tensor, parameter_problem
+from shmserve.ipc.messages import (
+    CudaRef,
+    InferPayload,
+    InferResult,
+    OutputSpec,
+    ShmRef,
+    Tensor,
+    parameter_problem,
+)
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
 from . import validation
 from .catalog import ModelView
 from .errors import invalid, shm_error
-from .shm_regions import SystemRegion
+from .shm_regions import Region
 from .shm_registry import ShmRegistry
 
 # request parameters that steer the protocol layer (the only 'triton_' keys a request may send)
@@ -124,7 +132,7 @@ class OutputWanted:
     name: str
     binary: bool = False                  # HTTP: return as binary data
     region: str = ""                      # client region the output is written into
-    ref: ShmRef | None = None
+    ref: ShmRef | CudaRef | None = None   # where in it (a system or a CUDA region)
     classification: int = 0               # > 0: the top K entries instead (§1.9)
 
 
@@ -135,7 +143,7 @@ class PreparedRequest:
     outputs: dict[str, OutputWanted]
     request_id: str
     scratch: list[ShmRef] = field(default_factory=list)    # frontend arena slots to free
-    regions: list[SystemRegion] = field(default_factory=list)  # client regions in use
+    regions: list[Region] = field(default_factory=list)  # client regions in use
     priority: int = 0
     timeout_us: int = 0
     shape_key: str = ""
@@ -157,18 +165,23 @@ def place_data(t: Tensor, data: bytes, arena: ShmArena, scratch: list[ShmRef]) -
 
 
 def input_from_region(registry: ShmRegistry, model: ModelView, t: Tensor, params: dict,
-                      regions: list[SystemRegion]) -> None:
+                      regions: list[Region]) -> int:
+    """Point ``t`` at its bytes in a client's region (system or CUDA); returns their size."""
     what = f"input '{t.name}'"
     region, ref = registry.resolve(params.get("shared_memory_region"),
                                    params.get("shared_memory_byte_size"),
                                    params.get("shared_memory_offset", 0), what)
     validation.check_byte_size(model, t, ref.nbytes)
-    t.shm = ref
+    if type(ref) is CudaRef:
+        t.cuda = ref
+    else:
+        t.shm = ref
     regions.append(region)
+    return ref.nbytes
 
 
 def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default: bool,
-                  regions: list[SystemRegion]) -> OutputWanted:
+                  regions: list[Region]) -> OutputWanted:
     classes = 0
     if "classification" in params:
         if "shared_memory_region" in params:
@@ -193,7 +206,7 @@ def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default
 
 def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted] | None,
             params: dict[str, Any], request_id: str, scratch: list[ShmRef],
-            regions: list[SystemRegion], binary_default: bool = False,
+            regions: list[Region], binary_default: bool = False,
             limits: RequestLimits = DEFAULT_LIMITS, json_outputs: bool = True) -> PreparedRequest:
     """``json_outputs``: whether outputs not asked for as binary come back as JSON (HTTP)."""
     batch = validation.validate_inputs(model, tensors)
@@ -226,12 +239,18 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
     if model.sequence:
         _check_sequence(model, batch, correlation_id)
     payload = InferPayload(request_id, tensors,
-                           [OutputSpec(o.name, o.ref, o.classification) for o in outputs],
+                           [_output_spec(o) for o in outputs],
                            model_params, correlation_id, flags)
     for r in regions:
         r.in_use += 1
     return PreparedRequest(payload, batch, wanted, request_id, scratch, regions, priority,
                            timeout_us, shape_key(model, tensors))
+
+
+def _output_spec(o: OutputWanted) -> OutputSpec:
+    if type(o.ref) is CudaRef:
+        return OutputSpec(o.name, None, o.classification, o.ref)
+    return OutputSpec(o.name, o.ref, o.classification)
 
 
 def _check_sequence(model: ModelView, batch: int, correlation_id: int | str) -> None:

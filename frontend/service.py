@@ -178,11 +178,15 @@ class FrontendService:
     def status_system(self, name: str) -> list[dict]:
         return self.registry.status_system(name)
 
-    def register_cuda(self, name: str, raw_handle, device_id, byte_size) -> None:
-        self.registry.register_cuda(name, raw_handle, device_id, byte_size)
+    def register_cuda(self, name: str, raw_handle, device_id, byte_size, peer: str = "") -> None:
+        # a handle registered again after an unregister was closed by the workers then; the
+        # allocation behind a handle never changes (a new allocation gets a new handle)
+        self.registry.register_cuda(name, raw_handle, device_id, byte_size, peer)
 
     def unregister_cuda(self, name: str) -> None:
-        self.registry.unregister_cuda(name)
+        gone = self.registry.unregister_cuda(name)
+        if gone:        # workers close the handles they opened
+            self.client.forget_segments([], gone)
 
     def status_cuda(self, name: str) -> list[dict]:
         return self.registry.status_cuda(name)

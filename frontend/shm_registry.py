@@ -1,25 +1,39 @@
 """Shared-memory regions that clients register (system and CUDA), and resolving tensor references
 into them.
 
-The frontend only checks regions and hands out ``ShmRef``s into them: the worker reads inputs from
-and writes outputs into the client's memory directly. Nothing here ever unlinks a client's
-segment; unregistering only forgets it.
+The frontend only checks regions and hands out references into them (``ShmRef`` for a system
+region, ``CudaRef`` for a CUDA one): the worker reads inputs from and writes outputs into the
+client's memory directly. Nothing here ever unlinks a client's segment or frees a client's device
+memory; unregistering only forgets it.
+
+A CUDA region is a device allocation the client exported as a CUDA IPC handle (64 bytes,
+``cudaIpcMemHandle_t``). It is checked once, at registration, as Triton does: the handle is opened
+on its GPU (workers/gpu.py, cuda-python's driver API, imported and initialised on the first
+registration only), the allocation's size is read, and the handle is closed again; workers open
+it when a request uses it.
 """
 from __future__ import annotations
 
 import _posixshmem
+import base64
+import binascii
 import ipaddress
+import logging
 import os
 import stat
 
-from shmserve.ipc.messages import ErrorCode, ShmRef
+from shmserve.ipc.messages import CudaRef, ErrorCode, ShmRef
 from shmserve.ipc.shm import PREFIX
 
 from .errors import InferError, invalid
-from .shm_regions import RegionTable, SystemRegion
+from .shm_regions import CudaRegion, Region, RegionTable, SystemRegion
 
-CUDA_UNSUPPORTED = "CUDA shared memory is not supported on this server"
+log = logging.getLogger("shmserve.frontend")
+
+CUDA_NEEDS = "CUDA shared memory needs a GPU that CUDA can use and cuda-python on the server"
+IPC_HANDLE_SIZE = 64                # sizeof(cudaIpcMemHandle_t)
 _UINT64_MAX = 2 ** 64 - 1
+_BAD_HANDLE = "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"     # Triton's words
 
 
 def _unsupported() -> InferError:
@@ -48,6 +62,20 @@ def _non_negative_int(value, what: str) -> int:
     return value
 
 
+def raw_handle_from_json(name: str, value) -> bytes:
+    """The handle of an HTTP registration, ``{"b64": "<base64>"}`` (tritonclient sends
+    cuda_shared_memory.get_raw_handle() there), as bytes; its length is checked on register."""
+    if not isinstance(value, dict) or not isinstance(value.get("b64"), str):
+        raise invalid(f"{_BAD_HANDLE} (region '{name}': 'raw_handle' must be an object "
+                      f"{{\"b64\": \"<base64 of the {IPC_HANDLE_SIZE}-byte handle>\"}}, got "
+                      f"{value!r:.80})")
+    try:
+        return base64.b64decode(value["b64"], validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise invalid(f"{_BAD_HANDLE} (region '{name}': 'raw_handle.b64' is not valid base64: "
+                      f"{e})") from None
+
+
 class ShmRegistry:
     def __init__(self, allowed: bool = True, local_only: bool = True,
                  table: RegionTable | None = None):
@@ -59,24 +87,36 @@ class ShmRegistry:
         self.table = table if table is not None else RegionTable()
 
     @property
-    def system(self) -> dict[str, SystemRegion]:
+    def regions(self) -> dict[str, Region]:
+        """Every region, system and CUDA (one namespace, as in Triton)."""
         return self.table.current()
 
-    # ---- system shared memory ----------------------------------------------------------------
-    def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> SystemRegion:
+    @property
+    def system(self) -> dict[str, SystemRegion]:
+        return {n: r for n, r in self.regions.items() if type(r) is SystemRegion}
+
+    @property
+    def cuda(self) -> dict[str, CudaRegion]:
+        return {n: r for n, r in self.regions.items() if type(r) is CudaRegion}
+
+    def _check_client(self, name: str, peer: str) -> None:
         if not self.allowed:
             raise _unsupported()
         if self.local_only and not is_local_peer(peer):
             raise invalid(f"shared memory region '{name}': registration is accepted only from "
                           f"clients on this host (--client-shm-from=local); this request came "
                           f"from {peer}")
+
+    # ---- system shared memory ----------------------------------------------------------------
+    def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> SystemRegion:
+        self._check_client(name, peer)
         if not name:
             raise invalid("shared memory region name must not be empty")
         if not isinstance(key, str) or not key.strip("/"):
             raise invalid(f"shared memory region '{name}': 'key' must be a non-empty string")
         offset = _non_negative_int(offset, f"shared memory region '{name}': 'offset'")
         byte_size = _non_negative_int(byte_size, f"shared memory region '{name}': 'byte_size'")
-        if name in self.system:
+        if name in self.regions:
             raise InferError(ErrorCode.ALREADY_EXISTS,
                              f"shared memory region '{name}' already in manager")
         segment = key[1:] if key.startswith("/") else key
@@ -120,61 +160,147 @@ class ShmRegistry:
         """Forget one region (or all); returns the segments no longer referenced by any region."""
         if not self.allowed:
             raise _unsupported()
-        if name and name not in self.system:
+        return sorted(r.segment for r in self._unregister(SystemRegion, name))
+
+    def _unregister(self, kind: type, name: str | None) -> list:
+        """Forget the region ``name`` of this kind, or every region of this kind; returns the
+        regions forgotten whose key (segment, or CUDA handle) no region still uses."""
+        if name and type(self.regions.get(name)) is not kind:
             return []           # as Triton: unregistering an unknown region is not an error
         with self.table.change() as table:
             if name:
                 region = table.get(name)
-                regions = [region] if region is not None else []
+                regions = [region] if type(region) is kind else []
             else:
-                regions = list(table.values())
+                regions = [r for r in table.values() if type(r) is kind]
             # in flight through this frontend; another's requests hold their own mapping of
-            # the client's segment, which stays valid (nothing here unlinks it)
+            # the client's memory, which stays valid (nothing here unlinks or frees it)
             busy = [r.name for r in regions if r.in_use]
             if busy:
                 raise invalid(f"cannot unregister shared memory region(s) {busy} while "
                               f"requests that use them are in flight")
             for r in regions:
                 del table[r.name]
-            still = {r.segment for r in table.values()}
-        return sorted({r.segment for r in regions} - still)
+            still = {_key(r) for r in table.values()}
+        gone, seen = [], set()
+        for r in regions:
+            if _key(r) not in still and _key(r) not in seen:
+                seen.add(_key(r))
+                gone.append(r)
+        return gone
+
+    def _status(self, kind: type, name: str | None) -> list[Region]:
+        if not name:
+            return [r for r in self.regions.values() if type(r) is kind]
+        region = self.regions.get(name)
+        if type(region) is kind:
+            return [region]
+        if region is None:
+            which = "system" if kind is SystemRegion else "cuda"
+            raise InferError(ErrorCode.NOT_FOUND,
+                             f"Unable to find {which} shared memory region: '{name}'")
+        if kind is SystemRegion:
+            raise InferError(ErrorCode.NOT_FOUND, f"The region named '{name}' is registered as "
+                                                  f"CUDA shared memory, not system shared memory")
+        raise InferError(ErrorCode.NOT_FOUND, f"The region named '{name}' is registered as "
+                                              f"system shared memory, not CUDA shared memory")
 
     def status_system(self, name: str | None) -> list[dict]:
-        if name:
-            region = self.system.get(name)
-            if region is None:
-                raise InferError(ErrorCode.NOT_FOUND,
-                                 f"Unable to find system shared memory region: '{name}'")
-            regions = [region]
-        else:
-            regions = self.system.values()
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
-                for r in regions]
+                for r in self._status(SystemRegion, name)]
 
     # ---- CUDA shared memory ------------------------------------------------------------------
-    def register_cuda(self, name: str, raw_handle, device_id, byte_size) -> None:
-        if not self.allowed:
-            raise _unsupported()
-        raise invalid(CUDA_UNSUPPORTED)
+    def register_cuda(self, name: str, raw_handle, device_id, byte_size,
+                      peer: str = "") -> CudaRegion:
+        """``raw_handle``: the handle's bytes (gRPC), or HTTP's ``{"b64": ...}``; a field the
+        HTTP request left out is None."""
+        self._check_client(name, peer)
+        if not name:
+            raise invalid("'region name' is necessary to register cuda shared memory region")
+        if raw_handle is None:
+            raise invalid(f"Shared memory register request has no 'raw_handle' field (region "
+                          f"'{name}')")
+        if not isinstance(raw_handle, (bytes, bytearray)):
+            raw_handle = raw_handle_from_json(name, raw_handle)
+        if len(raw_handle) != IPC_HANDLE_SIZE:
+            raise invalid(f"{_BAD_HANDLE} (region '{name}': 'raw_handle' has {len(raw_handle)} "
+                          f"bytes, a CUDA IPC handle has {IPC_HANDLE_SIZE})")
+        for field, value in (("byte_size", byte_size), ("device_id", device_id)):
+            if value is None:
+                raise invalid(f"Shared memory register request has no '{field}' field (region "
+                              f"'{name}')")
+        byte_size = _non_negative_int(byte_size, f"cuda shared memory region '{name}': "
+                                                 f"'byte_size'")
+        device_id = _non_negative_int(device_id, f"cuda shared memory region '{name}': "
+                                                 f"'device_id'")
+        # imported on first use (the frontend needs it for CUDA regions only); it imports
+        # cuda-python and initialises the driver only when asked to count or open
+        from shmserve.workers import gpu
+        count, why = gpu.driver_device_count()
+        if count == 0:
+            raise invalid(f"failed to register CUDA shared memory region: '{name}', GPUs not "
+                          f"supported ({CUDA_NEEDS}: {why})")
+        if device_id >= count:
+            raise invalid(f"failed to register CUDA shared memory region '{name}': 'device_id' "
+                          f"{device_id} is not a GPU of this server (it has {count} "
+                          f"GPU{'' if count == 1 else 's'}: 0 to {count - 1})")
+        if name in self.regions:
+            raise InferError(ErrorCode.ALREADY_EXISTS,
+                             f"shared memory region '{name}' already in manager")
+        size = self._allocation_size(gpu, name, bytes(raw_handle), device_id)
+        if byte_size > size:
+            raise invalid(f"failed to register shared memory region '{name}': invalid args "
+                          f"(byte_size {byte_size} exceeds the {size} bytes of the device "
+                          f"allocation the handle exports)")
+        region = CudaRegion(name, bytes(raw_handle), device_id, byte_size)
+        with self.table.change() as table:
+            if name in table:       # registered meanwhile, through another frontend
+                raise InferError(ErrorCode.ALREADY_EXISTS,
+                                 f"shared memory region '{name}' already in manager")
+            table[name] = region
+        return region
 
-    def unregister_cuda(self, name: str | None) -> list[str]:
+    @staticmethod
+    def _allocation_size(gpu, name: str, handle: bytes, device_id: int) -> int:
+        """Open the handle on its GPU, read the size of the allocation it exports, close it."""
+        try:
+            c = gpu.cuda(device_id)
+            base = c.open_ipc_handle(handle)
+        except gpu.CudaError as e:
+            raise invalid(f"failed to register shared memory region: invalid args (region "
+                          f"'{name}': cannot open the CUDA IPC handle on GPU {device_id}: "
+                          f"{e})") from None
+        try:
+            return c.address_range(base)[1]
+        except gpu.CudaError as e:
+            raise invalid(f"failed to register shared memory region '{name}': invalid args "
+                          f"({e})") from None
+        finally:
+            try:
+                c.close_ipc_handle(base)
+            except gpu.CudaError as e:
+                log.warning("closing the CUDA IPC handle of region '%s' failed: %s", name, e)
+
+    def unregister_cuda(self, name: str | None) -> list[bytes]:
+        """Forget one CUDA region (or all); returns the handles no region uses any more (for
+        the workers to close)."""
         if not self.allowed:
             raise _unsupported()
-        return []
+        return sorted(r.handle for r in self._unregister(CudaRegion, name))
 
     def status_cuda(self, name: str | None) -> list[dict]:
-        if name:
-            raise InferError(ErrorCode.NOT_FOUND,
-                             f"Unable to find cuda shared memory region: '{name}'")
-        return []
+        return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
+                for r in self._status(CudaRegion, name)]
 
     # ---- tensors in regions ------------------------------------------------------------------
-    def resolve(self, region_name, byte_size, offset, what: str) -> tuple[SystemRegion, ShmRef]:
+    def resolve(self, region_name, byte_size, offset, what: str) -> tuple[Region, ShmRef | CudaRef]:
+        """The region a tensor names and the reference to its bytes: a ``ShmRef`` into a system
+        region's segment, or a ``CudaRef`` into a CUDA region's allocation."""
         if not self.allowed:
             raise _unsupported()
         if not isinstance(region_name, str):
             raise invalid(f"{what}: shared_memory_region must be a string")
-        region = self.system.get(region_name)
+        region = self.regions.get(region_name)
         if region is None:
             raise invalid(f"{what}: Unable to find shared memory region: '{region_name}'")
         if byte_size is None:
@@ -196,4 +322,11 @@ class ShmRegistry:
                           f"'{region_name}' (shared_memory_offset {offset} + "
                           f"shared_memory_byte_size {byte_size} exceeds the {region.byte_size} "
                           f"bytes of the region)")
+        if type(region) is CudaRegion:
+            return region, CudaRef(region.handle, region.device_id, offset, byte_size)
         return region, ShmRef(region.segment, region.offset + offset, byte_size)
+
+
+def _key(region: Region) -> str | bytes:
+    """What workers know a region's memory by: its segment, or its CUDA IPC handle."""
+    return region.segment if type(region) is SystemRegion else region.handle

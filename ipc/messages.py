@@ -61,13 +61,25 @@ class ShmRef(msgspec.Struct, array_like=True, frozen=True):
     nbytes: int
 
 
+class CudaRef(msgspec.Struct, array_like=True, frozen=True):
+    """A byte range inside a client's CUDA shared-memory region: the allocation a CUDA IPC
+    handle (``cudaIpcMemHandle_t``, 64 bytes) exports, on GPU ``device_id``. The worker opens
+    the handle (cached) and reads or writes ``nbytes`` at ``offset`` from its base."""
+    handle: bytes
+    device_id: int
+    offset: int
+    nbytes: int
+
+
 class Tensor(msgspec.Struct, array_like=True):
-    """Tensor metadata plus either inline bytes or a shared-memory reference."""
+    """Tensor metadata plus inline bytes, a shared-memory reference, or (a client's CUDA
+    shared-memory region) a CUDA reference."""
     name: str
     datatype: str
     shape: list[int]
     data: bytes | None = None
     shm: ShmRef | None = None
+    cuda: CudaRef | None = None
 
 
 class OutputSpec(msgspec.Struct, array_like=True):
@@ -76,6 +88,7 @@ class OutputSpec(msgspec.Struct, array_like=True):
     # classification extension: > 0 asks for the top K entries per batch item as BYTES
     # "<value>:<index>[:<label>]" instead of the tensor (never with shm; workers/classification.py)
     classification: int = 0
+    cuda: CudaRef | None = None     # write the output into a client's CUDA region
 
 
 def parameter_problem(params: dict) -> str:
@@ -353,12 +366,14 @@ class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
 
 # ---- frontend -> scheduler -> every worker -----------------------------------------------------
 class ForgetSegments(msgspec.Struct, array_like=True, tag=23):
-    """Client segments that were (re)registered or unregistered: drop cached mappings of them.
+    """Client segments that were (re)registered or unregistered: drop cached mappings of them;
+    and CUDA IPC handles no region uses any more: close them (cuIpcCloseMemHandle).
 
     It travels the same path as requests (through the scheduler), so a worker sees it before
     any request that was sent after it.
     """
     segments: list[str]
+    cuda_handles: list[bytes] = []
 
 
 # ---- worker -> scheduler ---------------------------------------------------------------------

@@ -15,6 +15,7 @@ cuda-python, ``device_count`` still answers from what needs no CUDA (NVML, else
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from dataclasses import dataclass
@@ -27,6 +28,8 @@ from .backend import BackendLoadError
 CUDA_SUCCESS = 0
 CUDA_ERROR_NO_DEVICE = 100
 CU_STREAM_NON_BLOCKING = 1
+CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+IPC_HANDLE_SIZE = 64            # sizeof(cudaIpcMemHandle_t) == sizeof(CUipcMemHandle)
 
 NOT_INSTALLED = ("cuda-python is not installed (pip install 'shmserve[gpu]', or 'shmserve[gpu-cu12]' "
                  "for an NVIDIA driver older than CUDA 13)")
@@ -105,6 +108,20 @@ def device_count() -> tuple[int, str]:
     except CudaError as e:
         return 0, str(e)
     return n, "" if n else "the NVIDIA driver reports no CUDA device"
+
+
+def driver_device_count() -> tuple[int, str]:
+    """Like ``device_count``, but counting only what this process can reach through cuda-python
+    (CUDA IPC handles need the driver API): GPUs without the bindings count as none, and the
+    reason says both. Never raises."""
+    try:
+        _driver()
+    except CudaError as e:
+        n, why = _count_without_cuda(str(e))
+        if n:
+            return 0, f"this machine has {n} GPU{'' if n == 1 else 's'}, but {e}"
+        return 0, why
+    return device_count()
 
 
 def _count_without_cuda(no_bindings: str) -> tuple[int, str]:
@@ -226,6 +243,36 @@ class Cuda:
     def dtod(self, dst: int, src: int, nbytes: int, stream: int = 0) -> None:
         if nbytes:
             _call(self.driver, "cuMemcpyDtoD", self.driver.cuMemcpyDtoDAsync, dst, src, nbytes, stream)
+
+    def open_ipc_handle(self, raw: bytes) -> int:
+        """Map a device allocation another process exported (``cuIpcGetMemHandle``, or the
+        runtime's ``cudaIpcGetMemHandle``: the same 64 bytes) into this context; returns its base
+        address. Opening a handle this context has open already returns the same address and
+        counts one more reference: each open needs its ``close_ipc_handle``."""
+        if len(raw) != IPC_HANDLE_SIZE:
+            raise CudaError(f"a CUDA IPC handle has {IPC_HANDLE_SIZE} bytes, got {len(raw)}")
+        drv = self.driver
+        handle = drv.CUipcMemHandle()
+        get_ptr = getattr(handle, "getPtr", None)
+        if get_ptr is not None:     # every version: write the bytes where the struct is
+            ctypes.memmove(int(get_ptr()), raw, IPC_HANDLE_SIZE)
+        else:
+            handle.reserved = raw
+        self.use()
+        return int(_call(drv, "cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle, handle,
+                         CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+
+    def close_ipc_handle(self, ptr: int) -> None:
+        self.use()
+        _call(self.driver, "cuIpcCloseMemHandle", self.driver.cuIpcCloseMemHandle, ptr)
+
+    def address_range(self, ptr: int) -> tuple[int, int]:
+        """(base, size) of the allocation ``ptr`` points into."""
+        self.use()
+        err, base, size = self.driver.cuMemGetAddressRange(ptr)
+        if int(err) != CUDA_SUCCESS:
+            raise CudaError(f"cuMemGetAddressRange failed: {_error_name(self.driver, err)}")
+        return int(base), int(size)
 
     def to_host(self, t: DeviceTensor) -> np.ndarray:
         """A device tensor's bytes in a new numpy array (synchronous)."""

@@ -24,6 +24,7 @@ from shmserve.ipc.messages import (
     ENSEMBLE_FRONTEND,
     BatchDone,
     CancelRequest,
+    CudaRef,
     CustomMetrics,
     ErrorCode,
     ExecuteBatch,
@@ -50,8 +51,9 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.proc import PacketWaker, StopFlag, die_with_parent, failure_path
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
-from . import autocomplete, classification, pb_metrics, pb_utils, sequence, tensors, warmup
+from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequence, tensors, warmup
 from .backend import WorkRequest, load_backend
+from .gpu import CudaError
 from .lease_batch import LeasedBatcher
 
 log = logging.getLogger("shmserve.worker")
@@ -78,6 +80,8 @@ class Worker:
         self.frontends: dict[int, packets.PacketOutbox] = {}
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
+        self.cuda_handles = cuda_ipc.CudaHandles()     # clients' CUDA regions, opened on use
+        self.device_inputs = False      # the backend binds inputs in device memory (DeviceTensor)
         self.spec = args.spec
         self.use_config(args.spec.config_json)
         self.labels: dict[str, list[bytes]] = {}    # output -> class labels (label_filename)
@@ -168,6 +172,7 @@ class Worker:
                     self.spec.config_json, self.spec.backend, self.spec.model_dir,
                     self.spec.version)
             self.backend = load_backend(self.spec, self.poll_cancelled)
+            self.device_inputs = bool(getattr(self.backend, "device_inputs", False))
             self.use_config(self.spec.config_json)
             config = json.loads(self.spec.config_json)
             self.labels = classification.read_labels(config, self.spec.model_dir)
@@ -316,6 +321,7 @@ class Worker:
     def forget(self, msg: ForgetSegments) -> None:
         for name in msg.segments:
             self.maps.forget(name)
+        self.cuda_handles.forget(msg.cuda_handles)
 
     def pong(self, msg: Ping) -> None:
         self.tell(Pong(self.args.spawn_id, msg.seq))
@@ -374,13 +380,16 @@ class Worker:
                 p = decode_payload(frame)
                 inputs, types = {}, {}
                 for t in p.inputs:
-                    inputs[t.name] = self.reshapes.model_input(t.name, tensors.to_numpy(t, self.maps))
+                    arr = tensors.to_numpy(t, self.maps) if t.cuda is None else \
+                        cuda_ipc.input_tensor(t, self.cuda_handles, self.device_inputs)
+                    inputs[t.name] = self.reshapes.model_input(t.name, arr)
                     types[t.name] = t.datatype
                 route = batch.routes[i]
                 key = (route.frontend, route.req_id)
                 if p.chain:
                     chains.extend(m for m in p.chain if m not in chains)
-                target = {o.name: o.shm for o in p.outputs if o.shm is not None}
+                target = {o.name: o.shm or o.cuda for o in p.outputs
+                          if o.shm is not None or o.cuda is not None}
                 top = {o.name: o.classification for o in p.outputs if o.classification}
                 wanted = [o.name for o in p.outputs]
                 if self.sequence is not None:   # control inputs, implicit state
@@ -396,7 +405,7 @@ class Worker:
                 classes.append(top)
             except sequence.SequenceRequestError as e:
                 results[i] = self.error(batch.routes[i].req_id, str(e), ErrorCode.INVALID_ARG)
-            except (ShmError, ValueError, msgspec.DecodeError) as e:
+            except (ShmError, CudaError, ValueError, msgspec.DecodeError) as e:
                 results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
         t1 = t2 = clock()
@@ -492,6 +501,10 @@ class Worker:
                                                   self.checks.batching, self.labels.get(name, ()))
                     datatype = "BYTES"
                 target = targets.get(name)
+                if type(target) is CudaRef:
+                    outs.append(cuda_ipc.write_output(name, datatype, arr, target,
+                                                      self.cuda_handles, tensors.OutputTooLarge))
+                    continue
                 if target is not None:
                     outs.append(tensors.into_region(name, datatype, arr, target, self.maps))
                     continue
@@ -505,7 +518,7 @@ class Worker:
             self.free_outputs(outs, targets)
             return self.error(req_id, f"failed to return outputs: {e}",
                               ErrorCode.RESOURCE_EXHAUSTED)
-        except (ShmError, ValueError, TypeError) as e:
+        except (ShmError, CudaError, ValueError, TypeError) as e:
             self.free_outputs(outs, targets)
             return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
         bad = parameter_problem(resp.parameters)
@@ -531,6 +544,7 @@ class Worker:
             self.bls.close()
         self.arena.close()
         self.maps.close()
+        self.cuda_handles.close()
         # give queued messages (a load failure, the last BatchDone) a moment to leave
         self.inbox.close()
         if waker is not None:

@@ -13,6 +13,9 @@ from . import gpu, sequence
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 from .gpu import DeviceTensor
 
+# what cudaMalloc gives; a device tensor bound where it is must start on such an address
+DEVICE_ALIGNMENT = 256
+
 _ORT_TYPES = {
     "tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
     "tensor(bfloat16)": "BF16", "tensor(int8)": "INT8", "tensor(int16)": "INT16",
@@ -78,6 +81,9 @@ class OnnxBackend:
         # keeps strings on the CPU anyway
         strings = self.string_inputs or "BYTES" in self.output_types.values()
         self.io_binding = (spec.kind == "GPU" if io_binding is None else io_binding) and not strings
+        # inputs in a client's CUDA region come as DeviceTensors (bound where they are) only on
+        # a GPU session; elsewhere the worker copies them to the host first
+        self.device_inputs = self.io_binding and self.device[0] == "cuda"
         declared = {i["name"] for i in self.cfg.get("input", [])}
         missing = declared - set(self.input_names)
         if missing:
@@ -162,8 +168,15 @@ class OnnxBackend:
         # device once), device tensors where they are (no trip through the host); outputs come
         # back to host memory, where the worker sends them from
         binding = self.session.io_binding()
+        held = []
         for name, value in feeds.items():
             if isinstance(value, DeviceTensor):
+                if value.device_type == "cuda" and (value.device_id != self.device[1]
+                                                    or value.ptr % DEVICE_ALIGNMENT):
+                    # on another GPU, or at an offset kernels may not take (a client's CUDA
+                    # region at any offset): copied, device to device, to a buffer of our own
+                    value = _gather([value], self.device)
+                    held.append(value)      # alive until the run
                 binding.bind_input(name, value.device_type, value.device_id, value.dtype,
                                    list(value.shape), value.ptr)
             else:

@@ -48,6 +48,8 @@ class _RequestError(Exception):
 
 
 class TensorRTBackend:
+    device_inputs = True        # a DeviceTensor input (a client's CUDA region) is bound as it is
+
     def __init__(self, spec: InstanceSpec, trt=None, cuda=None):
         """``trt`` and ``cuda`` (a ``gpu.Cuda``) are for tests, which give fakes."""
         trt = trt or import_tensorrt()
@@ -246,8 +248,10 @@ class TensorRTBackend:
             parts = [r.inputs[name] for r in requests]
             dtype = dtypes.WIRE_TO_NUMPY[self.inputs[name]]
             if len(parts) == 1 and isinstance(parts[0], DeviceTensor) \
-                    and parts[0].device_id == cuda.device_id:
-                trt_ctx.set_tensor_address(name, parts[0].ptr)      # bound where it is
+                    and parts[0].device_id == cuda.device_id and not parts[0].ptr % 256:
+                # bound where it is (TensorRT takes addresses aligned to 256 bytes; a client's
+                # CUDA region at another offset is copied into our buffer below)
+                trt_ctx.set_tensor_address(name, parts[0].ptr)
                 continue
             nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
             ptr = self._buffer(name, nbytes)

@@ -1,12 +1,16 @@
 """Turning message tensors into numpy arrays and numpy arrays back into message tensors."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import ShmRef, Tensor
 from shmserve.ipc.shm import ShmArena, ShmMapCache
+
+from .gpu import DeviceTensor
 
 
 def to_numpy(t: Tensor, maps: ShmMapCache) -> np.ndarray:
@@ -69,8 +73,10 @@ class Reshapes:
         self.outputs = {t["name"]: [int(d) for d in t["dims"]]
                         for t in config.get("output", []) if "reshape" in t}
 
-    def _apply(self, arr: np.ndarray, shape: list[int]) -> np.ndarray:
-        lead = [arr.shape[0]] if self.batching and arr.ndim else []
+    def _apply(self, arr, shape: list[int]):
+        lead = [arr.shape[0]] if self.batching and len(arr.shape) else []
+        if isinstance(arr, DeviceTensor):       # dense: the same memory, another shape
+            return dataclasses.replace(arr, shape=tuple(lead + shape))
         return arr.reshape(lead + shape)
 
     def model_input(self, name: str, arr: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
 """System shared memory from clients (tritonclient.utils.shared_memory) over HTTP and gRPC."""
+import base64
 import os
 import threading
 import uuid
@@ -13,6 +14,7 @@ from test_data_path import ipc_metrics
 from tritonclient.utils import InferenceServerException
 
 from shmserve.ipc.channel import INLINE_LIMIT
+from shmserve.workers import gpu
 
 PROTOCOLS = ["http", "grpc"]
 
@@ -258,14 +260,18 @@ def test_worker_mapping_released_on_unregister(server, regions):
     wait_for(lambda: not mapped(), 10, "the worker to unmap the client's segment")
 
 
-def test_cuda_shared_memory_unsupported_without_cuda(server):
+def test_cuda_shared_memory_needs_a_gpu(server):
+    """More in test_cuda_shm_cpu.py; with a GPU: test_cuda_shm_gpu.py."""
+    if gpu.driver_device_count()[0]:
+        pytest.skip("this machine has a GPU and cuda-python")
+    handle = base64.b64encode(b"\0" * 64)      # what cuda_shared_memory.get_raw_handle gives
     h = httpclient.InferenceServerClient(server.url)
-    _expect_error(lambda: h.register_cuda_shared_memory("c0", b"\0" * 64, 0, 64),
-                  "CUDA shared memory is not supported on this server")
+    _expect_error(lambda: h.register_cuda_shared_memory("c0", handle, 0, 64),
+                  "failed to register CUDA shared memory region: 'c0', GPUs not supported")
     assert h.get_cuda_shared_memory_status() == []
     g = grpcclient.InferenceServerClient(server.grpc_url)
-    _expect_error(lambda: g.register_cuda_shared_memory("c0", b"\0" * 64, 0, 64),
-                  "CUDA shared memory is not supported on this server")
+    _expect_error(lambda: g.register_cuda_shared_memory("c0", handle, 0, 64),
+                  "failed to register CUDA shared memory region: 'c0', GPUs not supported")
     assert len(g.get_cuda_shared_memory_status().regions) == 0
 
 

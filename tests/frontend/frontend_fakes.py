@@ -62,6 +62,7 @@ class FakeClient:
         self.stats_queries: list[tuple] = []
         self.stats_raises: BaseException | None = None
         self.forgotten: list[list[str]] = []
+        self.forgotten_cuda: list[list[bytes]] = []     # CUDA IPC handles for workers to close
         self.cancelled: list[int] = []
         self.log_changes: list = []             # LogSettings sent on (the logging extension)
         self.log_raises: BaseException | None = None
@@ -87,8 +88,11 @@ class FakeClient:
             raise self.log_raises
         return ControlReply(0)
 
-    def forget_segments(self, segments):
-        self.forgotten.append(list(segments))
+    def forget_segments(self, segments, cuda_handles=()):
+        if segments:
+            self.forgotten.append(list(segments))
+        if cuda_handles:
+            self.forgotten_cuda.append(list(cuda_handles))
 
     def cancel(self, req_id):
         self.cancelled.append(req_id)
@@ -113,6 +117,9 @@ class FakeConn:
 
     def after_sent(self, callback):
         callback()
+
+    def peer(self) -> str:
+        return "127.0.0.1"
 
 
 def http(app: KServeHttpApp, method: str, path: str, body: bytes = b"") -> tuple[int, bytes, dict]:
@@ -143,6 +150,9 @@ class FakeContext:
     async def abort(self, code, details=""):
         self.code, self.details = code, details
         raise Aborted(details)
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
 
 
 def rpc(service: InferenceService, method: str, request):

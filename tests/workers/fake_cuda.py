@@ -12,11 +12,19 @@ CUDA_ERROR_INVALID_VALUE, freeing what was not allocated or using a destroyed st
 error. Device pointers must lie inside an allocation or a range given to ``adopt()``, unless
 ``strict`` is off (for tensors a test model makes itself). ``fail[name] = CUresult...`` makes
 a call return that error.
+
+CUDA IPC: ``export(nbytes)`` stands for another process's allocation (a client's CUDA
+shared-memory region) and gives its 64-byte handle; its memory is device memory here only while
+``cuIpcOpenMemHandle`` has it open (each open counted, each ``cuIpcCloseMemHandle`` takes one
+back; ``ipc_open`` shows what is open). ``cuIpcGetMemHandle`` exports an allocation of this
+"process", ``cuMemGetAddressRange`` finds the allocation a pointer is in.
 """
 from __future__ import annotations
 
 import ctypes
 import enum
+import os
+import struct
 import sys
 import threading
 import types
@@ -31,6 +39,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_HANDLE = 400
+    CUDA_ERROR_NOT_FOUND = 500
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
 
 
@@ -66,6 +75,30 @@ class CUdeviceptr(_Handle):
     pass
 
 
+IPC_HANDLE_SIZE = 64
+
+
+class CUipcMemHandle:
+    """As the bindings have it: 64 opaque bytes in a C struct, read and written through
+    ``reserved`` or at ``getPtr()``."""
+
+    def __init__(self):
+        self._buf = ctypes.create_string_buffer(IPC_HANDLE_SIZE)
+
+    def getPtr(self) -> int:
+        return ctypes.addressof(self._buf)
+
+    @property
+    def reserved(self) -> bytes:
+        return self._buf.raw
+
+    @reserved.setter
+    def reserved(self, value: bytes) -> None:
+        if len(value) != IPC_HANDLE_SIZE:
+            raise ValueError(f"reserved must be {IPC_HANDLE_SIZE} bytes")
+        ctypes.memmove(self._buf, value, IPC_HANDLE_SIZE)
+
+
 def _handle(value, cls) -> int:
     """What the bindings do with a handle argument: None is 0, the handle type or an int."""
     if value is None:
@@ -91,6 +124,7 @@ class FakeDriver(types.ModuleType):
         super().__init__("cuda.bindings.driver")
         self.CUresult, self.CUstream_flags = CUresult, CUstream_flags
         self.CUdevice, self.CUcontext, self.CUstream, self.CUdeviceptr = CUdevice, CUcontext, CUstream, CUdeviceptr
+        self.CUipcMemHandle = CUipcMemHandle
         self.devices, self.no_library, self.strict = devices, no_library, strict
         self.names = names or tuple(f"Fake GPU {i}" for i in range(devices))
         self.fail: dict[str, CUresult] = {}
@@ -101,6 +135,9 @@ class FakeDriver(types.ModuleType):
         self.copies: list[str] = []
         self.calls: list[str] = []
         self.retained: dict[int, int] = {}       # device -> primary context retains
+        self.exported: dict[bytes, tuple[int, int]] = {}     # IPC handle -> (base, size)
+        self.foreign: dict[int, ctypes.Array] = {}  # other processes' allocations (export())
+        self.ipc_open: dict[int, int] = {}          # base -> opens not yet closed
         self._next_stream = 0x5000
         self._current = threading.local()
 
@@ -113,6 +150,24 @@ class FakeDriver(types.ModuleType):
     def adopt(self, ptr: int, nbytes: int) -> None:
         """Let host memory at ``ptr`` stand for device memory (a tensor a test made)."""
         self.adopted.append((int(ptr), int(nbytes)))
+
+    def export(self, nbytes: int, data: bytes = b"") -> tuple[bytes, int]:
+        """An allocation of another process (a client's), exported: (its IPC handle, the host
+        address its bytes are at, for the test to fill or read)."""
+        buf = ctypes.create_string_buffer(data, max(1, nbytes)) if data else \
+            ctypes.create_string_buffer(max(1, nbytes))
+        base = ctypes.addressof(buf)
+        self.foreign[base] = buf
+        return self._export(base, nbytes), base
+
+    def _export(self, base: int, nbytes: int) -> bytes:
+        handle = b"FAKEIPC\0" + struct.pack("<QQ", base, nbytes) + os.urandom(IPC_HANDLE_SIZE - 24)
+        self.exported[handle] = (base, nbytes)
+        return handle
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        opened = [(b, len(self.foreign[b])) for b in self.ipc_open if b in self.foreign]
+        return [(a, len(b)) for a, b in self.allocations.items()] + opened + self.adopted
 
     # -- the rules ----------------------------------------------------------------------------
 
@@ -129,8 +184,7 @@ class FakeDriver(types.ModuleType):
     def _device_range(self, ptr: int, nbytes: int) -> bool:
         if not self.strict:
             return True
-        ranges = [(a, len(b)) for a, b in self.allocations.items()] + self.adopted
-        return any(a <= ptr and ptr + nbytes <= a + n for a, n in ranges)
+        return any(a <= ptr and ptr + nbytes <= a + n for a, n in self._ranges())
 
     def _stream_ok(self, stream) -> bool:
         s = _handle(stream, CUstream)
@@ -266,6 +320,120 @@ class FakeDriver(types.ModuleType):
 
     def cuMemcpyDtoDAsync(self, dstDevice, srcDevice, ByteCount, hStream):
         return self._copy("cuMemcpyDtoDAsync", "dtod", dstDevice, srcDevice, ByteCount, hStream)
+
+
+    # -- CUDA IPC -------------------------------------------------------------------------------
+
+    def cuIpcGetMemHandle(self, dptr):
+        err = self._enter("cuIpcGetMemHandle")
+        p = _handle(dptr, CUdeviceptr)
+        h = CUipcMemHandle()
+        if err == OK and p not in self.allocations:     # the base of an allocation only
+            err = CUresult.CUDA_ERROR_INVALID_VALUE
+        if err == OK:
+            h.reserved = self._export(p, len(self.allocations[p]))
+        return err, h
+
+    def cuIpcOpenMemHandle(self, handle, Flags):
+        err = self._enter("cuIpcOpenMemHandle")
+        if not isinstance(handle, CUipcMemHandle):      # the bindings take the struct only
+            raise TypeError("Argument 'handle' is not instance of type (expected CUipcMemHandle)")
+        found = self.exported.get(handle.reserved)
+        if err == OK and found is None:
+            err = CUresult.CUDA_ERROR_INVALID_VALUE
+        if err != OK:
+            return err, CUdeviceptr()
+        base = found[0]
+        self.ipc_open[base] = self.ipc_open.get(base, 0) + 1
+        return OK, CUdeviceptr(base)
+
+    def cuIpcCloseMemHandle(self, dptr):
+        err = self._enter("cuIpcCloseMemHandle")
+        p = _handle(dptr, CUdeviceptr)
+        if err == OK and not self.ipc_open.get(p):
+            err = CUresult.CUDA_ERROR_INVALID_VALUE
+        if err == OK:
+            self.ipc_open[p] -= 1
+            if not self.ipc_open[p]:
+                del self.ipc_open[p]
+        return (err,)
+
+    def cuMemGetAddressRange(self, dptr):
+        err = self._enter("cuMemGetAddressRange")
+        p = _handle(dptr, CUdeviceptr)
+        if err == OK:
+            for a, n in self._ranges():
+                if a <= p < a + max(n, 1):
+                    return OK, CUdeviceptr(a), n
+            err = CUresult.CUDA_ERROR_NOT_FOUND
+        return err, CUdeviceptr(), 0
+
+
+class ShmIpcDriver(FakeDriver):
+    """The fake across processes: a client's "device allocation" is a POSIX shared-memory
+    segment, and its IPC handle names it (``shm_handle``), so a test client, the server's
+    frontend and its workers (each with this driver; tests/e2e/fake_cuda_python puts it where
+    ``from cuda.bindings import driver`` finds it) reach the same bytes. Opening a handle maps
+    the segment, closing the last open unmaps it (what /proc/<pid>/maps shows)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.mapped: dict[int, tuple] = {}      # base -> (mmap, its ctypes view, size, handle)
+
+    def _ranges(self) -> list[tuple[int, int]]:
+        return super()._ranges() + [(b, m[2]) for b, m in self.mapped.items()]
+
+    def cuIpcOpenMemHandle(self, handle, Flags):
+        err = self._enter("cuIpcOpenMemHandle")
+        if not isinstance(handle, CUipcMemHandle):
+            raise TypeError("Argument 'handle' is not instance of type (expected CUipcMemHandle)")
+        raw = handle.reserved
+        if err != OK:
+            return err, CUdeviceptr()
+        for base, m in self.mapped.items():
+            if m[3] == raw:
+                self.ipc_open[base] += 1
+                return OK, CUdeviceptr(base)
+        name = shm_name(raw)
+        if name is None:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, CUdeviceptr()
+        import mmap
+        try:
+            fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+        except OSError:
+            return CUresult.CUDA_ERROR_INVALID_VALUE, CUdeviceptr()
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        view = (ctypes.c_char * size).from_buffer(mm)
+        base = ctypes.addressof(view)
+        self.mapped[base] = (mm, view, size, raw)
+        self.ipc_open[base] = 1
+        return OK, CUdeviceptr(base)
+
+    def cuIpcCloseMemHandle(self, dptr):
+        (err,) = super().cuIpcCloseMemHandle(dptr)
+        p = _handle(dptr, CUdeviceptr)
+        if err == OK and p not in self.ipc_open and p in self.mapped:
+            mm, view, _, _ = self.mapped.pop(p)
+            del view
+            mm.close()
+        return (err,)
+
+
+def shm_handle(segment: str) -> bytes:
+    """The IPC handle ShmIpcDriver reads as "the allocation is /dev/shm/<segment>"."""
+    raw = b"FAKESHM\0" + segment.encode()
+    assert len(raw) <= IPC_HANDLE_SIZE, segment
+    return raw.ljust(IPC_HANDLE_SIZE, b"\0")
+
+
+def shm_name(raw: bytes) -> str | None:
+    if not raw.startswith(b"FAKESHM\0"):
+        return None
+    return raw[8:].rstrip(b"\0").decode(errors="replace") or None
 
 
 def install(monkeypatch, **kw) -> FakeDriver:

@@ -34,7 +34,8 @@ def test_nothing_imports_cuda_python_or_nvml_at_import(tmp_path):
         (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('{name} imported at import')\n")
     code = textwrap.dedent("""
         import sys
-        from shmserve.workers import dlpack, gpu, onnx_backend, pb_utils, tensorrt_backend
+        from shmserve.workers import cuda_ipc, dlpack, gpu, main, onnx_backend, pb_utils, tensorrt_backend
+        from shmserve.frontend import shm_registry
         assert not [m for m in sys.modules if m.split(".")[0] in ("cuda", "pynvml", "tensorrt")]
         print("clean")
     """)

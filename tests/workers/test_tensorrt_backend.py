@@ -233,9 +233,19 @@ def test_without_batching_each_request_runs_alone(tmp_path, trt):
         np.testing.assert_array_equal(resp.outputs[0][2], x + np.float16(1))
 
 
+def _aligned(values: np.ndarray, offset: int = 0) -> np.ndarray:
+    """A copy of ``values`` at an address 256-byte aligned plus ``offset`` (cudaMalloc aligns
+    to 256 bytes; TensorRT takes tensor addresses aligned so)."""
+    raw = np.zeros(values.nbytes + 512 + offset, np.uint8)
+    start = (-raw.ctypes.data) % 256 + offset
+    out = raw[start:start + values.nbytes].view(values.dtype).reshape(values.shape)
+    out[...] = values
+    return out
+
+
 def test_device_inputs_are_bound_where_they_are(tmp_path, trt):
     backend, cuda = _load(tmp_path, trt)
-    a = np.arange(16, dtype=np.int32).reshape(1, 16)
+    a = _aligned(np.arange(16, dtype=np.int32).reshape(1, 16))
     b = np.full((1, 16), 5, np.int32)
     da = DeviceTensor(a.ctypes.data, a.shape, a.dtype, 0, "cuda", a)
     cuda.adopt(a.ctypes.data, a.nbytes)
@@ -250,6 +260,19 @@ def test_device_inputs_are_bound_where_they_are(tmp_path, trt):
     assert cuda.copies.count("dtod") == 1
     np.testing.assert_array_equal(resps[1].outputs[0][2], a + 1 + b)
     np.testing.assert_array_equal(resps[0].outputs[1][2], a - b)
+
+
+def test_an_unaligned_device_input_is_copied_not_bound(tmp_path, trt):
+    """A client's CUDA region at an offset: TensorRT takes 256-byte aligned addresses only."""
+    backend, cuda = _load(tmp_path, trt)
+    a = _aligned(np.arange(16, dtype=np.int32).reshape(1, 16), offset=64)
+    b = np.full((1, 16), 5, np.int32)
+    cuda.adopt(a.ctypes.data, a.nbytes)
+    cuda.copies.clear()
+    (resp,) = backend.execute([_req(INPUT0=DeviceTensor(a.ctypes.data, a.shape, a.dtype, 0), INPUT1=b)])
+    assert backend.context.addresses["INPUT0"] != a.ctypes.data
+    assert cuda.copies.count("dtod") == 1
+    np.testing.assert_array_equal(resp.outputs[0][2], a + b)
 
 
 @pytest.mark.parametrize("change, match", [
