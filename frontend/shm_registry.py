@@ -148,13 +148,7 @@ class ShmRegistry:
             raise invalid(f"failed to register shared memory region '{name}': invalid args "
                           f"(offset {offset} + byte_size {byte_size} exceeds the {size} bytes "
                           f"of segment '{key}')")
-        region = SystemRegion(name, key, offset, byte_size, segment)
-        with self.table.change() as table:
-            if name in table:       # registered meanwhile, through another frontend
-                raise InferError(ErrorCode.ALREADY_EXISTS,
-                                 f"shared memory region '{name}' already in manager")
-            table[name] = region
-        return region
+        return self._add(SystemRegion(name, key, offset, byte_size, segment))
 
     def unregister_system(self, name: str | None) -> list[str]:
         """Forget one region (or all); returns the segments no longer referenced by any region."""
@@ -252,12 +246,16 @@ class ShmRegistry:
             raise invalid(f"failed to register shared memory region '{name}': invalid args "
                           f"(byte_size {byte_size} exceeds the {size} bytes of the device "
                           f"allocation the handle exports)")
-        region = CudaRegion(name, bytes(raw_handle), device_id, byte_size)
+        return self._add(CudaRegion(name, bytes(raw_handle), device_id, byte_size))
+
+    def _add(self, region):
+        """Into the server's table, unless the name was registered meanwhile (through another
+        frontend: the first check ran on this frontend's copy)."""
         with self.table.change() as table:
-            if name in table:       # registered meanwhile, through another frontend
+            if region.name in table:
                 raise InferError(ErrorCode.ALREADY_EXISTS,
-                                 f"shared memory region '{name}' already in manager")
-            table[name] = region
+                                 f"shared memory region '{region.name}' already in manager")
+            table[region.name] = region
         return region
 
     @staticmethod
