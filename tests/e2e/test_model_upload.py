@@ -133,8 +133,9 @@ def test_upload_onnx_over_http_and_grpc_then_unload_removes_it(srv, repo):
     h.unload_model("scale_http")
     g.unload_model("scale_grpc")
     wait_for(lambda: uploads_of(srv) == [], 30, "the upload directories to be removed")
-    index = {e["name"] for e in h.get_model_repository_index()}
-    assert not {"scale_http", "scale_grpc"} & index            # as Triton: the repository's
+    # the scheduler removes the directories, then publishes the table the frontend answers from
+    wait_for(lambda: not {"scale_http", "scale_grpc"} & {     # as Triton: the repository's
+        e["name"] for e in h.get_model_repository_index()}, 30, "the index to forget them")
     assert listing(repo) == before
 
 
