@@ -49,6 +49,7 @@ from shmserve.ipc.messages import (
     WorkerLoadFailed,
     WorkerReady,
 )
+from shmserve.workers import gpu
 
 from .batching import QueuedRequest, QueueFull, RequestQueue
 from .ensemble import EnsembleRunner
@@ -77,6 +78,7 @@ class SchedulerCore:
         self.leases = LeaseBook(port, clock, settings.instance_leases)
         repository = ModelRepository(settings.model_repositories,
                                      settings.model_config_name or None,
+                                     gpu_count=gpu.visible_gpus(),
                                      auto_complete=settings.auto_complete)
         self.lifecycle = ModelLifecycle(settings, repository, self.supervisor, clock,
                                         self.publish, self.reply_control, self.dispatch)

@@ -9,9 +9,9 @@ value...)``; an error becomes a ``CudaError`` that names it (``cuGetErrorName``)
 
 Nothing here touches CUDA, or imports cuda-python, at import. A worker initialises CUDA itself,
 after the process that started it forked: a CUDA context does not survive ``fork()``, so the
-scheduler (and any process that forks workers) must never call into this module. Without
-cuda-python, ``device_count`` still answers from what needs no CUDA (NVML, else
-/proc/driver/nvidia/gpus), so a KIND_GPU load fails with the reason, never a crash.
+scheduler (and any process that forks workers) calls only ``visible_gpus``, which counts GPUs
+from what needs no CUDA (NVML, else /proc/driver/nvidia/gpus). Without cuda-python,
+``device_count`` answers from the same, so a KIND_GPU load fails with the reason, never a crash.
 """
 from __future__ import annotations
 
@@ -125,18 +125,31 @@ def driver_device_count() -> tuple[int, str]:
 
 
 def _count_without_cuda(no_bindings: str) -> tuple[int, str]:
-    """Without cuda-python: the GPUs the NVIDIA driver shows through NVML (nvidia-ml-py), else
-    /proc/driver/nvidia/gpus, narrowed by CUDA_VISIBLE_DEVICES; neither initialises CUDA."""
-    n, seen_by = _nvml_count(), "NVML"
-    if n is None:
-        n, seen_by = _proc_count(), PROC_GPUS
-    if n is None:
+    """Without cuda-python: the GPUs ``visible_gpus`` counts, or why there are none."""
+    n, visible, seen_by = _driver_gpus()
+    if seen_by is None:
         return 0, f"no NVIDIA driver (no NVML, no {PROC_GPUS}); {no_bindings}"
-    visible = _visible(n, os.environ.get("CUDA_VISIBLE_DEVICES"))
     if visible == 0:
         hidden = " (CUDA_VISIBLE_DEVICES hides them)" if n else ""
         return 0, f"{seen_by} shows {n} NVIDIA GPU{'' if n == 1 else 's'}{hidden}; {no_bindings}"
     return visible, ""
+
+
+def visible_gpus() -> int:
+    """How many GPUs a CUDA library in a process would use, counted without initialising CUDA
+    (and so safe in a process that forks: the scheduler places KIND_AUTO instances with it)."""
+    return _driver_gpus()[1]
+
+
+def _driver_gpus() -> tuple[int, int, str | None]:
+    """(GPUs the NVIDIA driver has, how many CUDA_VISIBLE_DEVICES leaves, who counted them:
+    NVML through nvidia-ml-py, else /proc/driver/nvidia/gpus, None without a driver)."""
+    n, seen_by = _nvml_count(), "NVML"
+    if n is None:
+        n, seen_by = _proc_count(), PROC_GPUS
+    if n is None:
+        return 0, 0, None
+    return n, _visible(n, os.environ.get("CUDA_VISIBLE_DEVICES")), seen_by
 
 
 def _nvml_count() -> int | None:

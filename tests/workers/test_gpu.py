@@ -204,6 +204,21 @@ def test_without_cuda_python_or_nvml_proc_counts_the_gpus(no_cuda_python, monkey
     assert gpu.device_count() == (2, "")
 
 
+def test_visible_gpus_never_initialises_cuda(monkeypatch, tmp_path):
+    """The scheduler forks the fork server and counts GPUs for KIND_AUTO: CUDA stays untouched
+    even where cuda-python is installed."""
+    driver = fake_cuda.install(monkeypatch, devices=2)
+    monkeypatch.setattr(gpu, "PROC_GPUS", str(tmp_path / "no-proc"))
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(count=3))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu.visible_gpus() == 3
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    assert gpu.visible_gpus() == 1
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert gpu.visible_gpus() == 0                  # no NVML, no /proc entry: no GPU
+    assert not driver.initialised
+
+
 @pytest.mark.parametrize("spec, want", [
     (None, 4), ("0,1,2,3", 4), ("3", 1), ("1,1", 1), ("0,7,1", 1), ("", 0), ("-1", 0),
     ("GPU-8f6c1a2b", 1), ("MIG-1f2e,0", 2), ("2, 3", 2), ("nope,0", 0),
