@@ -54,7 +54,7 @@ from shmserve.workers import gpu
 from .batching import QueuedRequest, QueueFull, RequestQueue
 from .ensemble import EnsembleRunner
 from .instances import Death, InstanceSupervisor, Outcome
-from .leases import LeaseBook
+from .leases import LeaseBook, unlimited
 from .lifecycle import ModelLifecycle, Waiter
 from .models import Instance, ModelVersion
 from .on_demand import OnDemand
@@ -359,8 +359,7 @@ class SchedulerCore:
         for req in queue.take_expired():
             self.reject(ver, req, "Request timeout expired")
         if finished and self.leases.enabled and len(queue) and queue.idle \
-                and len(ver.instances) == 1 and self.leases.leasable(ver) \
-                and self.hand_over(ver, queue):
+                and unlimited(ver) and self.leases.leasable(ver) and self.hand_over(ver, queue):
             return
         batches = queue.next_batches()
         if self.leases.by_version and (len(queue) or ver.state != ModelState.READY):
@@ -389,9 +388,9 @@ class SchedulerCore:
                                   [r.payload for r in reqs])
 
     def hand_over(self, ver: ModelVersion, queue: RequestQueue) -> bool:
-        """The single instance of ``ver`` is idle and requests queue: when they all come from
-        one frontend, lease it the instance and return them to it to send under the lease
-        (engine/leases.py), instead of dispatching them here one by one."""
+        """An instance of ``ver`` that takes unlimited leases is idle and requests queue: when
+        they all come from one frontend, lease it the idle instances and return them to it to
+        send under the leases (engine/leases.py), instead of dispatching them here."""
         frontend = next(iter(queue.pending())).frontend
         if frontend not in self.lease_takers or any(r.frontend != frontend or r.alone
                                                     for r in queue.pending()) or \

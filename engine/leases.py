@@ -3,14 +3,15 @@ requests straight to that worker (LeasedExecute): two hops on the critical path 
 three, and no scheduler work before the model runs.
 
 The scheduler still owns allocation. It grants a lease only when a version's queue is empty and
-an instance is idle, at most one lease per version, to the frontend that sent that version's
-last request. With several instances a lease takes one request at a time, and a second
-concurrent request goes to the scheduler, which spreads it over the other instances. A version
-with a single instance is leased with no limit on requests in flight (depth 0): the worker runs
-them in the order they arrive, as the scheduler would have. The scheduler also hands such an
-instance over when it turns idle with only one frontend's requests queued: it returns them to
-that frontend, which sends them first under the lease. So one frontend's steady load on a
-single-instance model costs the scheduler nothing per request.
+an instance is idle, to the frontend that sent that version's last request. A version whose
+requests its workers can run in arrival order (a single instance, or a plain dynamic batcher:
+see below) is leased with no limit on requests in flight (depth 0), each idle instance as its
+own lease to the same frontend, which spreads its requests over them (the one with the fewest
+in flight). Any other version lends at most one instance, one request at a time: a second
+concurrent request goes to the scheduler, which spreads it over the other instances. The
+scheduler also hands instances over when one turns idle with only one frontend's requests
+queued: it returns them to that frontend, which sends them first under the lease. So one
+frontend's steady load on such a version costs the scheduler nothing per request.
 
 The scheduler takes the lease back (RevokeLease to the worker, LeaseRevoked to the frontend) as
 soon as a request has to queue for want of an idle instance; the worker answers LeaseEnded
@@ -32,14 +33,15 @@ timeout plus PING_TIMEOUT_S, or it is killed as for a batch past the timeout. So
 execution that hangs is killed at most TERM_NS + PING_TIMEOUT_S later than a dispatched one
 would be.
 
-A single-instance version with a plain dynamic batcher is leased too: its requests meet in the
-worker's inbox instead of the scheduler's queue, and the worker batches them by the same rules
+A version with a plain dynamic batcher is leased too: its requests meet in each leased worker's
+inbox instead of the scheduler's queue, and the worker batches them by the same rules
 (workers/lease_batch.py); each completion record counts its request, and the first of a batch
-counts the execution. Not leased: sequence batching, decoupled models, dynamic batching with
-several instances (a lease takes one request at a time there, so requests could not meet) or
-with priorities or queue policies (the scheduler's queue applies those), and any version while
-the server stops. Pure: no sockets; it acts through the port and reads the
-injected clock.
+counts the execution. With several instances, each batches what the frontend spread to it, as
+the scheduler's batcher would have handed each idle instance what had queued by then. Not
+leased: sequence batching, decoupled models, dynamic batching with priorities or queue policies
+(the scheduler's queue applies those), and any version while the server stops.
+
+Pure: no sockets; it acts through the port and reads the injected clock.
 """
 from __future__ import annotations
 
@@ -62,14 +64,18 @@ TERM_NS = 2_000_000_000
 
 
 def worker_batches(ver: ModelVersion) -> bool:
-    """Whether a dynamic-batching version's requests can batch in its worker's inbox under a
-    lease (workers/lease_batch.py): a single instance, whose batcher has nothing the inbox
-    cannot do (priority levels, queue timeouts, a queue size bound, which the scheduler's
-    queue applies)."""
+    """Whether a dynamic-batching version's requests can batch in its workers' inboxes under
+    leases (workers/lease_batch.py): its batcher has nothing an inbox cannot do (priority
+    levels, queue timeouts, a queue size bound, which the scheduler's queue applies)."""
     q = ver.queue
-    return (len(ver.instances) == 1 and isinstance(q, DynamicBatcher)
-            and q.cfg.priority_levels <= 1 and q.cfg.default_policy == QueuePolicy()
-            and not q.cfg.level_policies)
+    return (isinstance(q, DynamicBatcher) and q.cfg.priority_levels <= 1
+            and q.cfg.default_policy == QueuePolicy() and not q.cfg.level_policies)
+
+
+def unlimited(ver: ModelVersion) -> bool:
+    """Whether ``ver``'s workers may take any number of leased requests in flight, run in
+    arrival order: a single instance, or requests that batch in the worker anyway."""
+    return len(ver.instances) == 1 or worker_batches(ver)
 
 
 @dataclass(eq=False)
@@ -90,7 +96,7 @@ class LeaseBook:
         self.clock = clock
         self.enabled = enabled
         self.counter = 0
-        self.by_version: dict[ModelVersion, Lease] = {}
+        self.by_version: dict[ModelVersion, list[Lease]] = {}     # all to one frontend
         self.by_spawn: dict[int, Lease] = {}
         # by (name, version): a reload's new ModelVersion inherits them, and they stay bounded
         self.last_frontend: dict[tuple[str, int], int] = {}
@@ -117,59 +123,73 @@ class LeaseBook:
     def offer(self, ver: ModelVersion, idle: list, frontend: int | None = None,
               returned: list[int] | None = None) -> bool:
         """The queue of ``ver`` is empty and ``idle`` (its idle instances, most recently idle
-        last) is not: lease one to ``frontend`` (default: the version's last one), if nothing
-        stands against it; ``returned`` are its requests the scheduler held (see above)."""
-        if ver in self.by_version or not self.leasable(ver):
+        last) is not: lease them to ``frontend`` (default: the version's last one), if nothing
+        stands against it: all of them when their leases have no depth limit, else one;
+        ``returned`` are its requests the scheduler held (see above)."""
+        if not self.leasable(ver):
             return False
         key = (ver.name, ver.version)
         if frontend is None:
             frontend = self.last_frontend.get(key)
         if frontend is None or self.clock() < self.cooldown_until.get(key, 0):
             return False
-        inst = idle.pop()
-        self.counter += 1
-        lease = Lease(self.counter, ver, inst, frontend, self.clock(),
-                      depth=0 if len(ver.instances) == 1 else 1)
-        inst.state = InstanceState.LEASED
-        self.by_version[ver] = lease
-        self.by_spawn[inst.spawn_id] = lease
-        self.holders.setdefault(inst.spawn_id, set()).add(frontend)
-        self.port.send_frontend(frontend, LeaseGranted(lease.lease_id, ver.name, ver.version,
-                                                       inst.spawn_id, lease.depth,
-                                                       returned or []))
+        held = self.by_version.get(ver)
+        depth = 0 if unlimited(ver) else 1
+        # one frontend holds a version's leases, all in force; a limited lease comes alone
+        if held and (depth or held[0].frontend != frontend or any(h.revoked_ns for h in held)):
+            return False
+        held = self.by_version.setdefault(ver, [])
+        while idle:
+            inst = idle.pop()
+            self.counter += 1
+            lease = Lease(self.counter, ver, inst, frontend, self.clock(), depth)
+            inst.state = InstanceState.LEASED
+            held.append(lease)
+            self.by_spawn[inst.spawn_id] = lease
+            self.holders.setdefault(inst.spawn_id, set()).add(frontend)
+            self.port.send_frontend(frontend, LeaseGranted(lease.lease_id, ver.name, ver.version,
+                                                           inst.spawn_id, depth, returned or []))
+            returned = None
+            if depth:
+                break
         return True
 
     def can_hand_over(self, ver: ModelVersion, frontend: int) -> bool:
-        """Whether the single instance of ``ver``, idle with only ``frontend``'s requests
-        queued, may be leased to it with them."""
-        return (len(ver.instances) == 1 and ver not in self.by_version and self.leasable(ver)
+        """Whether idle instances of ``ver``, with only ``frontend``'s requests queued, may be
+        leased to it with them."""
+        held = self.by_version.get(ver, ())
+        return (unlimited(ver) and self.leasable(ver)
+                and all(h.frontend == frontend and not h.revoked_ns for h in held)
                 and self.clock() >= self.cooldown_until.get((ver.name, ver.version), 0))
 
     def give_back(self, ver: ModelVersion, frontend: int, req_id: int) -> bool:
-        """A request from the frontend that holds ``ver``'s unlimited lease (sent before it
-        heard of the grant): returned to it, to go under the lease."""
-        lease = self.by_version.get(ver)
-        if lease is None or lease.frontend != frontend or lease.depth or lease.revoked_ns:
-            return False
-        self.port.send_frontend(frontend, LeaseGranted(
-            lease.lease_id, ver.name, ver.version, lease.instance.spawn_id, 0, [req_id]))
-        return True
+        """A request from the frontend that holds unlimited leases on ``ver`` (sent before it
+        heard of a grant): returned to it, to go under one of them."""
+        for lease in self.by_version.get(ver, ()):
+            if lease.frontend == frontend and not lease.depth and not lease.revoked_ns:
+                self.port.send_frontend(frontend, LeaseGranted(
+                    lease.lease_id, ver.name, ver.version, lease.instance.spawn_id, 0, [req_id]))
+                return True
+        return False
 
     def progress(self, spawn_id: int, finished_ns: int) -> None:
         lease = self.by_spawn.get(spawn_id)
         if lease is not None and finished_ns > lease.progress_ns:
             lease.progress_ns = finished_ns
 
-    def revoke(self, ver: ModelVersion, renew: bool = False) -> None:
-        """Take back the lease of ``ver`` (requests are queueing, or its term ended: ``renew``);
-        the instance stays LEASED until its worker's LeaseEnded."""
-        lease = self.by_version.get(ver)
-        if lease is None or lease.revoked_ns:
+    def revoke(self, ver: ModelVersion) -> None:
+        """Take back the leases of ``ver`` (requests are queueing, or it drains); each instance
+        stays LEASED until its worker's LeaseEnded."""
+        held = self.by_version.get(ver, ())
+        if any(not h.revoked_ns for h in held):
+            self.cooldown_until[(ver.name, ver.version)] = self.clock() + COOLDOWN_NS
+        for lease in held:
+            self._revoke(lease)
+
+    def _revoke(self, lease: Lease) -> None:
+        if lease.revoked_ns:
             return
-        now = self.clock()
-        lease.revoked_ns = now
-        if not renew:
-            self.cooldown_until[(ver.name, ver.version)] = now + COOLDOWN_NS
+        lease.revoked_ns = self.clock()
         self.port.send_worker(lease.instance.spawn_id, RevokeLease(lease.lease_id))
         self.port.send_frontend(lease.frontend, LeaseRevoked(lease.lease_id))
 
@@ -196,13 +216,13 @@ class LeaseBook:
         now = self.clock()
         wait_ns = TERM_NS
         hung = []
-        for lease in list(self.by_version.values()):
+        for lease in [h for held in self.by_version.values() for h in held]:
             if not lease.revoked_ns:
                 left = max(lease.granted_ns, lease.progress_ns) + TERM_NS - now
                 if left > 0:
                     wait_ns = min(wait_ns, left)
                     continue
-                self.revoke(lease.version, renew=True)
+                self._revoke(lease)             # renewed once its worker ended it
             limit = lease.version.execution_timeout_s
             if limit <= 0:
                 continue
@@ -216,5 +236,8 @@ class LeaseBook:
 
     def _forget(self, lease: Lease) -> None:
         self.by_spawn.pop(lease.instance.spawn_id, None)
-        if self.by_version.get(lease.version) is lease:
-            del self.by_version[lease.version]
+        held = self.by_version.get(lease.version)
+        if held and lease in held:
+            held.remove(lease)
+            if not held:
+                del self.by_version[lease.version]

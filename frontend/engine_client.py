@@ -73,6 +73,13 @@ class Lease:
     inflight: int = 0
 
 
+def _least_busy(held: list[Lease] | None) -> Lease | None:
+    """The lease to send the next request under: the one with the fewest in flight."""
+    if not held:
+        return None
+    return held[0] if len(held) == 1 else min(held, key=lambda h: h.inflight)
+
+
 # How long completion records of leased requests wait to go to the scheduler in bulk.
 LEASED_FLUSH_S = 0.05
 
@@ -101,7 +108,8 @@ class EngineClient:
         self.ordered_key: dict[int, tuple[str, int]] = {}
         self.held: dict[int, InferResult] = {}
         self.queries: dict[int, asyncio.Future] = {}
-        self.leases: dict[tuple[str, int], Lease] = {}      # (model, version) -> lease
+        # (model, version) -> its leases: one, or (no depth limit) one per idle instance
+        self.leases: dict[tuple[str, int], list[Lease]] = {}
         self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
         self.done: list = []                    # leased completion records not yet sent
@@ -139,7 +147,7 @@ class EngineClient:
                              prepared.shape_key, sequence_id=p.correlation_id,
                              sequence_flags=p.flags)
         payload = encode_message(prepared.payload)
-        lease = self.leases.get((model, version)) if self.leases else None
+        lease = _least_busy(self.leases.get((model, version))) if self.leases else None
         if lease is None or ordered or (lease.depth and lease.inflight >= lease.depth) or \
                 not self._send_leased(lease, head, payload):
             # a lease we hold but could not use: the scheduler must not hand it back to us
@@ -346,14 +354,19 @@ class EngineClient:
 
     def _lease_granted(self, msg: LeaseGranted) -> None:
         key = (msg.model, msg.version)
-        lease = self.leases.get(key)
-        if lease is None or lease.lease_id != msg.lease_id:
-            self.leases.pop(key, None)
+        held = self.leases.setdefault(key, [])
+        lease = next((h for h in held if h.lease_id == msg.lease_id), None)
+        if lease is None:
+            # a lease on the same worker ended already (its revoke came first, in order)
+            held[:] = [h for h in held if h.spawn_id != msg.spawn_id]
             try:
                 box = self._worker_box(channel.worker_address(self.run_dir, msg.spawn_id))
-                lease = self.leases[key] = Lease(msg.lease_id, msg.spawn_id, box, msg.depth)
+                lease = Lease(msg.lease_id, msg.spawn_id, box, msg.depth)
+                held.append(lease)
             except packets.PeerGone:
                 lease = None    # it died already: LeaseLost follows
+            if not held:
+                del self.leases[key]
         for rid in msg.returned:        # ours, held by the scheduler: they go first
             sent = self.sent.get(rid)
             if sent is None or rid not in self.pending:
@@ -368,9 +381,12 @@ class EngineClient:
 
     def _forget_leases(self, match: Callable[[Lease], bool]) -> None:
         """Stop using the leases ``match`` picks (requests sent under them still finish)."""
-        for key, lease in list(self.leases.items()):
-            if match(lease):
+        for key, held in list(self.leases.items()):
+            kept = [h for h in held if not match(h)]
+            if not kept:
                 del self.leases[key]
+            elif len(kept) != len(held):
+                self.leases[key] = kept
 
     def _lease_bounced(self, msg: LeaseBounced) -> None:
         """The worker read our request after its lease ended: the scheduler runs it."""

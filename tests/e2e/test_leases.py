@@ -82,6 +82,10 @@ def repo(tmp_path_factory):
         instance_group [ { count: 1, kind: KIND_CPU } ]
         dynamic_batching { }
     ''', PID_SLOW)
+    write_model(root, "batched_pair", ECHO_CONFIG + '''
+        instance_group [ { count: 2, kind: KIND_CPU } ]
+        dynamic_batching { }
+    ''', PID_SLOW)
     write_model(root, "cancellable", '''
         backend: "python"
         max_batch_size: 0
@@ -251,3 +255,62 @@ def test_leased_requests_of_a_dynamic_batching_model_batch_in_the_worker(srv):
     wait_for(lambda: leased(srv, "batched_echo") - before[2] >= 8, 20,
              "the requests to be counted as leased")
     client.close()
+
+
+def _send_16(client, model: str, delay_ms: int) -> list:
+    pending = []
+    for i in range(16):
+        x = np.full((1, 4), i, dtype=np.float32)
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x)
+        pending.append((x, client.async_infer(model, [inp], parameters={"delay_ms": delay_ms})))
+    return pending
+
+
+def test_a_batching_pair_is_lent_whole_and_the_frontend_spreads_over_it(srv):
+    """Both instances of a dynamic-batching model are lent to the frontend, which spreads its
+    requests over them; each worker batches what reaches its inbox."""
+    client = httpclient.InferenceServerClient(srv.url, concurrency=16, network_timeout=60)
+    take_lease(srv, client, "batched_pair", lambda: echo(client, "batched_pair", 1))
+    before = leased(srv, "batched_pair")
+    pids = set()
+    for x, p in _send_16(client, "batched_pair", 100):
+        r = p.get_result()
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT0"), x)
+        pids.add(int(r.as_numpy("PID")[0, 0]))
+    assert len(pids) == 2, "one instance ran everything"
+    # the leases are renewed every 2 s, so a few may have gone through the scheduler
+    wait_for(lambda: leased(srv, "batched_pair") - before >= 8, 20,
+             "the requests to be counted as leased")
+    client.close()
+
+
+def test_killing_one_of_a_lent_pair_loses_no_request(srv):
+    client = httpclient.InferenceServerClient(srv.url, concurrency=16, network_timeout=60)
+    take_lease(srv, client, "batched_pair", lambda: echo(client, "batched_pair", 1))
+    victim = echo(client, "batched_pair", 2)
+    pending = _send_16(client, "batched_pair", 300)
+    wait_for(lambda: _sleeping(victim), 20, "a request to run on the victim")
+    os.kill(victim, 9)
+    for x, p in pending:            # retried on the other instance or the restarted one
+        np.testing.assert_array_equal(p.get_result().as_numpy("OUTPUT0"), x)
+    wait_for(lambda: not alive(victim), 10, "the victim to be reaped")
+    wait_for(lambda: len(_pids_of_16(client) - {victim}) == 2, 60, "the pair to serve again")
+    client.close()
+
+
+def _sleeping(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            return "nanosleep" in f.read()
+    except OSError:
+        return False
+
+
+def _pids_of_16(client) -> set:
+    """The workers that ran 16 concurrent requests (both, when both serve)."""
+    try:
+        return {int(p.get_result().as_numpy("PID")[0, 0])
+                for _, p in _send_16(client, "batched_pair", 50)}
+    except InferenceServerException:
+        return set()

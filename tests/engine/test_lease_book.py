@@ -232,7 +232,7 @@ def test_a_single_instance_plain_dynamic_batcher_is_leased_and_batches_count_onc
     assert {b.batch_size: b.compute_infer.count for b in st.batch_stats} == {1: 1, 6: 1}
 
 
-@pytest.mark.parametrize("model", ["batched_pair", "batched_levels", "batched_policy"])
+@pytest.mark.parametrize("model", ["batched_levels", "batched_policy"])
 def test_dynamic_batchers_the_worker_cannot_stand_in_for_are_not_leased(repo, model):
     h = leased_harness(repo)
     sid = sid_of(h, model)
@@ -240,6 +240,73 @@ def test_dynamic_batchers_the_worker_cannot_stand_in_for_are_not_leased(repo, mo
     h.tick(0.01)
     h.finish(sid)
     assert grants(h) == []
+
+
+# ---- several instances with a plain dynamic batcher: each idle one lent, no depth limit ---------
+def test_every_idle_instance_of_a_batching_pair_is_lent_to_one_frontend(repo):
+    h = leased_harness(repo)
+    a, b = h.core.versions[("batched_pair", 1)].instances
+    h.submit("batched_pair")
+    h.tick(0.01)                                 # the batcher's delay: it runs on one
+    [(busy, _, _)] = h.batches()
+    [first] = grants(h)                          # the other idles with the queue empty: lent
+    assert first.depth == 0 and first.spawn_id != busy
+    h.finish(busy)                               # the second turns idle: lent to the same one
+    [_, second] = grants(h)
+    assert second.depth == 0 and second.spawn_id == busy
+    assert a.state is b.state is InstanceState.LEASED
+    # a request sent before the frontend heard of the grants goes back to it
+    h.core.handle(SubmitRequest(300, FRONTEND, "batched_pair", 1, 1, h.clock()), [b"p"])
+    assert grants(h)[-1].returned == [300] and len(h.batches()) == 1
+    # another frontend's request queues: every lease comes back, and nobody gets them at once
+    h.core.handle(SubmitRequest(301, OTHER, "batched_pair", 1, 1, h.clock()), [b"p"])
+    assert sorted(s for s, _ in h.to_worker(RevokeLease)) == sorted([a.spawn_id, b.spawn_id])
+    assert sorted(m.lease_id for m in sent(h, LeaseRevoked, FRONTEND)) == \
+        sorted([first.lease_id, second.lease_id])
+    h.core.handle(LeaseEnded(first.spawn_id, first.lease_id))
+    h.tick(0.01)
+    assert [r.req_id for r in h.last_batch(first.spawn_id).routes] == [301]
+    h.core.handle(LeaseEnded(second.spawn_id, second.lease_id))
+    h.finish(first.spawn_id)
+    assert grants(h, OTHER) == [] and len(grants(h)) == 3      # cooldown
+
+
+def test_one_frontends_batching_queue_is_handed_over_to_the_idle_instances(repo):
+    h = leased_harness(repo)
+    h.core.handle(SubmitRequest(400, OTHER, "batched_pair", 1, 1, h.clock()), [b"p"])
+    [(x, _, _)] = h.batches()
+    [lent] = grants(h, OTHER)                    # the idle one goes to OTHER
+    y = lent.spawn_id
+    h.core.handle(SubmitRequest(401, FRONTEND, "batched_pair", 1, 1, h.clock()), [b"p"])
+    assert h.to_worker(RevokeLease) == [(y, RevokeLease(lent.lease_id))]    # 401 queued
+    h.core.handle(LeaseEnded(y, lent.lease_id))
+    assert [r.req_id for r in h.last_batch(y).routes] == [401]
+    for rid in (402, 403):                       # both instances busy: these queue
+        h.core.handle(SubmitRequest(rid, FRONTEND, "batched_pair", 1, 1, h.clock()), [b"p"])
+    h.clock.advance(COOLDOWN_NS / 1e9)
+    n = len(h.batches())
+    h.finish(x)          # idle, only FRONTEND's requests queued: they go back with a lease
+    [grant] = grants(h)
+    assert (grant.spawn_id, grant.depth, grant.returned) == (x, 0, [402, 403])
+    assert len(h.batches()) == n and len(h.core.versions[("batched_pair", 1)].queue) == 0
+    h.finish(y)                                  # and the other, once it is done
+    assert [g.spawn_id for g in grants(h)] == [x, y]
+
+
+def test_a_lease_of_a_pair_is_renewed_while_the_other_stays(repo):
+    h = leased_harness(repo)
+    h.submit("batched_pair")
+    h.tick(0.01)
+    [(busy, _, _)] = h.batches()
+    h.finish(busy)
+    first, second = grants(h)
+    h.clock.advance(TERM_NS / 2e9)
+    leased_done(h, second.spawn_id, 500, model="batched_pair")      # progress on the second
+    h.tick(TERM_NS / 2e9)
+    assert h.to_worker(RevokeLease) == [(first.spawn_id, RevokeLease(first.lease_id))]
+    h.core.handle(LeaseEnded(first.spawn_id, first.lease_id))
+    renewed = grants(h)[-1]                       # no cooldown, same frontend, beside the other
+    assert renewed.spawn_id == first.spawn_id and renewed.lease_id > second.lease_id
 
 
 def test_unload_takes_the_lease_back_and_stops_after_it_ended(repo):
