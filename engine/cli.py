@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit when a model fails to load at startup (Triton's default is true)")
     p.add_argument("--port-file", default=D["port_file"],
                    help="write the ports actually bound, as JSON, to this file once listening")
+    p.add_argument("--cuda-memory-pool-byte-size", action="append", default=[],
+                   metavar="<GPU>:<BYTES>", type=gpu_bytes,
+                   help="device memory each worker may keep on that GPU for ensemble tensors "
+                        "that go to the next step as CUDA IPC handles (default 64 MiB per GPU; "
+                        "0 sends them through host memory); repeatable")
     p.add_argument("--version", action="version", version=f"shmserve {VERSION}")
     return p
 
@@ -192,6 +197,14 @@ def frontend_count(text: str) -> int:
     if not 1 <= n <= 64:
         raise argparse.ArgumentTypeError(f"must be between 1 and 64, got {n}")
     return n
+
+
+def gpu_bytes(text: str) -> tuple[int, int]:
+    """Triton's <GPU>:<bytes> (--cuda-memory-pool-byte-size)."""
+    gpu, sep, count = text.partition(":")
+    if not sep or not gpu.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected <GPU index>:<bytes>, got {text!r}")
+    return int(gpu), byte_count(count)
 
 
 def byte_count(text: str) -> int:
@@ -279,7 +292,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         execution_timeout_secs=a.execution_timeout_secs,
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
-        frontends=a.frontends)
+        frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size))
     return settings, a
 
 

@@ -26,6 +26,7 @@ from shmserve.ipc.messages import (
     CancelRequest,
     ControlReply,
     ControlRequest,
+    CudaRef,
     CustomMetrics,
     ErrorCode,
     ExecuteBatch,
@@ -40,6 +41,7 @@ from shmserve.ipc.messages import (
     RequestRoute,
     ServerSettings,
     SetLogSettings,
+    ShmRef,
     StateCause,
     StatsQuery,
     StatsReply,
@@ -205,15 +207,16 @@ class SchedulerCore:
         self.cancel(msg)
 
     def release_to(self, address: str, refs: list) -> None:
-        """Give a worker back output slots an ensemble's step filled."""
+        """Give a worker back output slots an ensemble's step filled (host or device)."""
         sid = self.worker_addresses.get(address)
         if sid is not None:
-            self.port.send_worker(sid, ReleaseOutputs(refs))
+            self.port.send_worker(sid, ReleaseOutputs([r for r in refs if type(r) is ShmRef],
+                                                      [r for r in refs if type(r) is CudaRef]))
 
     def release_handed(self, msg: ReleaseOutputs) -> None:
         """A frontend is done with the outputs of an ensemble's answer, which live in the
         slots of the workers that ran its steps."""
-        for address, refs in self.ensembles.released(msg.refs).items():
+        for address, refs in self.ensembles.book.released(msg.refs).items():
             self.release_to(address, refs)
 
     def forget_segments(self, msg: ForgetSegments) -> None:
@@ -544,7 +547,9 @@ class SchedulerCore:
         steps = [rid for fid, rid in inst.answered if fid == ENSEMBLE_FRONTEND]
         for address in [a for a, sid in self.worker_addresses.items() if sid == spawn_id]:
             del self.worker_addresses[address]
-            self.ensembles.worker_gone(address)
+            handles = self.ensembles.worker_gone(address)
+            if handles:         # its device arena: workers that opened it close it
+                self.forget_segments(ForgetSegments([], handles))
         self.leases.worker_exited(spawn_id, self.death_reason(death), death.kill_reason.retries)
         if inst.answered:
             by_frontend: dict[int, list[int]] = {}

@@ -7,8 +7,10 @@ inputs exist, and collects the steps' answers, which workers send to the schedul
 inputs are ready together run in parallel; every tensor stays where the worker that produced it
 wrote it and is passed on by reference. The answer goes to the client's frontend with
 ``worker`` set to the scheduler, which forwards the frontend's ReleaseOutputs to the workers
-that own the slots (``handed``); slots of intermediate tensors are given back when the request
-ends.
+that own the slots; slots of intermediate tensors are given back when the request ends
+(engine/ensemble_slots.py). An intermediate tensor that only steps reading GPU memory take
+(``EnsemblePlan.device_tensors``) may stay on the producer's GPU: its slot is then in that
+worker's device arena, named by a CUDA IPC handle.
 
 A decoupled step answers any number of times: each answer starts a branch of the data flow that
 holds the tensors known so far plus that answer's, and the steps downstream of it run once per
@@ -26,6 +28,7 @@ from typing import Callable
 
 from shmserve.ipc.messages import (
     ENSEMBLE_FRONTEND,
+    CudaRef,
     ErrorCode,
     InferPayload,
     InferResult,
@@ -38,7 +41,8 @@ from shmserve.ipc.messages import (
 )
 
 from .batching import shape_key
-from .ensemble_plan import EnsemblePlan, Step
+from .ensemble_plan import EnsemblePlan, Step, step_input_problem
+from .ensemble_slots import SlotBook
 from .models import ModelVersion
 
 log = logging.getLogger("shmserve.scheduler")
@@ -62,9 +66,10 @@ class Run:
     wanted: list[OutputSpec]            # the client's outputs, in response order
     root: Branch
     inflight: dict[int, tuple[Branch, Step]] = field(default_factory=dict)
-    # worker address of every step output slot: given back when the request ends, unless
-    # handed to the frontend with an answer
-    slots: dict[ShmRef, str] = field(default_factory=dict)
+    # worker address of every step output slot (host, or device: a CudaRef into the worker's
+    # device arena): given back when the request ends, unless handed to the frontend with an
+    # answer (host slots only: the client never gets a device slot)
+    slots: dict[ShmRef | CudaRef, str] = field(default_factory=dict)
     timings: list[int] = field(default_factory=lambda: [0, 0, 0, 0])   # queue, in, infer, out
     streaming: dict[int, int] = field(default_factory=dict)   # decoupled step id -> spawn id
     # handed slots a later response of this (decoupled) run may name too: the run holds a
@@ -78,21 +83,18 @@ class EnsembleRunner:
     def __init__(self, submit: Callable[[SubmitRequest, bytes], None],
                  cancel: Callable[[int, int], None],
                  answer: Callable[[int, InferResult], None],
-                 release: Callable[[str, list[ShmRef]], None],
+                 release: Callable[[str, list[ShmRef | CudaRef]], None],
                  resolve: Callable[[str, int], int | None],
                  clock: Callable[[], int], release_address: str):
         self.submit_step = submit           # the core's submit, for a step's request
         self.cancel_step = cancel           # cancel a step's request (id, spawn id if it streams)
         self.answer = answer                # to a client's frontend
-        self.release = release              # ReleaseOutputs to the worker at an address
+        self.book = SlotBook(release)       # who owns each slot, and when it goes back
         self.resolve = resolve              # (model, version or -1) -> a ready version
         self.clock = clock
         self.release_address = release_address  # where frontends return handed slots
         self.runs: dict[tuple[int, int], Run] = {}     # (frontend, req_id) -> run
         self.steps: dict[int, Run] = {}     # step request id -> its run (until its final answer)
-        # slots answered to frontends -> [owning worker, references]: a frontend's release
-        # drops one, the run that holds it (Run.held) one when it ends; the last gives it back
-        self.handed: dict[ShmRef, list] = {}
         self.counter = 0
 
     # ---- start --------------------------------------------------------------------------------
@@ -165,7 +167,9 @@ class EnsembleRunner:
                 continue            # nobody reads it: the model need not return it
             outputs.append(OutputSpec(own, spec.shm if spec else None,
                                       spec.classification if spec else 0,
-                                      spec.cuda if spec else None))
+                                      spec.cuda if spec else None,
+                                      # only later steps read it, on their GPUs
+                                      spec is None and tensor in run.plan.device_tensors))
         if not outputs:             # a step whose outputs nobody wants still runs (for its effects)
             outputs = [OutputSpec(own) for own in step.outputs]
         p, head = run.payload, run.head
@@ -197,13 +201,13 @@ class EnsembleRunner:
         """A step's answer (a worker's, or the scheduler's error for it)."""
         run = self.steps.get(res.req_id)
         if run is None:
-            self.give_back_late(res)
+            self.book.give_back_late(res)
             return
         if res.final:
             del self.steps[res.req_id]
         where = run.inflight.get(res.req_id)
         if run.done or where is None:
-            self.give_back_late(res)
+            self.book.give_back_late(res)
             return
         branch, step = where
         if res.final:
@@ -219,15 +223,15 @@ class EnsembleRunner:
                 self.finish(run)
             return
         made: dict[str, Tensor] = {}
-        regions = {o.name for o in run.wanted if o.shm is not None}
+        regions = {o.name for o in run.wanted if o.shm is not None or o.cuda is not None}
         for t in res.outputs:
             tensor = step.outputs.get(t.name)
             if tensor is None:
                 continue
             made[tensor] = t
             # an output written into the client's region is not the worker's slot
-            if t.shm is not None and res.worker and tensor not in regions:
-                run.slots[t.shm] = res.worker
+            if res.worker and tensor not in regions:
+                self.book.note(run.slots, t, res.worker)
         if step.decoupled:
             child = Branch({**branch.tensors, **made}, set(branch.launched),
                            responded=branch.responded, parent=branch)
@@ -275,12 +279,12 @@ class EnsembleRunner:
             if ref is None:
                 continue
             if ref in run.slots:
-                self.handed[ref] = [run.slots.pop(ref), 1]
-                if self.shared(run, branch, spec.name, ref):
-                    self.handed[ref][1] += 1
+                shared = self.shared(run, branch, spec.name, ref)
+                self.book.hand(ref, run.slots.pop(ref), 2 if shared else 1)
+                if shared:
                     run.held.append(ref)
-            elif ref in run.held and ref in self.handed:
-                self.handed[ref][1] += 1
+            elif ref in run.held:
+                self.book.hold(ref)
         run.responses += 1
         # ``worker`` is the scheduler even when no slot is handed: a frontend sends the cancel
         # of a request that is streaming to the worker of its answers, here this runner
@@ -346,22 +350,10 @@ class EnsembleRunner:
     def close(self, run: Run) -> None:
         run.done = True
         self.runs.pop((run.head.frontend, run.head.req_id), None)
-        self.give_back(run.slots)
+        self.book.give_back(run.slots)
         run.slots = {}
         held, run.held = run.held, []
-        self.give_back(self.drop(held))
-
-    def give_back(self, slots: dict[ShmRef, str]) -> None:
-        by_worker: dict[str, list[ShmRef]] = {}
-        for ref, worker in slots.items():
-            by_worker.setdefault(worker, []).append(ref)
-        for worker, refs in by_worker.items():
-            self.release(worker, refs)
-
-    def give_back_late(self, res: InferResult) -> None:
-        refs = [t.shm for t in res.outputs if t.shm is not None]
-        if refs and res.worker:
-            self.release(res.worker, refs)
+        self.book.give_back(self.book.drop(held))
 
     # ---- the client --------------------------------------------------------------------------
     def cancel(self, frontend: int, req_id: int) -> bool:
@@ -380,27 +372,6 @@ class EnsembleRunner:
                                           code=ErrorCode.CANCELLED))
         return True
 
-    def released(self, refs: list[ShmRef]) -> dict[str, list[ShmRef]]:
-        """A frontend is done with slots of an ensemble's answer: which worker owns each."""
-        by_worker: dict[str, list[ShmRef]] = {}
-        for ref, worker in self.drop(refs).items():
-            by_worker.setdefault(worker, []).append(ref)
-        return by_worker
-
-    def drop(self, refs: list[ShmRef]) -> dict[ShmRef, str]:
-        """One reference less on each handed slot: those nobody holds any more, with their
-        workers."""
-        free: dict[ShmRef, str] = {}
-        for ref in refs:
-            entry = self.handed.get(ref)
-            if entry is None:
-                continue
-            entry[1] -= 1
-            if entry[1] <= 0:
-                del self.handed[ref]
-                free[ref] = entry[0]
-        return free
-
     def streams_ended(self, spawn_id: int, reason: str, answered=()) -> None:
         """The worker of a decoupled model died: a step it was still answering fails: one that
         streamed, or one whose execution it had finished (``answered``: it may have meant to
@@ -411,31 +382,35 @@ class EnsembleRunner:
                 if not run.done and (run.streaming.get(rid) == spawn_id or rid in lost):
                     self.fail(run, step, ErrorCode.INTERNAL, reason)
 
-    def worker_gone(self, address: str) -> None:
-        """A worker died: its slots died with it, nobody returns them."""
-        for ref in [r for r, (w, _) in self.handed.items() if w == address]:
-            del self.handed[ref]
+    def worker_gone(self, address: str) -> list[bytes]:
+        """A worker died: its slots died with it, nobody returns them. A request that still
+        needs one of its device slots (a step that runs or has yet to run reads it) fails. The
+        IPC handles of its device arena are returned: every worker must close them."""
+        handles = self.book.worker_gone(address)
+        if handles:
+            for run in list(self.runs.values()):
+                self.lose_device_slots(run, address)
+        return handles
 
-
-def step_input_problem(step: Step, inputs: list[Tensor]) -> str:
-    """A step's inputs must fit its model's config as a client's would (the frontend checked
-    only the ensemble's own inputs); Triton's words, or "" when they fit."""
-    batched = step.max_batch_size > 0
-    for t in inputs:
-        dims = step.input_dims.get(t.name)
-        if dims is None:
-            continue
-        shape = t.shape
-        if batched:
-            if not shape:
-                return (f"input '{t.name}' for model '{step.model}' has no batch dimension, "
-                        f"but the model has max_batch_size {step.max_batch_size}")
-            if shape[0] > step.max_batch_size:
-                return (f"inference request batch-size must be <= {step.max_batch_size} for "
-                        f"'{step.model}'")
-            shape = shape[1:]
-        if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
-            lead = [-1] if batched else []
-            return (f"unexpected shape for input '{t.name}' for model '{step.model}'. "
-                    f"Expected {lead + dims}, got {t.shape}")
-    return ""
+    def lose_device_slots(self, run: Run, address: str) -> None:
+        dead = {ref for ref, w in run.slots.items() if w == address and type(ref) is CudaRef}
+        if not dead:
+            return
+        for ref in dead:
+            del run.slots[ref]
+        branches = [run.root]
+        for b in branches:
+            branches.extend(b.children)
+        for b in branches:
+            for tensor, t in b.tensors.items():
+                if t.cuda not in dead:
+                    continue
+                step = next((s for s in run.plan.steps if tensor in s.inputs.values() and
+                             s.index not in b.launched), None) or \
+                    next((s for _, s in run.inflight.values() if tensor in s.inputs.values()),
+                         None)
+                if step is not None:
+                    self.fail(run, step, ErrorCode.INTERNAL,
+                              f"the worker process that held tensor '{tensor}' in GPU memory "
+                              f"ended before this step read it")
+                    return

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tritonclient.grpc import model_config_pb2 as mc
+
+from shmserve.ipc.messages import Tensor
+
 from .model_config import ConfigError, ModelConfig
 
 
@@ -26,6 +30,7 @@ class Step:
     variable_inputs: frozenset = frozenset()
     optional_inputs: frozenset = frozenset()
     input_dims: dict[str, list[int]] = field(default_factory=dict)     # without the batch
+    device_inputs: bool = False     # its model reads inputs in GPU memory where they are
 
     @property
     def label(self) -> str:
@@ -41,6 +46,9 @@ class EnsemblePlan:
     producer: dict[str, int] = field(default_factory=dict)      # tensor -> step index
     consumers: dict[str, list[int]] = field(default_factory=dict)   # tensor -> step indexes
     decoupled: bool = False         # a step streams (filled by bind())
+    # tensors a step makes that only steps taking device inputs read (filled by bind()): the
+    # producer may leave them on its GPU and hand them over as CUDA IPC handles
+    device_tensors: frozenset = frozenset()
 
     def composing(self) -> list[str]:
         seen: list[str] = []
@@ -174,7 +182,29 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
                                          if -1 in t.dims and not t.allow_ragged_batch)
         step.optional_inputs = frozenset(t.name for t in sub.input if t.optional)
         step.input_dims = {t.name: list(t.dims) for t in sub.input}
+        step.device_inputs = takes_device_inputs(sub)
     p.decoupled = any(s.decoupled for s in p.steps)
+    p.device_tensors = frozenset(
+        tensor for tensor, users in p.consumers.items()
+        if tensor in p.producer and all(p.steps[u].device_inputs for u in users))
+
+
+def takes_device_inputs(sub: ModelConfig) -> bool:
+    """Whether the model's workers read an input that is in GPU memory where it is, as the
+    workers' backends say with ``device_inputs``: TensorRT; onnxruntime when every instance is
+    on a GPU (I/O binding; string tensors turn it off); a python model that asks for GPU inputs
+    (FORCE_CPU_ONLY_INPUT_TENSORS "no"). Any other model would copy such an input to the host
+    itself, after starting CUDA for it: better the producer copies it out."""
+    if sub.backend == "tensorrt" or sub.platform == "tensorrt_plan":
+        return True
+    if sub.backend == "onnxruntime" or sub.platform == "onnxruntime_onnx":
+        return bool(sub.instance_group) and \
+            all(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in sub.instance_group) and \
+            not any(t.data_type == mc.TYPE_STRING for t in (*sub.input, *sub.output))
+    if sub.backend == "python":
+        param = sub.parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
+        return param is not None and param.string_value.strip().lower() == "no"
+    return False
 
 
 def _agree(name: str, types: dict, tensor: str, data_type: int, who: str) -> None:
@@ -185,3 +215,27 @@ def _agree(name: str, types: dict, tensor: str, data_type: int, who: str) -> Non
         from tritonclient.grpc.model_config_pb2 import DataType
         raise ConfigError(f"ensemble '{name}': tensor '{tensor}' is {DataType.Name(seen[0])} "
                           f"for {seen[1]} but {DataType.Name(data_type)} for {who}")
+
+
+def step_input_problem(step: Step, inputs: list[Tensor]) -> str:
+    """A step's inputs must fit its model's config as a client's would (the frontend checked
+    only the ensemble's own inputs); Triton's words, or "" when they fit."""
+    batched = step.max_batch_size > 0
+    for t in inputs:
+        dims = step.input_dims.get(t.name)
+        if dims is None:
+            continue
+        shape = t.shape
+        if batched:
+            if not shape:
+                return (f"input '{t.name}' for model '{step.model}' has no batch dimension, "
+                        f"but the model has max_batch_size {step.max_batch_size}")
+            if shape[0] > step.max_batch_size:
+                return (f"inference request batch-size must be <= {step.max_batch_size} for "
+                        f"'{step.model}'")
+            shape = shape[1:]
+        if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
+            lead = [-1] if batched else []
+            return (f"unexpected shape for input '{t.name}' for model '{step.model}'. "
+                    f"Expected {lead + dims}, got {t.shape}")
+    return ""

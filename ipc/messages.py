@@ -62,9 +62,10 @@ class ShmRef(msgspec.Struct, array_like=True, frozen=True):
 
 
 class CudaRef(msgspec.Struct, array_like=True, frozen=True):
-    """A byte range inside a client's CUDA shared-memory region: the allocation a CUDA IPC
-    handle (``cudaIpcMemHandle_t``, 64 bytes) exports, on GPU ``device_id``. The worker opens
-    the handle (cached) and reads or writes ``nbytes`` at ``offset`` from its base."""
+    """A byte range inside a device allocation that a CUDA IPC handle (``cudaIpcMemHandle_t``,
+    64 bytes) exports, on GPU ``device_id``: a client's CUDA shared-memory region, or a slot of
+    a worker's device arena (an ensemble's intermediate tensor, workers/device_arena.py). The
+    worker opens the handle (cached) and reads or writes ``nbytes`` at ``offset`` from its base."""
     handle: bytes
     device_id: int
     offset: int
@@ -89,6 +90,10 @@ class OutputSpec(msgspec.Struct, array_like=True):
     # "<value>:<index>[:<label>]" instead of the tensor (never with shm; workers/classification.py)
     classification: int = 0
     cuda: CudaRef | None = None     # write the output into a client's CUDA region
+    # the consumer takes device tensors (an ensemble's intermediate tensor that only later
+    # steps read): an output the model leaves on a GPU may stay there, in a slot of the
+    # worker's device arena (Tensor.cuda), instead of being copied to host memory
+    device: bool = False
 
 
 def parameter_problem(params: dict) -> str:
@@ -355,6 +360,9 @@ class Ping(msgspec.Struct, array_like=True, tag=24):
 # ---- frontend -> worker ----------------------------------------------------------------------
 class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
     refs: list[ShmRef]
+    # slots of the worker's device arena (only the scheduler sends these: an ensemble's
+    # intermediate tensors never reach a frontend)
+    device: list[CudaRef] = []
 
 
 class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
@@ -367,7 +375,8 @@ class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
 # ---- frontend -> scheduler -> every worker -----------------------------------------------------
 class ForgetSegments(msgspec.Struct, array_like=True, tag=23):
     """Client segments that were (re)registered or unregistered: drop cached mappings of them;
-    and CUDA IPC handles no region uses any more: close them (cuIpcCloseMemHandle).
+    and CUDA IPC handles no region uses any more: close them (cuIpcCloseMemHandle). The
+    scheduler sends the handles of a dead worker's device arena too (engine/ensemble.py).
 
     It travels the same path as requests (through the scheduler), so a worker sees it before
     any request that was sent after it.
@@ -602,6 +611,8 @@ class ServerSettings(msgspec.Struct):
     log_format: LogFormat = LogFormat.DEFAULT
     log_file: str = ""                     # every process appends its log lines here ("" = stderr)
     port_file: str = ""
+    # GPU -> bytes each worker's device arena may take on it (--cuda-memory-pool-byte-size)
+    cuda_memory_pool: dict[int, int] = {}
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------
@@ -638,6 +649,9 @@ class WorkerArgs(msgspec.Struct):
     log_verbose: int = 0
     log: LogSettings = LogSettings()    # the scheduler's settings when it spawned the worker
     log_file: str = ""
+    # --cuda-memory-pool-byte-size: GPU -> bytes of device memory the worker's device arena may
+    # take there (workers/device_arena.py; a GPU not named gets the default)
+    cuda_memory_pool: dict[int, int] = {}
 
 
 # ---- scheduler <-> fork server (engine/forkserver.py, workers/zygote.py) ------------------------

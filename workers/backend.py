@@ -22,11 +22,15 @@ class WorkRequest:
     # the worker's way out for responses sent through request.get_response_sender():
     # emit(WorkResponse | None, final); None with final: ended without a last response
     emit: Callable[[WorkResponse | None, bool], None] | None = None
+    # outputs whose consumer takes device memory (an ensemble's next step): a backend may
+    # return these as gpu.DeviceTensor where the model left them, instead of copying them out
+    device_outputs: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
 class WorkResponse:
-    outputs: list[tuple[str, str, np.ndarray]] = field(default_factory=list)  # name, datatype, data
+    # name, datatype, data (a gpu.DeviceTensor only for a name in device_outputs)
+    outputs: list[tuple[str, str, np.ndarray]] = field(default_factory=list)
     error: str = ""
     code: ErrorCode | None = None
     parameters: dict[str, Any] = field(default_factory=dict)

@@ -5,6 +5,9 @@ context of the region's GPU) when a request first uses it, keeps it open for the
 follow, and closes it when the frontend says no region uses the handle any more (``ForgetSegments``
 after an unregister) or when the worker stops.
 
+Another worker's device arena (workers/device_arena.py: an ensemble's intermediate tensor) is
+reached the same way; the scheduler sends its handles in ``ForgetSegments`` when that worker ends.
+
 Nothing here touches CUDA before a request names a CUDA region: a worker that never sees one
 never initialises CUDA (workers/gpu.py).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from typing import Callable
 
 import numpy as np
 
@@ -26,15 +30,25 @@ log = logging.getLogger("shmserve.worker")
 
 class CudaHandles:
     """The CUDA IPC handles this worker has open: (handle bytes, device) -> (Cuda, base). The
-    loop reads inputs, a python model's own threads may write outputs (response senders)."""
+    loop reads inputs, a python model's own threads may write outputs (response senders).
 
-    def __init__(self) -> None:
+    ``local`` resolves references into this process's own exported memory (its device arena:
+    an ensemble whose next step runs on the same instance), which CUDA does not let the
+    exporting process open; None for anything else."""
+
+    def __init__(self, local: Callable[[CudaRef], tuple[gpu.Cuda, int] | None] | None = None
+                 ) -> None:
         self.open: dict[tuple[bytes, int], tuple[gpu.Cuda, int]] = {}
         self.lock = threading.Lock()
+        self.local = local
 
     def pointer(self, ref: CudaRef) -> tuple[gpu.Cuda, int]:
         """The device (its ``Cuda``, current in this thread) and the address of ``ref``'s first
         byte. Raises CudaError when the handle cannot be opened."""
+        if self.local is not None:
+            own = self.local(ref)
+            if own is not None:
+                return own
         key = (ref.handle, ref.device_id)
         with self.lock:
             entry = self.open.get(key)

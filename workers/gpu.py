@@ -275,6 +275,17 @@ class Cuda:
         return int(_call(drv, "cuIpcOpenMemHandle", drv.cuIpcOpenMemHandle, handle,
                          CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
 
+    def export_ipc_handle(self, ptr: int) -> bytes:
+        """The 64-byte CUDA IPC handle of the allocation at ``ptr`` (its base: what
+        ``alloc`` returned), which another process opens with ``open_ipc_handle``. CUDA refuses
+        a handle in the process that exported it: that process uses the pointer itself."""
+        self.use()
+        handle = _call(self.driver, "cuIpcGetMemHandle", self.driver.cuIpcGetMemHandle, ptr)
+        get_ptr = getattr(handle, "getPtr", None)
+        if get_ptr is not None:
+            return ctypes.string_at(int(get_ptr()), IPC_HANDLE_SIZE)
+        return bytes(handle.reserved)
+
     def close_ipc_handle(self, ptr: int) -> None:
         self.use()
         _call(self.driver, "cuIpcCloseMemHandle", self.driver.cuIpcCloseMemHandle, ptr)
@@ -326,6 +337,13 @@ class DeviceTensor:
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def rows(self, start: int, stop: int) -> DeviceTensor:
+        """Rows [start, stop) of the first dimension: one request's part of a batch output,
+        the same memory (kept alive by the same owner)."""
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * np.dtype(self.dtype).itemsize
+        return DeviceTensor(self.ptr + start * row, (stop - start, *self.shape[1:]), self.dtype,
+                            self.device_id, self.device_type, self.owner)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (2 if self.device_type == "cuda" else 1), self.device_id

@@ -41,6 +41,7 @@ from shmserve.ipc.messages import (
     RevokeLease,
     SetLogSettings,
     Shutdown,
+    Tensor,
     Wake,
     WorkerArgs,
     WorkerLoadFailed,
@@ -53,7 +54,9 @@ from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequence, tensors, warmup
 from .backend import WorkRequest, load_backend
-from .gpu import CudaError
+from .device_arena import DeviceArena
+from .device_arena import to_host as device_to_host
+from .gpu import CudaError, DeviceTensor
 from .lease_batch import LeasedBatcher
 
 log = logging.getLogger("shmserve.worker")
@@ -80,7 +83,10 @@ class Worker:
         self.frontends: dict[int, packets.PacketOutbox] = {}
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
-        self.cuda_handles = cuda_ipc.CudaHandles()     # clients' CUDA regions, opened on use
+        # outputs an ensemble's next step reads on the GPU; nothing touches CUDA before one
+        self.device_arena = DeviceArena(args.cuda_memory_pool)
+        # clients' CUDA regions and other workers' device arenas, opened on use
+        self.cuda_handles = cuda_ipc.CudaHandles(self.device_arena.local)
         self.device_inputs = False      # the backend binds inputs in device memory (DeviceTensor)
         self.spec = args.spec
         self.use_config(args.spec.config_json)
@@ -95,10 +101,11 @@ class Worker:
         self.revoked_upto = 0                   # leases up to this id have ended (RevokeLease)
         self.main_thread = threading.get_ident()
         # Requests a python model answers through request.get_response_sender() (a decoupled
-        # model's, until their FINAL flag): (frontend, req_id) -> (route, regions, top K).
+        # model's, until their FINAL flag): (frontend, req_id) -> (route, regions, top K, outputs
+        # that may stay on the GPU).
         # Model threads send from outside the loop, so whatever touches the output arena or the
         # frontends' sockets holds ``out_lock`` (uncontended when no thread sends).
-        self.streams: dict[tuple[int, int], tuple[RequestRoute, dict, dict]] = {}
+        self.streams: dict[tuple[int, int], tuple[RequestRoute, dict, dict, frozenset]] = {}
         self.stream_cancelled: set[tuple[int, int]] = set()
         self.out_lock = threading.Lock()
         self.tell_lock = threading.Lock()       # model threads send BLS requests too
@@ -284,6 +291,8 @@ class Worker:
         with self.out_lock:
             for ref in msg.refs:
                 self.arena.free(ref)
+            for dref in msg.device:
+                self.device_arena.free(dref)
 
     def cancel_stream(self, msg: CancelRequest) -> None:
         """The client of a request still being answered through its response sender left:
@@ -299,12 +308,12 @@ class Worker:
             record = self.streams.get(key)
             if record is None:
                 return                  # already answered (an error ended it)
-            route, targets, top = record
+            route, targets, top, device = record
             if resp is None:
                 res = InferResult(route.req_id, self.spec.model_name, self.spec.version,
                                   no_response=True)
             else:
-                res = self.result(route.req_id, resp, targets, top)
+                res = self.result(route.req_id, resp, targets, top, device)
             res.final = final
             if self.decoupled:
                 # the frontend ends the stream if this worker dies, and sends cancels here
@@ -372,7 +381,7 @@ class Worker:
     def execute(self, batch: ExecuteBatch, frames, leased: list | None = None) -> None:
         clock = time.monotonic_ns
         t0 = clock()
-        work, ready, targets, classes = [], [], [], []
+        work, ready, targets, classes, devices = [], [], [], [], []
         chains: list[str] = []
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
@@ -391,18 +400,21 @@ class Worker:
                 target = {o.name: o.shm or o.cuda for o in p.outputs
                           if o.shm is not None or o.cuda is not None}
                 top = {o.name: o.classification for o in p.outputs if o.classification}
+                device = frozenset(o.name for o in p.outputs if o.device)
                 wanted = [o.name for o in p.outputs]
                 if self.sequence is not None:   # control inputs, implicit state
                     wanted = self.sequence.prepare(p.correlation_id, p.flags, inputs, types, wanted)
                 emit = None
                 if self.senders:
-                    self.streams[key] = (route, target, top)
+                    self.streams[key] = (route, target, top, device)
                     emit = partial(self.emit, key)
                 work.append(WorkRequest(inputs, types, wanted, p.request_id,
-                                        p.parameters, p.correlation_id, p.flags, key, emit))
+                                        p.parameters, p.correlation_id, p.flags, key, emit,
+                                        device))
                 ready.append(i)
                 targets.append(target)
                 classes.append(top)
+                devices.append(device)
             except sequence.SequenceRequestError as e:
                 results[i] = self.error(batch.routes[i].req_id, str(e), ErrorCode.INVALID_ARG)
             except (ShmError, CudaError, ValueError, msgspec.DecodeError) as e:
@@ -434,11 +446,13 @@ class Worker:
                     self.end_stream(batch.routes[i])
             else:
                 with self.out_lock:
-                    for i, resp, target, top in zip(ready, responses, targets, classes):
+                    for i, resp, target, top, device in zip(ready, responses, targets, classes,
+                                                            devices):
                         if resp is None:
                             continue        # answered through its response sender
                         self.end_stream(batch.routes[i])
-                        results[i] = self.result(batch.routes[i].req_id, resp, target, top)
+                        results[i] = self.result(batch.routes[i].req_id, resp, target, top,
+                                                 device)
         t3 = clock()
         if leased is not None:
             # their statistics ride with the answers; the frontend passes them on in bulk. The
@@ -482,15 +496,25 @@ class Worker:
     def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
 
-    def result(self, req_id: int, resp, targets: dict, top: dict) -> InferResult:
+    def result(self, req_id: int, resp, targets: dict, top: dict,
+               device: frozenset = frozenset()) -> InferResult:
         """``targets``: outputs to write into clients' regions; ``top``: outputs to return as
-        their top K classes (the classification extension)."""
+        their top K classes (the classification extension); ``device``: outputs that may stay
+        on the GPU (in the device arena) when the model left them there."""
         if resp.error:
             return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
-        outs, uses_shm = [], False
+        outs, uses_shm = [], False      # uses_shm: slots of ours, given back later
         try:
             for name, datatype, arr in resp.outputs:
                 arr = self.reshapes.client_output(name, arr)
+                if type(arr) is DeviceTensor:
+                    ref = self.device_arena.keep(arr) if name in device and not \
+                        self.checks.problem(name, datatype, arr.shape) else None
+                    if ref is not None:
+                        outs.append(Tensor(name, datatype, list(arr.shape), None, None, ref))
+                        uses_shm = True
+                        continue
+                    arr = device_to_host(arr)   # full, or a tensor that must change first
                 datatype, arr = self.checks.fit(name, datatype, arr)
                 problem = self.checks.problem(name, datatype, arr.shape)
                 if problem:
@@ -533,6 +557,8 @@ class Worker:
         for t in outs:
             if t.shm is not None and t.name not in targets:
                 self.arena.free(t.shm)
+            elif t.cuda is not None and t.name not in targets:
+                self.device_arena.free(t.cuda)
 
     def close(self, waker: PacketWaker | None = None) -> None:
         if self.backend is not None:
@@ -545,6 +571,7 @@ class Worker:
         self.arena.close()
         self.maps.close()
         self.cuda_handles.close()
+        self.device_arena.close()
         # give queued messages (a load failure, the last BatchDone) a moment to leave
         self.inbox.close()
         if waker is not None:

@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 
+from shmserve.ipc import dtypes
 from shmserve.ipc.messages import ErrorCode
 
 from . import gpu, sequence
@@ -126,7 +127,8 @@ class OnnxBackend:
             # scheduler's shape key sees only the client's inputs). Equal shapes run together.
             return self._by_shape(requests)
         try:
-            results = self._run(self._text(feeds))
+            results = self._run(self._text(feeds),
+                                frozenset().union(*(r.device_outputs for r in requests)))
         except _NotText as e:
             return [WorkResponse(error=str(e), code=ErrorCode.INVALID_ARG) for _ in requests]
         except Exception as e:
@@ -135,7 +137,8 @@ class OnnxBackend:
         out, start = [], 0
         for r in requests:
             n = next(iter(r.inputs.values())).shape[0]      # (a DeviceTensor's too)
-            out.append(self._response(r, [a[start:start + n] for a in results]))
+            out.append(self._response(r, [a.rows(start, start + n) if isinstance(a, DeviceTensor)
+                                          else a[start:start + n] for a in results]))
             start += n
         return out
 
@@ -154,19 +157,22 @@ class OnnxBackend:
 
     def _run_one(self, r: WorkRequest) -> WorkResponse:
         try:
-            results = self._run(self._text(r.inputs))
+            results = self._run(self._text(r.inputs), r.device_outputs)
         except _NotText as e:
             return WorkResponse(error=str(e), code=ErrorCode.INVALID_ARG)
         except Exception as e:
             return WorkResponse(error=f"onnxruntime execution failed: {e}", code=ErrorCode.INTERNAL)
         return self._response(r, results)
 
-    def _run(self, feeds: dict) -> list:
+    def _run(self, feeds: dict, device: frozenset = frozenset()) -> list:
+        """The outputs in ``output_names`` order; those named in ``device`` (an ensemble's next
+        step reads them on the GPU) as DeviceTensors where onnxruntime put them, when I/O
+        binding is on."""
         if not self.io_binding:
             return self.session.run(self.output_names, feeds)
         # I/O binding: host arrays are bound where they are (onnxruntime copies them to the
         # device once), device tensors where they are (no trip through the host); outputs come
-        # back to host memory, where the worker sends them from
+        # back to host memory, where the worker sends them from, except those ``device`` names
         binding = self.session.io_binding()
         held = []
         for name, value in feeds.items():
@@ -181,10 +187,23 @@ class OnnxBackend:
                                    list(value.shape), value.ptr)
             else:
                 binding.bind_cpu_input(name, value)
+        device = frozenset(n for n in device if self.output_types.get(n) in dtypes.WIRE_TO_NUMPY)
         for name in self.output_names:
-            binding.bind_output(name, "cpu")
+            if name in device:
+                binding.bind_output(name, self.device[0], self.device[1])
+            else:
+                binding.bind_output(name, "cpu")
         self.session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()
+        if not device:
+            return binding.copy_outputs_to_cpu()
+        return [self._on_device(name, value) if name in device else value.numpy()
+                for name, value in zip(self.output_names, binding.get_outputs())]
+
+    def _on_device(self, name: str, value) -> DeviceTensor:
+        """An output onnxruntime allocated on our device; the OrtValue owns the memory."""
+        dtype = np.dtype(dtypes.WIRE_TO_NUMPY[self.output_types[name]])
+        return DeviceTensor(int(value.data_ptr()), tuple(int(d) for d in value.shape()), dtype,
+                            self.device[1], self.device[0], value)
 
     def _concat(self, parts: list):
         """One batch input from the requests' parts: host arrays are concatenated on the host;

@@ -135,6 +135,14 @@ class Tensor:
         t._name, t._array, t._wire, t._device = name, array, datatype, None
         return t
 
+    @classmethod
+    def _from_device(cls, name, device_tensor, datatype):
+        """Trusted path: an input in GPU memory (a gpu.DeviceTensor), for a model that asked for
+        GPU inputs (FORCE_CPU_ONLY_INPUT_TENSORS "no"); read through to_dlpack()."""
+        t = cls.__new__(cls)
+        t._name, t._array, t._wire, t._device = name, None, datatype, device_tensor
+        return t
+
     def name(self): return self._name
     def datatype(self): return self._wire
     def triton_dtype(self): return WIRE_TO_ENUM[self._wire]

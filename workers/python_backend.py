@@ -6,6 +6,7 @@ views of the shared memory they were written to.
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -19,12 +20,27 @@ from shmserve.ipc.messages import ErrorCode
 
 from . import autocomplete, pb_utils
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+from .gpu import DeviceTensor
 from .pb_errors import TO_ERROR_CODE
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 
 
+def gpu_inputs(cfg: dict) -> bool:
+    """Triton's FORCE_CPU_ONLY_INPUT_TENSORS parameter: "no" gives the model inputs that are in
+    GPU memory as GPU tensors (``is_cpu()`` False, read through ``to_dlpack()``); "yes", the
+    default, copies them to the host first."""
+    value = ((cfg.get("parameters") or {}).get("FORCE_CPU_ONLY_INPUT_TENSORS") or {})
+    text = str(value.get("string_value", "yes")).strip().lower()
+    if text not in ("yes", "no"):
+        raise BackendLoadError(f"parameter FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or 'no', "
+                               f"got '{value.get('string_value')}'")
+    return text == "no"
+
+
 class PythonBackend:
+    device_inputs = False   # set per model: gpu_inputs()
+
     def __init__(self, spec: InstanceSpec, poll_cancelled=None):
         self.spec = spec
         self.poll_cancelled = poll_cancelled
@@ -54,6 +70,7 @@ class PythonBackend:
         self.is_async = inspect.iscoroutinefunction(self.model.execute)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         self.output_types = {o["name"]: o["data_type"] for o in cfg.get("output", [])}
+        self.device_inputs = gpu_inputs(cfg)
         args = {
             "model_config": spec.config_json,
             "model_instance_kind": spec.kind,
@@ -76,7 +93,9 @@ class PythonBackend:
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]:
         pb_requests = []
         for r in requests:
-            tensors = [pb_utils.Tensor._from_worker(name, arr, r.datatypes[name])
+            tensors = [pb_utils.Tensor._from_device(name, arr, r.datatypes[name])
+                       if type(arr) is DeviceTensor else
+                       pb_utils.Tensor._from_worker(name, arr, r.datatypes[name])
                        for name, arr in r.inputs.items()]
             pb_req = pb_utils.InferenceRequest._from_worker(
                 tensors, r.requested_outputs, r.request_id, r.correlation_id, r.flags,
@@ -144,13 +163,22 @@ class PythonBackend:
             if t is None:
                 return WorkResponse(error=f"model '{self.spec.model_name}' did not produce "
                                           f"requested output '{name}'", code=ErrorCode.INTERNAL)
+            datatype = t.datatype()
+            bf16 = datatype == "UINT16" and self.output_types.get(name) == "TYPE_BF16"
+            if t._device is not None and name in req.device_outputs:
+                # stays on the GPU: the worker hands it to the next step as a CUDA IPC handle
+                arr = t._device
+                if bf16:
+                    arr = dataclasses.replace(arr, dtype=pb_utils.WIRE_TO_NUMPY["BF16"])
+                    datatype = "BF16"
+                outputs.append((name, datatype, arr))
+                continue
             try:
                 arr = t._host()         # a GPU tensor (from_dlpack) is copied out here
             except Exception as e:
                 return WorkResponse(error=f"model '{self.spec.model_name}' output '{name}': {e}",
                                     code=ErrorCode.INTERNAL)
-            datatype = t.datatype()
-            if datatype == "UINT16" and self.output_types.get(name) == "TYPE_BF16":
+            if bf16:
                 arr, datatype = arr.view(pb_utils.WIRE_TO_NUMPY["BF16"]), "BF16"  # raw bits
             if not isinstance(arr, np.ndarray):
                 arr = np.asarray(arr)

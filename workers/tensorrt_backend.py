@@ -216,7 +216,8 @@ class TensorRTBackend:
             n = self._rows(r) if self.batching else 1
             wanted = r.requested_outputs or list(self.outputs)
             if self.batching:
-                outs = [(name, self.outputs[name], results[name][start:start + n]) for name in wanted]
+                outs = [(name, self.outputs[name], _rows(results[name], start, start + n))
+                        for name in wanted]
             else:
                 outs = [(name, self.outputs[name], results[name]) for name in wanted]
             out.append(WorkResponse(outputs=outs))
@@ -226,8 +227,13 @@ class TensorRTBackend:
     def _rows(self, r: WorkRequest) -> int:
         return int(next(iter(r.inputs.values())).shape[0]) if r.inputs else 1
 
-    def _run(self, requests: list[WorkRequest]) -> dict[str, np.ndarray]:
+    def _run(self, requests: list[WorkRequest]) -> dict[str, np.ndarray | DeviceTensor]:
+        """The outputs, copied to the host, except those a request may take on the device
+        (``device_outputs``: an ensemble's next step binds them), which are handed over in our
+        binding buffers as DeviceTensors; the worker copies them into its device arena before
+        the next execution reuses the buffers."""
         trt_ctx, cuda, stream = self.context, self.cuda, self.stream
+        device = frozenset().union(*(r.device_outputs for r in requests))
         cuda.use()
         missing = [n for n in self.inputs if n not in requests[0].inputs]
         if missing:
@@ -265,19 +271,23 @@ class TensorRTBackend:
                     cuda.htod(ptr + offset, host.ctypes.data, host.nbytes, stream)
                     offset += host.nbytes
             trt_ctx.set_tensor_address(name, ptr)
-        results = {}
+        results: dict[str, np.ndarray | DeviceTensor] = {}
         for name, wire in self.outputs.items():
             shape = tuple(int(d) for d in trt_ctx.get_tensor_shape(name))
             if any(d < 0 for d in shape):
                 raise _RequestError(f"output '{name}' has a data-dependent shape {list(shape)}, "
                                     f"which the tensorrt backend does not support")
-            arr = np.empty(shape, dtype=dtypes.WIRE_TO_NUMPY[wire])
-            trt_ctx.set_tensor_address(name, self._buffer(name, arr.nbytes))
-            results[name] = arr
+            dtype = np.dtype(dtypes.WIRE_TO_NUMPY[wire])
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            ptr = self._buffer(name, nbytes)
+            trt_ctx.set_tensor_address(name, ptr)
+            results[name] = DeviceTensor(ptr, shape, dtype, cuda.device_id, "cuda", self) \
+                if name in device else np.empty(shape, dtype=dtype)
         if not trt_ctx.execute_async_v3(stream):
             raise RuntimeError(f"execute_async_v3 failed: {self.log.take() or 'no reason given'}")
-        for name, arr in results.items():
-            cuda.dtoh(arr.ctypes.data, self.buffers[name][0], arr.nbytes, stream)
+        for name, out in results.items():
+            if isinstance(out, np.ndarray):
+                cuda.dtoh(out.ctypes.data, self.buffers[name][0], out.nbytes, stream)
         cuda.synchronize(stream)
         return results
 
@@ -319,6 +329,10 @@ class TensorRTBackend:
             pass
         self.buffers = {}
         self.context = self.engine = self.runtime = None
+
+
+def _rows(out: np.ndarray | DeviceTensor, start: int, stop: int) -> np.ndarray | DeviceTensor:
+    return out.rows(start, stop) if isinstance(out, DeviceTensor) else out[start:stop]
 
 
 def _within(shape: tuple, lo: list[int], hi: list[int]) -> bool:

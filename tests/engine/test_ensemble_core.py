@@ -557,9 +557,9 @@ output [ {{ name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 4 ] }},
     final = h.results()[rid]
     assert [t.shm for t in final.outputs] == [region, out2] and final.worker == SCHEDULER
     assert released(h) == [side]                    # the region is the client's, never a slot
-    assert list(h.core.ensembles.handed) == [out2]
+    assert list(h.core.ensembles.book.handed) == [out2]
     h.core.handle(ReleaseOutputs([out2]))           # what a frontend gives back (worker_slots)
-    assert released(h) == [side, out2] and h.core.ensembles.handed == {}
+    assert released(h) == [side, out2] and h.core.ensembles.book.handed == {}
 
 
 def test_a_streamed_output_a_later_step_reads_outlives_its_response(repo):
@@ -613,7 +613,7 @@ def test_a_plain_step_that_answers_after_the_stream_ended_completes_its_response
     h.core.handle(ReleaseOutputs([xs[0], y]))
     assert released(h) == [xs[0]]
     h.core.handle(ReleaseOutputs([xs[1], y]))
-    assert released(h, g) == xs and released(h, a) == [y] and h.core.ensembles.handed == {}
+    assert released(h, g) == xs and released(h, a) == [y] and h.core.ensembles.book.handed == {}
 
 
 def test_an_output_that_feeds_a_step_cannot_be_a_classification(repo):

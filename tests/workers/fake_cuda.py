@@ -370,18 +370,67 @@ class FakeDriver(types.ModuleType):
 
 
 class ShmIpcDriver(FakeDriver):
-    """The fake across processes: a client's "device allocation" is a POSIX shared-memory
-    segment, and its IPC handle names it (``shm_handle``), so a test client, the server's
-    frontend and its workers (each with this driver; tests/e2e/fake_cuda_python puts it where
-    ``from cuda.bindings import driver`` finds it) reach the same bytes. Opening a handle maps
-    the segment, closing the last open unmaps it (what /proc/<pid>/maps shows)."""
+    """The fake across processes: a "device allocation" is a POSIX shared-memory segment, and
+    its IPC handle names it (``shm_handle``), so a test client, the server's frontend and its
+    workers (each with this driver; tests/e2e/fake_cuda_python puts it where
+    ``from cuda.bindings import driver`` finds it) reach the same bytes. A client's region is a
+    segment the test made; ``cuMemAlloc`` makes one named ``fakecuda_<pid>_...`` (freed: unlinked),
+    which ``cuIpcGetMemHandle`` exports. Opening a handle maps the segment, closing the last open
+    unmaps it (what /proc/<pid>/maps shows); as CUDA does, a process cannot open a handle it
+    exported itself (CUDA_ERROR_INVALID_CONTEXT)."""
 
     def __init__(self, **kw):
         super().__init__(**kw)
         self.mapped: dict[int, tuple] = {}      # base -> (mmap, its ctypes view, size, handle)
+        self.segments: dict[int, tuple] = {}    # our allocations: base -> (mmap, segment name)
+        self._token = os.urandom(4).hex()
+        self._allocated = 0
 
     def _ranges(self) -> list[tuple[int, int]]:
         return super()._ranges() + [(b, m[2]) for b, m in self.mapped.items()]
+
+    def cuMemAlloc(self, bytesize: int):
+        err = self._enter("cuMemAlloc")
+        if err == OK and bytesize == 0:
+            err = CUresult.CUDA_ERROR_INVALID_VALUE
+        if err != OK:
+            return err, CUdeviceptr()
+        import mmap
+        self._allocated += 1
+        name = f"fakecuda_{os.getpid()}_{self._token}_{self._allocated}"
+        fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, bytesize)
+            mm = mmap.mmap(fd, bytesize)
+        finally:
+            os.close(fd)
+        view = (ctypes.c_char * bytesize).from_buffer(mm)
+        base = ctypes.addressof(view)
+        self.allocations[base] = view
+        self.segments[base] = (mm, name)
+        return OK, CUdeviceptr(base)
+
+    def cuMemFree(self, dptr):
+        (err,) = super().cuMemFree(dptr)
+        p = _handle(dptr, CUdeviceptr)
+        if err == OK and p in self.segments:
+            mm, name = self.segments.pop(p)
+            os.unlink(f"/dev/shm/{name}")
+            try:
+                mm.close()
+            except BufferError:     # a view of it is still alive: unmapped when collected
+                pass
+        return (err,)
+
+    def cuIpcGetMemHandle(self, dptr):
+        err = self._enter("cuIpcGetMemHandle")
+        p = _handle(dptr, CUdeviceptr)
+        h = CUipcMemHandle()
+        if err == OK and p not in self.segments:     # the base of an allocation only
+            err = CUresult.CUDA_ERROR_INVALID_VALUE
+        if err == OK:
+            h.reserved = shm_handle(self.segments[p][1])
+        return err, h
 
     def cuIpcOpenMemHandle(self, handle, Flags):
         err = self._enter("cuIpcOpenMemHandle")
@@ -390,6 +439,8 @@ class ShmIpcDriver(FakeDriver):
         raw = handle.reserved
         if err != OK:
             return err, CUdeviceptr()
+        if any(shm_handle(name) == raw for _, name in self.segments.values()):
+            return CUresult.CUDA_ERROR_INVALID_CONTEXT, CUdeviceptr()
         for base, m in self.mapped.items():
             if m[3] == raw:
                 self.ipc_open[base] += 1
@@ -436,11 +487,12 @@ def shm_name(raw: bytes) -> str | None:
     return raw[8:].rstrip(b"\0").decode(errors="replace") or None
 
 
-def install(monkeypatch, **kw) -> FakeDriver:
-    """Put a FakeDriver where ``from cuda.bindings import driver`` finds it, and make gpu.py
-    import it afresh (its cached bindings and ``Cuda`` objects are dropped)."""
+def install(monkeypatch, driver_class: type[FakeDriver] = FakeDriver, **kw) -> FakeDriver:
+    """Put a FakeDriver (or ``driver_class``) where ``from cuda.bindings import driver`` finds
+    it, and make gpu.py import it afresh (its cached bindings and ``Cuda`` objects are
+    dropped)."""
     from shmserve.workers import gpu
-    drv = FakeDriver(**kw)
+    drv = driver_class(**kw)
     cuda_pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
     cuda_pkg.__path__, bindings.__path__ = [], []
     setattr(cuda_pkg, "bindings", bindings)     # noqa: B010 (module attributes)

@@ -104,6 +104,37 @@ def test_io_binding_binds_pointer_tensors_where_they_are():
     np.testing.assert_allclose(_outputs(mixed[1])["OUTPUT0"], want[3:], rtol=1e-6)
 
 
+def test_outputs_the_next_step_reads_on_the_device_stay_where_onnxruntime_put_them():
+    """device_outputs: bound on the session's device (here the CPU session's, so "cpu"
+    pointer tensors; on a GPU, CUDA memory the worker copies into its device arena), owned by
+    onnxruntime's OrtValue, split per request of a batch; the other requests' outputs and
+    outputs without I/O binding come back as host arrays."""
+    from shmserve.workers.device_arena import to_host
+    bound = OnnxBackend(_spec("mlp_onnx"), io_binding=True)
+    plain = OnnxBackend(_spec("mlp_onnx"))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((3, 256), dtype=np.float32)
+    y = rng.standard_normal((2, 256), dtype=np.float32)
+    want = _outputs(plain.execute([WorkRequest({"INPUT0": np.concatenate([x, y])},
+                                               {"INPUT0": "FP32"}, [])])[0])["OUTPUT0"]
+    on_device = frozenset({"OUTPUT0"})
+    (alone,) = bound.execute([WorkRequest({"INPUT0": x}, {"INPUT0": "FP32"}, [],
+                                          device_outputs=on_device)])
+    t = _outputs(alone)["OUTPUT0"]
+    assert isinstance(t, DeviceTensor) and t.device_type == "cpu" and t.shape == (3, 256)
+    assert isinstance(t.owner, ort.OrtValue)
+    np.testing.assert_allclose(to_host(t), want[:3], rtol=1e-6)
+    both = bound.execute([WorkRequest({"INPUT0": x}, {"INPUT0": "FP32"}, [], device_outputs=on_device),
+                          WorkRequest({"INPUT0": y}, {"INPUT0": "FP32"}, [])])
+    parts = [_outputs(r)["OUTPUT0"] for r in both]
+    assert [p.shape for p in parts] == [(3, 256), (2, 256)]
+    np.testing.assert_allclose(to_host(parts[0]), want[:3], rtol=1e-6)
+    np.testing.assert_allclose(to_host(parts[1]), want[3:], rtol=1e-6)   # the worker copies it
+    (host,) = plain.execute([WorkRequest({"INPUT0": x}, {"INPUT0": "FP32"}, [],
+                                         device_outputs=on_device)])
+    assert isinstance(_outputs(host)["OUTPUT0"], np.ndarray)
+
+
 def test_string_models_run_without_io_binding():
     # onnxruntime: "Only binding non-string Tensors is currently supported"
     bound = OnnxBackend(_spec("simple_string"), io_binding=True)

@@ -169,3 +169,80 @@ def test_gpu_outputs_leave_the_model_through_the_host(tmp_path, fake_gpu):
     assert (name, datatype) == ("OUT", "FP32") and isinstance(arr, np.ndarray)
     np.testing.assert_array_equal(arr, x * 2)
     assert fake_gpu.copies == ["dtoh"]
+
+
+def _python_backend(tmp_path, name: str, model: str, parameters: dict | None = None):
+    from shmserve.workers.python_backend import PythonBackend
+    os.makedirs(tmp_path / name / "1")
+    (tmp_path / name / "1" / "model.py").write_text(model)
+    cfg = {"name": name, "backend": "python", "max_batch_size": 0,
+           "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [3]}],
+           "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [3]}],
+           "parameters": {k: {"string_value": v} for k, v in (parameters or {}).items()}}
+    return PythonBackend(InstanceSpec(name, 1, str(tmp_path / name), json.dumps(cfg),
+                                      f"{name}_0", "GPU", 0, "python"))
+
+
+def test_a_gpu_output_the_next_step_reads_on_the_gpu_stays_there(tmp_path, fake_gpu):
+    """An ensemble's intermediate tensor (device_outputs): the worker gets the DeviceTensor
+    and hands it on as a CUDA IPC handle, nothing is copied here."""
+    fake_gpu.strict = False
+    backend = _python_backend(tmp_path, "gpu_out", MODEL)
+    x = np.array([1, 2, 3], np.float32)
+    (resp,) = backend.execute([WorkRequest({"IN": x}, {"IN": "FP32"}, [],
+                                           device_outputs=frozenset({"OUT"}))])
+    (name, datatype, t), = resp.outputs
+    assert (name, datatype) == ("OUT", "FP32") and isinstance(t, DeviceTensor)
+    assert t.device_type == "cuda" and t.shape == (3,) and fake_gpu.copies == []
+    np.testing.assert_array_equal(gpu.cuda(0).to_host(t), x * 2)
+
+
+GPU_INPUT_MODEL = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+from shmserve.workers import dlpack, gpu
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            t = pb_utils.get_input_tensor_by_name(r, "IN")
+            try:
+                t.as_numpy()
+                refused = ""
+            except pb_utils.TritonModelException as e:
+                refused = str(e)
+            dev = dlpack.read(t.to_dlpack())            # what torch.from_dlpack would see
+            x = gpu.cuda(dev.device_id).to_host(dev)
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x + 1)],
+                       parameters={"is_cpu": t.is_cpu(), "refused": refused,
+                                   "ptr": dev.ptr}))
+        return out
+'''
+
+
+def test_force_cpu_only_input_tensors_no_gives_the_model_gpu_tensors(tmp_path, fake_gpu):
+    from shmserve.workers.python_backend import PythonBackend
+    backend = _python_backend(tmp_path, "gpu_in", GPU_INPUT_MODEL,
+                              {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"})
+    assert backend.device_inputs is True and PythonBackend.device_inputs is False
+    a = np.array([1, 2, 3], np.float32)
+    fake_gpu.adopt(a.ctypes.data, a.nbytes)
+    (resp,) = backend.execute([WorkRequest({"IN": DeviceTensor(a.ctypes.data, (3,), a.dtype)},
+                                           {"IN": "FP32"}, [])])
+    assert not resp.error, resp.error
+    assert resp.parameters == {"is_cpu": False, "ptr": a.ctypes.data,
+                               "refused": "Tensor is stored in GPU and cannot be converted to NumPy."}
+    np.testing.assert_array_equal(resp.outputs[0][2], a + 1)
+
+
+@pytest.mark.parametrize("value, device", [("yes", False), ("No", True), ("maybe", None)])
+def test_force_cpu_only_input_tensors_values(tmp_path, value, device):
+    from shmserve.workers.backend import BackendLoadError
+    if device is None:
+        with pytest.raises(BackendLoadError, match="FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or "
+                                                   "'no', got 'maybe'"):
+            _python_backend(tmp_path, "m", MODEL, {"FORCE_CPU_ONLY_INPUT_TENSORS": value})
+        return
+    backend = _python_backend(tmp_path, "m", MODEL, {"FORCE_CPU_ONLY_INPUT_TENSORS": value})
+    assert backend.device_inputs is device

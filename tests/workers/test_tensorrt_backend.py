@@ -262,6 +262,30 @@ def test_device_inputs_are_bound_where_they_are(tmp_path, trt):
     np.testing.assert_array_equal(resps[0].outputs[1][2], a - b)
 
 
+def test_outputs_the_next_step_reads_on_the_device_stay_in_the_binding_buffers(tmp_path, trt):
+    """device_outputs (an ensemble's next step binds device memory): no copy to the host; each
+    request gets its rows of the output buffer, which the worker copies into its device arena
+    before the next execution reuses it. Outputs no request may take on the device are copied
+    out as before."""
+    backend, cuda = _load(tmp_path, trt)
+    a = np.arange(48, dtype=np.int32).reshape(3, 16)
+    b = np.ones((3, 16), np.int32)
+    reqs = [_req(INPUT0=a[:1], INPUT1=b[:1]), _req(INPUT0=a[1:], INPUT1=b[1:])]
+    for r in reqs:
+        r.device_outputs = frozenset({"OUTPUT0"})
+    cuda.copies.clear()
+    resps = backend.execute(reqs)
+    assert cuda.copies.count("dtoh") == 1                   # OUTPUT1 only
+    buffer = backend.buffers["OUTPUT0"][0]
+    for resp, rows, start in zip(resps, (a[:1], a[1:]), (0, 1)):
+        out = {n: arr for n, _, arr in resp.outputs}
+        t = out["OUTPUT0"]
+        assert isinstance(t, DeviceTensor) and t.device_type == "cuda" and t.owner is backend
+        assert t.ptr == buffer + start * 16 * 4 and t.shape == rows.shape
+        np.testing.assert_array_equal(gpu.cuda(0).to_host(t), rows + 1)
+        np.testing.assert_array_equal(out["OUTPUT1"], rows - 1)
+
+
 def test_an_unaligned_device_input_is_copied_not_bound(tmp_path, trt):
     """A client's CUDA region at an offset: TensorRT takes 256-byte aligned addresses only."""
     backend, cuda = _load(tmp_path, trt)
