@@ -53,6 +53,7 @@ from shmserve.ipc.messages import (
 )
 from shmserve.workers import gpu
 
+from .accounting import Accounting
 from .batching import QueuedRequest, QueueFull, RequestQueue
 from .ensemble import EnsembleRunner
 from .instances import Death, InstanceSupervisor, Outcome
@@ -92,9 +93,8 @@ class SchedulerCore:
         self.worker_addresses: dict[str, int] = {}      # inbox address -> spawn id
         self.frontends: set[int] = set()
         self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
-        self.leased_counts: dict[str, int] = {}     # per model, for /metrics
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
-        self.custom_metrics: dict[int, CustomMetrics] = {}          # spawn id -> latest
+        self.accounting = Accounting(clock, self.ensembles.timings)
         self.log_settings: LogSettings | None = None    # set by a client (SetLogSettings)
         self.batch_counter = 0
         self.next_poll = 0.0
@@ -241,32 +241,15 @@ class SchedulerCore:
 
     def custom_metrics_in(self, msg: CustomMetrics) -> None:
         if msg.spawn_id in self.supervisor.by_spawn:
-            # re-inserted so the order is the order of reports: the frontend lets the latest
-            # report of a gauge win
-            self.custom_metrics.pop(msg.spawn_id, None)
-            self.custom_metrics[msg.spawn_id] = msg
+            self.accounting.custom_metrics_in(msg)
 
     def stats_query(self, q: StatsQuery) -> None:
         self.port.send_frontend(q.frontend, self.statistics(q))
 
     def statistics(self, q: StatsQuery) -> StatsReply:
-        ipc = self.counters()
-        entries = self.lifecycle.entries
-        if q.model and q.model not in entries:
-            return StatsReply(q.query_id, [], ipc, f"requested model '{q.model}' is not available")
-        chosen = [v for (name, version), v in sorted(self.versions.items())
-                  if (not q.model or name == q.model) and (q.version < 0 or version == q.version)
-                  and v.state == ModelState.READY]
-        if q.model and not chosen:
-            if q.version >= 0:
-                return StatsReply(q.query_id, [], ipc, f"requested model version is not "
-                                                       f"available for model '{q.model}'")
-            return StatsReply(q.query_id, [], ipc, f"requested model '{q.model}' is not available")
-        live = self.supervisor.by_spawn
-        return StatsReply(q.query_id, [v.stats.snapshot(len(v.queue)) for v in chosen], ipc,
-                          custom_metrics=[m for sid, m in self.custom_metrics.items()
-                                          if sid in live], leased=self.leased_counts,
-                          on_demand=self.on_demand.statistics() if self.on_demand else None)
+        return self.accounting.reply(q, self.versions, self.lifecycle.entries,
+                                     self.supervisor.by_spawn, self.counters(),
+                                     self.on_demand.statistics() if self.on_demand else None)
 
     # ---- requests -------------------------------------------------------------------------------
     def submit(self, msg: SubmitRequest, payload) -> None:
@@ -410,12 +393,11 @@ class SchedulerCore:
 
     def leased_done(self, msg: LeasedDone) -> None:
         """Statistics of requests frontends sent under leases (their workers answered them)."""
-        by_spawn, versions, leased = self.supervisor.by_spawn, self.versions, self.leased_counts
+        by_spawn, versions = self.supervisor.by_spawn, self.versions
         for done in msg.records:
             head = done.leased
             if head is None:
                 continue
-            leased[head.model] = leased.get(head.model, 0) + 1
             if self.on_demand is not None:
                 self.on_demand.used(head.model)
             found = by_spawn.get(done.spawn_id)
@@ -424,15 +406,7 @@ class SchedulerCore:
                 self.leases.progress(done.spawn_id, done.finished_ns)
             # its worker may have ended since
             ver = found[0] if found is not None else versions.get((head.model, head.version))
-            if ver is None:
-                continue
-            # it waited in the worker's inbox from when the frontend got it until it started
-            started = done.finished_ns - done.compute_input_ns - done.compute_infer_ns - \
-                done.compute_output_ns
-            self.account(ver, [QueuedRequest(
-                head.req_id, head.frontend, head.batch_size, None, enqueued_ns=head.received_ns,
-                received_ns=head.received_ns,
-                dispatched_ns=max(head.received_ns, started))], done, done.executed)
+            self.accounting.leased(ver, head, done)
 
     def batch_done(self, msg: BatchDone) -> None:
         self.finish_batch(msg)
@@ -447,7 +421,7 @@ class SchedulerCore:
         if inst.batch_id != msg.batch_id or inst.state != InstanceState.BUSY:
             return
         batch = inst.batch or []
-        self.account(ver, batch, msg)
+        self.accounting.account(ver, batch, msg)
         inst.answered.extend((r.frontend, r.req_id) for r in batch)
         inst.deaths_in_a_row = 0
         inst.batch = None
@@ -458,33 +432,6 @@ class SchedulerCore:
             self.lifecycle.drain_progress(ver)
         if self.on_demand is not None:
             self.on_demand.finished(ver)
-
-    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone,
-                executed: int = -1) -> None:
-        """Statistics of a finished batch; ``executed``: the inferences of the execution to
-        count (-1: the batch's; 0: none, another record of a leased batch counts it)."""
-        now = done.finished_ns or self.clock()
-        failed = set(done.failed)
-        stats = ver.stats
-        if executed < 0:
-            executed = sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or \
-                sum(r.batch_size for r in batch)
-        if executed:
-            stats.executed(executed, done.compute_input_ns, done.compute_infer_ns,
-                           done.compute_output_ns)
-        for i, r in enumerate(batch):
-            if i in failed:
-                stats.failed("BACKEND", now - r.received_ns)
-            else:
-                stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
-                                done.compute_input_ns, done.compute_infer_ns,
-                                done.compute_output_ns)
-                if r.frontend == ENSEMBLE_FRONTEND:
-                    # an ensemble's step: its times are the ensemble's too (a retry, alone
-                    # after its worker died, waited through the run that died: no queue time)
-                    self.ensembles.timings(r.req_id, 0 if r.alone else
-                                           r.dispatched_ns - r.enqueued_ns, done.compute_input_ns,
-                                           done.compute_infer_ns, done.compute_output_ns)
 
     def lease_ended(self, msg: LeaseEnded) -> None:
         lease = self.leases.ended(msg.spawn_id, msg.lease_id)
@@ -541,7 +488,7 @@ class SchedulerCore:
         if death is None:
             return
         self.housekeeping_at = 0.0             # a restart may be due at once
-        self.custom_metrics.pop(spawn_id, None)
+        self.accounting.worker_gone(spawn_id)
         ver, inst = death.version, death.instance
         # ensemble steps it ran (a decoupled one may still have owed answers from a thread)
         steps = [rid for fid, rid in inst.answered if fid == ENSEMBLE_FRONTEND]
