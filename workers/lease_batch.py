@@ -1,10 +1,11 @@
 """Dynamic batching of leased requests, in the worker.
 
-A single-instance model with a plain dynamic batcher (no priorities, no queue policy) may be
-lent to a frontend (engine/leases.py), which then sends its requests straight here, any number
-in flight. Those requests cannot meet in the scheduler's queue, so they meet in this worker's
-inbox: after a leased request, the requests that follow it in the inbox join its execution while
-they fit the config's rules, as the scheduler's batcher would have formed it from its queue:
+The instances of a model with a plain dynamic batcher (no priorities, no queue policy) may be
+lent to a frontend (engine/leases.py), which then sends its requests straight to them, any
+number in flight, spread over the instances. Those requests cannot meet in the scheduler's
+queue, so they meet in each worker's inbox: after a leased request, the requests that follow
+it in the inbox join its execution while they fit the config's rules, as the scheduler's
+batcher would have formed it from its queue:
 
 - at most ``max_batch_size`` inferences, and never past the largest preferred batch size;
 - only requests with the same shape key (equal variable dimensions) and the same lease in
