@@ -4,10 +4,11 @@ Requests go to the scheduler as a routing header plus an opaque payload frame; r
 straight from the worker that ran them (one hop fewer than relaying through the scheduler), or
 from the scheduler when a request never reached a worker.
 
-While a model's queue is empty the scheduler may lend this frontend an idle instance
-(LeaseGranted): requests for that model then go straight to the worker (one at a time, or with
-no limit for a model with a single instance), and the scheduler hears of them only from the
-worker's statistics (engine/leases.py has the protocol).
+While a model's queue is empty the scheduler may lend this frontend idle instances
+(LeaseGranted): requests for that model then go straight to a worker (one at a time; or with no
+limit for a model with a single instance or a plain dynamic batcher, whose idle instances are
+all lent, each request going to the one with the fewest in flight), and the scheduler hears of
+them only from the worker's statistics (engine/leases.py has the protocol).
 A request the worker hands back (LeaseBounced), or that a dying leased worker never answered
 (LeaseLost), is submitted to the scheduler: nothing is lost.
 
