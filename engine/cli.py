@@ -10,7 +10,7 @@ import msgspec
 from shmserve.frontend import restricted
 from shmserve.ipc.messages import LogFormat, ServerSettings
 
-from . import launcher, residency
+from . import compat_flags, launcher, residency
 
 # The one place defaults are written is ServerSettings; the flags take theirs from it.
 D = {f.name: f.default for f in msgspec.structs.fields(ServerSettings)
@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "that go to the next step as CUDA IPC handles (default 64 MiB per GPU; "
                         "0 sends them through host memory); repeatable")
     p.add_argument("--version", action="version", version=f"shmserve {VERSION}")
+    compat_flags.add(p)
     return p
 
 
@@ -256,6 +257,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
             restricted.parse(specs)
         except restricted.RestrictionError as e:
             parser.error(f"{flag} {e}")
+    a.compat_notes = compat_flags.check(parser, a)
     settings = ServerSettings(
         model_repositories=a.model_repository, run_dir="", segment_prefix="", launcher_pid=0,
         server_id=a.id, server_version=VERSION, model_config_name=a.model_config_name,
@@ -292,13 +294,14 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         execution_timeout_secs=a.execution_timeout_secs,
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
-        frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size))
+        frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
+        grpc_options=compat_flags.grpc_options(a))
     return settings, a
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings, _ = parse_settings(sys.argv[1:] if argv is None else argv)
-    sys.exit(launcher.run(settings))
+    settings, a = parse_settings(sys.argv[1:] if argv is None else argv)
+    sys.exit(launcher.run(settings, a.compat_notes))
 
 
 if __name__ == "__main__":

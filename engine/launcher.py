@@ -121,8 +121,11 @@ def _kill_now(children: dict[str, subprocess.Popen]) -> None:
                 pass
 
 
-def run(settings: ServerSettings) -> int:
+def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
+    """``notes``: lines to log at the start (tritonserver flags that have no effect here)."""
     logs.setup("launcher", settings=logs.from_server(settings), path=settings.log_file)
+    for note in notes:
+        log.warning("%s", note)
     # orphans of a scheduler that died (its workers, their children) come to us, not to init
     become_subreaper()
     for path in settings.model_repositories:

@@ -276,11 +276,14 @@ class _GenericHandlers:
 
 async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
-                max_message: int = MAX_MESSAGE) -> tuple[grpc.aio.Server, int]:
+                max_message: int = MAX_MESSAGE,
+                options: dict[str, int] | None = None) -> tuple[grpc.aio.Server, int]:
     """``max_message`` (--grpc-max-message-size) bounds each message, either way: grpc answers
-    a larger request RESOURCE_EXHAUSTED before it reaches us, and so do we a larger answer."""
+    a larger request RESOURCE_EXHAUSTED before it reaches us, and so do we a larger answer.
+    ``options``: more channel options (keep-alive, connection age, compression flags)."""
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
-                                      ("grpc.max_receive_message_length", max_message)])
+                                      ("grpc.max_receive_message_length", max_message),
+                                      *(options or {}).items()])
     handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceService(service, restrictions, max_message), handlers)

@@ -613,6 +613,9 @@ class ServerSettings(msgspec.Struct):
     port_file: str = ""
     # GPU -> bytes each worker's device arena may take on it (--cuda-memory-pool-byte-size)
     cuda_memory_pool: dict[int, int] = {}
+    # gRPC server channel options from tritonserver's keep-alive, connection age and
+    # compression flags (engine/compat_flags.py)
+    grpc_options: dict[str, int] = {}
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

@@ -1,0 +1,198 @@
+"""tritonserver flags that shmserve takes so that a Triton command line starts it unchanged.
+
+Three kinds, one table each:
+
+- ``GRPC_OPTIONS``: gRPC keep-alive, connection age and response compression. They mean the
+  same here and go to the gRPC server as its channel options (frontend/grpc_service.py).
+- ``NO_EFFECT``: settings of parts shmserve does not have (a pinned memory pool, backend and
+  repository-agent directories, thread pools of a threaded server, NUMA host policies). Their
+  values are checked as Triton checks them and the launcher logs, for each one given, that it
+  has no effect here and why.
+- ``OFF_ONLY``: switches for features shmserve does not have (response cache, rate limiter,
+  tracing, TLS, SageMaker/Vertex AI endpoints, model namespacing, header forwarding). Their
+  default or "off" values are accepted; anything that turns the feature on stops the start with
+  a message that says so, rather than a server that silently does less than asked.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+def _bool(text: str) -> bool:
+    from .cli import triton_bool  # one boolean reader for every flag
+    return triton_bool(text)
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+
+
+def _non_negative(text: str) -> int:
+    n = _int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got '{text}'")
+    return n
+
+
+def _compression_level(text: str) -> int:
+    levels = {"none": 0, "low": 1, "medium": 2, "high": 3}
+    try:
+        return levels[text.strip().lower()]
+    except KeyError:
+        raise argparse.ArgumentTypeError(
+            f"expected none, low, medium or high, got '{text}'") from None
+
+
+def _setting(text: str) -> str:
+    """``<backend or mode>,<key>=<value>`` or ``<key>=<value>`` (backend, cache, trace and host
+    policy configs)."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected [<name>,]<setting>=<value>, got '{text}'")
+    return text
+
+
+# flag -> (gRPC channel argument, type); given only when the flag is
+GRPC_OPTIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "--grpc-keepalive-time": ("grpc.keepalive_time_ms", _non_negative),
+    "--grpc-keepalive-timeout": ("grpc.keepalive_timeout_ms", _non_negative),
+    "--grpc-keepalive-permit-without-calls": ("grpc.keepalive_permit_without_calls", _bool),
+    "--grpc-http2-max-pings-without-data": ("grpc.http2.max_pings_without_data", _non_negative),
+    "--grpc-http2-min-recv-ping-interval-without-data":
+        ("grpc.http2.min_ping_interval_without_data_ms", _non_negative),
+    "--grpc-http2-max-ping-strikes": ("grpc.http2.max_ping_strikes", _non_negative),
+    "--grpc-max-connection-age": ("grpc.max_connection_age_ms", _non_negative),
+    "--grpc-max-connection-age-grace": ("grpc.max_connection_age_grace_ms", _non_negative),
+    "--grpc-infer-response-compression-level": ("grpc.default_compression_level",
+                                                _compression_level),
+}
+
+# flag -> (type, repeatable, why it does nothing here)
+NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
+    "--pinned-memory-pool-byte-size": (_non_negative, False,
+                                       "host tensors live in POSIX shared memory, not a pinned pool"),
+    "--buffer-manager-thread-count": (_non_negative, False, "there is no buffer manager"),
+    "--backend-directory": (str, False, "the python, onnxruntime and tensorrt backends are built in"),
+    "--backend-config": (_setting, True, "backend settings are not read; each backend's "
+                                         "settings are its model's config parameters"),
+    "--repoagent-directory": (str, False, "repository agents are not supported"),
+    "--min-supported-compute-capability": (float, False,
+                                           "onnxruntime and TensorRT check the GPU themselves"),
+    "--http-thread-count": (_non_negative, False,
+                            "each frontend serves HTTP on one event loop (see --frontends)"),
+    "--grpc-infer-thread-count": (_non_negative, False, "grpc.aio schedules its own threads"),
+    "--grpc-infer-allocation-pool-size": (_non_negative, False, "no response pool to size"),
+    "--grpc-max-response-pool-size": (_non_negative, False, "no response pool to size"),
+    "--reuse-http-port": (_bool, False, "frontends bind with SO_REUSEPORT when there are several"),
+    "--reuse-grpc-port": (_bool, False, "frontends bind with SO_REUSEPORT when there are several"),
+    "--host-policy": (_setting, True, "processes are not pinned to NUMA nodes or cores"),
+    "--enable-peer-access": (_bool, False, "CUDA peer access is left as the driver sets it"),
+    "--cuda-virtual-address-size": (str, True, "there is no CUDA virtual memory pool"),
+    "--model-load-gpu-limit": (str, True, "GPU memory per load is not limited"),
+    "--model-load-retry-count": (_non_negative, False, "a failed load is not retried; load it "
+                                                       "again through the repository API"),
+    "--cache-directory": (str, False, "there is no response cache"),
+    "--rate-limit-resource": (str, True, "there is no rate limiter"),
+    "--grpc-server-cert": (str, False, "TLS is not supported"),
+    "--grpc-server-key": (str, False, "TLS is not supported"),
+    "--grpc-root-cert": (str, False, "TLS is not supported"),
+    "--trace-file": (str, False, "tracing is not supported"),
+    "--trace-rate": (_non_negative, False, "tracing is not supported"),
+    "--trace-count": (_int, False, "tracing is not supported"),
+    "--trace-log-frequency": (_non_negative, False, "tracing is not supported"),
+}
+
+
+@dataclass(frozen=True)
+class OffOnly:
+    type: Callable[[str], Any]
+    repeatable: bool
+    off: Callable[[Any], bool]      # whether a value leaves the feature off
+    refusal: str                    # the message when it would not
+
+
+OFF_ONLY: dict[str, OffOnly] = {
+    "--rate-limit": OffOnly(str.lower, False, lambda v: v == "off",
+                            "rate limiting (execution_count) is not supported; use --rate-limit off"),
+    "--cache-config": OffOnly(_setting, True, lambda v: False,
+                              "the response cache is not supported"),
+    "--response-cache-byte-size": OffOnly(_non_negative, False, lambda v: v == 0,
+                                          "the response cache is not supported"),
+    "--trace-config": OffOnly(_setting, True, lambda v: _trace_off(v),
+                              "tracing is not supported (the trace extension is not built): "
+                              "only level=OFF is accepted"),
+    "--trace-level": OffOnly(str.upper, True, lambda v: v == "OFF",
+                             "tracing is not supported (the trace extension is not built)"),
+    "--grpc-use-ssl": OffOnly(_bool, False, lambda v: not v,
+                              "TLS is not supported: terminate TLS in front of shmserve"),
+    "--grpc-use-ssl-mutual": OffOnly(_bool, False, lambda v: not v,
+                                     "TLS is not supported: terminate TLS in front of shmserve"),
+    "--model-namespacing": OffOnly(_bool, False, lambda v: not v,
+                                   "model namespacing is not supported"),
+    "--allow-sagemaker": OffOnly(_bool, False, lambda v: not v,
+                                 "the SageMaker endpoint is not supported"),
+    "--allow-vertex-ai": OffOnly(_bool, False, lambda v: not v,
+                                 "the Vertex AI endpoint is not supported"),
+    "--http-header-forward-pattern": OffOnly(str, False, lambda v: v == "",
+                                             "forwarding HTTP headers to models is not supported"),
+    "--grpc-header-forward-pattern": OffOnly(str, False, lambda v: v == "",
+                                             "forwarding gRPC metadata to models is not supported"),
+}
+
+
+def _trace_off(text: str) -> bool:
+    """A ``--trace-config [<mode>,]<setting>=<value>`` that leaves tracing off: any setting but
+    a level other than OFF."""
+    setting = text.split(",", 1)[1] if "," in text.split("=", 1)[0] else text
+    key, _, value = setting.partition("=")
+    return key.strip() != "level" or value.strip().upper() == "OFF"
+
+
+def _dest(flag: str) -> str:
+    return "compat_" + flag[2:].replace("-", "_")
+
+
+def add(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "tritonserver flags taken for compatibility (docs/triton-compat.md)")
+    for flag, (option, kind) in GRPC_OPTIONS.items():
+        group.add_argument(flag, dest=_dest(flag), type=kind, default=None,
+                           help=f"gRPC server option {option}")
+    for flag, (kind, repeatable, why) in NO_EFFECT.items():
+        group.add_argument(flag, dest=_dest(flag), type=kind, default=None,
+                           action="append" if repeatable else "store",
+                           help=f"no effect: {why}")
+    for flag, spec in OFF_ONLY.items():
+        group.add_argument(flag, dest=_dest(flag), type=spec.type, default=None,
+                           action="append" if spec.repeatable else "store",
+                           help=f"only its off value: {spec.refusal}")
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Refuse a flag that turns on what shmserve lacks (``parser.error``); returns a line for each
+    flag given that has no effect, for the launcher to log."""
+    for flag, spec in OFF_ONLY.items():
+        value = getattr(args, _dest(flag))
+        for v in (value if spec.repeatable else [value]) if value is not None else []:
+            if not spec.off(v):
+                shown = str(v).lower() if isinstance(v, bool) else v
+                parser.error(f"{flag} {shown}: {spec.refusal}")
+    notes = []
+    for flag, (_, _, why) in NO_EFFECT.items():
+        if getattr(args, _dest(flag)) is not None:
+            notes.append(f"{flag} is accepted for compatibility and has no effect: {why}")
+    return notes
+
+
+def grpc_options(args: argparse.Namespace) -> dict[str, int]:
+    """The gRPC channel options the flags given ask for."""
+    out = {}
+    for flag, (option, _) in GRPC_OPTIONS.items():
+        value = getattr(args, _dest(flag))
+        if value is not None:
+            out[option] = int(value)
+    return out
