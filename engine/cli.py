@@ -11,20 +11,12 @@ from shmserve.frontend import restricted
 from shmserve.ipc.messages import LogFormat, ServerSettings
 
 from . import compat_flags, launcher, residency
+from .compat_flags import triton_bool
 
 # The one place defaults are written is ServerSettings; the flags take theirs from it.
 D = {f.name: f.default for f in msgspec.structs.fields(ServerSettings)
      if f.default is not msgspec.NODEFAULT}
 VERSION = D["server_version"]
-
-
-def triton_bool(text: str) -> bool:
-    t = text.strip().lower()
-    if t in ("true", "on", "1", "yes"):
-        return True
-    if t in ("false", "off", "0", "no"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false/on/off/1/0), got '{text}'")
 
 
 def build_parser() -> argparse.ArgumentParser:

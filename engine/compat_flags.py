@@ -20,9 +20,13 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-def _bool(text: str) -> bool:
-    from .cli import triton_bool  # one boolean reader for every flag
-    return triton_bool(text)
+def triton_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("true", "on", "1", "yes"):
+        return True
+    if t in ("false", "off", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false/on/off/1/0), got '{text}'")
 
 
 def _int(text: str) -> int:
@@ -60,7 +64,7 @@ def _setting(text: str) -> str:
 GRPC_OPTIONS: dict[str, tuple[str, Callable[[str], Any]]] = {
     "--grpc-keepalive-time": ("grpc.keepalive_time_ms", _non_negative),
     "--grpc-keepalive-timeout": ("grpc.keepalive_timeout_ms", _non_negative),
-    "--grpc-keepalive-permit-without-calls": ("grpc.keepalive_permit_without_calls", _bool),
+    "--grpc-keepalive-permit-without-calls": ("grpc.keepalive_permit_without_calls", triton_bool),
     "--grpc-http2-max-pings-without-data": ("grpc.http2.max_pings_without_data", _non_negative),
     "--grpc-http2-min-recv-ping-interval-without-data":
         ("grpc.http2.min_ping_interval_without_data_ms", _non_negative),
@@ -87,10 +91,10 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
     "--grpc-infer-thread-count": (_non_negative, False, "grpc.aio schedules its own threads"),
     "--grpc-infer-allocation-pool-size": (_non_negative, False, "no response pool to size"),
     "--grpc-max-response-pool-size": (_non_negative, False, "no response pool to size"),
-    "--reuse-http-port": (_bool, False, "frontends bind with SO_REUSEPORT when there are several"),
-    "--reuse-grpc-port": (_bool, False, "frontends bind with SO_REUSEPORT when there are several"),
+    "--reuse-http-port": (triton_bool, False, "frontends bind with SO_REUSEPORT when there are several"),
+    "--reuse-grpc-port": (triton_bool, False, "frontends bind with SO_REUSEPORT when there are several"),
     "--host-policy": (_setting, True, "processes are not pinned to NUMA nodes or cores"),
-    "--enable-peer-access": (_bool, False, "CUDA peer access is left as the driver sets it"),
+    "--enable-peer-access": (triton_bool, False, "CUDA peer access is left as the driver sets it"),
     "--cuda-virtual-address-size": (str, True, "there is no CUDA virtual memory pool"),
     "--model-load-gpu-limit": (str, True, "GPU memory per load is not limited"),
     "--model-load-retry-count": (_non_negative, False, "a failed load is not retried; load it "
@@ -115,6 +119,14 @@ class OffOnly:
     refusal: str                    # the message when it would not
 
 
+def _trace_off(text: str) -> bool:
+    """A ``--trace-config [<mode>,]<setting>=<value>`` that leaves tracing off: any setting but
+    a level other than OFF."""
+    setting = text.split(",", 1)[1] if "," in text.split("=", 1)[0] else text
+    key, _, value = setting.partition("=")
+    return key.strip() != "level" or value.strip().upper() == "OFF"
+
+
 OFF_ONLY: dict[str, OffOnly] = {
     "--rate-limit": OffOnly(str.lower, False, lambda v: v == "off",
                             "rate limiting (execution_count) is not supported; use --rate-limit off"),
@@ -122,34 +134,26 @@ OFF_ONLY: dict[str, OffOnly] = {
                               "the response cache is not supported"),
     "--response-cache-byte-size": OffOnly(_non_negative, False, lambda v: v == 0,
                                           "the response cache is not supported"),
-    "--trace-config": OffOnly(_setting, True, lambda v: _trace_off(v),
+    "--trace-config": OffOnly(_setting, True, _trace_off,
                               "tracing is not supported (the trace extension is not built): "
                               "only level=OFF is accepted"),
     "--trace-level": OffOnly(str.upper, True, lambda v: v == "OFF",
                              "tracing is not supported (the trace extension is not built)"),
-    "--grpc-use-ssl": OffOnly(_bool, False, lambda v: not v,
+    "--grpc-use-ssl": OffOnly(triton_bool, False, lambda v: not v,
                               "TLS is not supported: terminate TLS in front of shmserve"),
-    "--grpc-use-ssl-mutual": OffOnly(_bool, False, lambda v: not v,
+    "--grpc-use-ssl-mutual": OffOnly(triton_bool, False, lambda v: not v,
                                      "TLS is not supported: terminate TLS in front of shmserve"),
-    "--model-namespacing": OffOnly(_bool, False, lambda v: not v,
+    "--model-namespacing": OffOnly(triton_bool, False, lambda v: not v,
                                    "model namespacing is not supported"),
-    "--allow-sagemaker": OffOnly(_bool, False, lambda v: not v,
+    "--allow-sagemaker": OffOnly(triton_bool, False, lambda v: not v,
                                  "the SageMaker endpoint is not supported"),
-    "--allow-vertex-ai": OffOnly(_bool, False, lambda v: not v,
+    "--allow-vertex-ai": OffOnly(triton_bool, False, lambda v: not v,
                                  "the Vertex AI endpoint is not supported"),
     "--http-header-forward-pattern": OffOnly(str, False, lambda v: v == "",
                                              "forwarding HTTP headers to models is not supported"),
     "--grpc-header-forward-pattern": OffOnly(str, False, lambda v: v == "",
                                              "forwarding gRPC metadata to models is not supported"),
 }
-
-
-def _trace_off(text: str) -> bool:
-    """A ``--trace-config [<mode>,]<setting>=<value>`` that leaves tracing off: any setting but
-    a level other than OFF."""
-    setting = text.split(",", 1)[1] if "," in text.split("=", 1)[0] else text
-    key, _, value = setting.partition("=")
-    return key.strip() != "level" or value.strip().upper() == "OFF"
 
 
 def _dest(flag: str) -> str:
