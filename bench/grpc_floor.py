@@ -8,6 +8,7 @@ kind and measures it with the real perf_analyzer at c=1 and c=8, in the same run
 - ``aio+uvloop``: grpc.aio on uvloop, the loop shmserve's frontend runs.
 - ``aio+uvloop+http``: the same with an idle HTTP server on the loop (shmserve shares its loop).
 - ``sync``: grpc's thread-pool server (handlers on Python threads).
+- ``loop``: shmserve's own gRPC server on uvloop (frontend/grpc_loop.py: h2, no gRPC threads).
 
 Each is run with gRPC's default experiments and with ``GRPC_EXPERIMENTS=-event_engine_listener``.
 The point is to know what a gRPC frontend can reach before anything of shmserve runs in it.
@@ -28,7 +29,7 @@ import time
 from concurrent import futures
 
 MODEL = "identity_fp32"
-KINDS = ("aio+asyncio", "aio+uvloop", "aio+uvloop+http", "sync")
+KINDS = ("aio+asyncio", "aio+uvloop", "aio+uvloop+http", "sync", "loop")
 
 
 def _servicer_class():
@@ -112,11 +113,19 @@ def serve(kind: str, port: int) -> None:
         server.start()
         server.wait_for_termination()
         return
-    if kind.startswith("aio+uvloop"):
+    if kind.startswith("aio+uvloop") or kind == "loop":
         import uvloop
         uvloop.install()
 
     async def main():
+        if kind == "loop":
+            from shmserve.frontend.grpc_loop import GrpcLoopServer
+            from shmserve.frontend.grpc_service import _GenericHandlers
+            handlers = _GenericHandlers()
+            pbg.add_GRPCInferenceServiceServicer_to_server(Aio(), handlers)
+            loop_server = GrpcLoopServer(handlers.handlers, 2 ** 31 - 1)
+            await loop_server.start("127.0.0.1", port)
+            await asyncio.Event().wait()
         server = grpc.aio.server()
         pbg.add_GRPCInferenceServiceServicer_to_server(Aio(), server)
         server.add_insecure_port(f"127.0.0.1:{port}")
@@ -181,7 +190,7 @@ def main() -> None:
     print(f"{'server':<18} {'GRPC_EXPERIMENTS':<24} {'c':>3} {'infer/s':>9} {'p50 ms':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for kind in a.kinds.split(","):
-            for exp in ("", "-event_engine_listener"):
+            for exp in (("",) if kind == "loop" else ("", "-event_engine_listener")):
                 for c in (1, 8):
                     ips, p50 = measure(a.pa, kind, exp, c, a.interval_ms, tmp)
                     print(f"{kind:<18} {exp or '(default)':<24} {c:>3} {ips:>9.0f} {p50:>8.3f}",

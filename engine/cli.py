@@ -106,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-max-json-elements", type=int, default=D["http_max_json_elements"],
                    help="tensor elements one JSON request may carry, and one output may be "
                         "returned as JSON (past it: 400; ask for binary data instead)")
+    p.add_argument("--grpc-server", choices=["loop", "aio"], default=D["grpc_server"],
+                   help="what serves gRPC: 'loop' reads HTTP/2 on the frontend's event loop; "
+                        "'aio' is grpc.aio (also used whenever a keep-alive, connection-age or "
+                        "compression-level flag is given)")
     p.add_argument("--grpc-max-message-size", type=int, default=D["grpc_max_message_size"],
                    help="bytes of one gRPC message, request or response (RESOURCE_EXHAUSTED past it)")
     p.add_argument("--max-request-tensor-bytes", type=int, default=D["max_request_tensor_bytes"],
@@ -266,7 +270,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         http_request_timeout_secs=a.http_request_timeout_secs,
         http_idle_timeout_secs=a.http_idle_timeout_secs,
         http_max_json_elements=a.http_max_json_elements,
-        grpc_max_message_size=a.grpc_max_message_size,
+        grpc_max_message_size=a.grpc_max_message_size, grpc_server=a.grpc_server,
         max_request_tensor_bytes=a.max_request_tensor_bytes,
         model_upload_max_bytes=a.model_upload_max_bytes,
         request_deadline_secs=a.request_deadline_secs,

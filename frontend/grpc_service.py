@@ -1,5 +1,5 @@
-"""``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` on grpc.aio, in the frontend's
-event loop, with tritonclient's generated modules.
+"""``inference.GRPCInferenceService`` and ``grpc.health.v1.Health`` in the frontend's event loop,
+with tritonclient's generated modules, served by ``grpc_loop`` (HTTP/2 on the loop) or grpc.aio.
 
 This module only translates: each RPC turns its request message into arguments of
 ``FrontendService``, and its answer into the response message. An ``InferError`` aborts the RPC
@@ -27,6 +27,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
 from . import grpc_codec, log_settings, restricted, statistics  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
+from .grpc_loop import GrpcLoopServer  # noqa: E402
 from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
 from .service import FrontendService  # noqa: E402
 
@@ -274,20 +275,37 @@ class _GenericHandlers:
         pass        # the service's generic handler serves the same methods
 
 
+SERVER_KINDS = ("loop", "aio")
+
+
 async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
                 max_message: int = MAX_MESSAGE,
-                options: dict[str, int] | None = None) -> tuple[grpc.aio.Server, int]:
-    """``max_message`` (--grpc-max-message-size) bounds each message, either way: grpc answers
-    a larger request RESOURCE_EXHAUSTED before it reaches us, and so do we a larger answer.
-    ``options``: more channel options (keep-alive, connection age, compression flags)."""
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
-                                      ("grpc.max_receive_message_length", max_message),
-                                      *(options or {}).items()])
+                options: dict[str, int] | None = None, kind: str = "loop",
+                reuse_port: bool = False) -> tuple[GrpcLoopServer | grpc.aio.Server, int]:
+    """``max_message`` (--grpc-max-message-size) bounds each message, either way: a larger
+    request is answered RESOURCE_EXHAUSTED before it reaches a handler, and so is a larger
+    answer. ``kind`` (--grpc-server): ``loop`` serves on this event loop (grpc_loop), ``aio``
+    with grpc.aio; ``options`` (keep-alive, connection age, compression flags) are grpc.aio
+    channel options, so a server given any is grpc.aio's."""
     handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceService(service, restrictions, max_message), handlers)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
+    if kind == "loop" and not options:
+        loop_server = GrpcLoopServer(handlers.handlers, max_message)
+        try:
+            bound = await loop_server.start(address.strip("[]"), port, reuse_port)
+        except OSError as e:
+            raise OSError(f"cannot listen for gRPC on {address}:{port}: {e}") from None
+        return loop_server, bound
+    if kind == "loop":
+        log.info("gRPC served by grpc.aio: the loop server does not implement %s",
+                 ", ".join(sorted(options or {})))
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
+                                      ("grpc.max_receive_message_length", max_message),
+                                      ("grpc.so_reuseport", int(reuse_port)),
+                                      *(options or {}).items()])
     server.add_generic_rpc_handlers(handlers.handlers)
     bound = server.add_insecure_port(f"{address}:{port}")
     if bound == 0:

@@ -82,7 +82,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
             grpc_server, ports["grpc"] = await grpc_service.serve(
                 service, settings.grpc_address, settings.grpc_port,
                 restricted.parse(settings.grpc_restricted_protocol),
-                settings.grpc_max_message_size, settings.grpc_options)
+                settings.grpc_max_message_size, settings.grpc_options, settings.grpc_server,
+                reuse_port=settings.frontends > 1)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         # one page for the server: its numbers come from the scheduler, not from this process
         if settings.allow_metrics and frontend_id == 0:

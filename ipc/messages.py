@@ -616,6 +616,7 @@ class ServerSettings(msgspec.Struct):
     # gRPC server channel options from tritonserver's keep-alive, connection age and
     # compression flags (engine/compat_flags.py)
     grpc_options: dict[str, int] = {}
+    grpc_server: str = "loop"              # loop (frontend/grpc_loop.py) | aio (grpc.aio)
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

@@ -1,0 +1,136 @@
+"""The gRPC server on the frontend's event loop (frontend/grpc_loop.py, the default), end to end
+with grpcio and tritonclient: large messages both ways through HTTP/2 flow control, compressed
+requests, many calls on one connection, what is not gRPC, and the grpc.aio server beside it."""
+import asyncio
+import socket
+
+import grpc
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as aioclient
+from serverproc import Server, wait_for
+from tritonclient.grpc import service_pb2
+from tritonclient.utils import InferenceServerException
+
+
+def _identity(client, values: np.ndarray, **kw):
+    x = grpcclient.InferInput("INPUT0", list(values.shape), "FP32")
+    x.set_data_from_numpy(values)
+    return client.infer("identity_fp32", [x], **kw).as_numpy("OUTPUT0")
+
+
+def test_large_tensors_cross_both_windows(server):
+    values = np.random.default_rng(1).random((1, 3 << 20), dtype=np.float32)   # 12 MiB
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        for _ in range(3):
+            np.testing.assert_array_equal(_identity(c, values), values)
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_compressed_requests(server, algorithm):
+    values = np.arange(4096, dtype=np.float32).reshape(1, -1)
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        got = _identity(c, values, compression_algorithm=algorithm)
+    np.testing.assert_array_equal(got, values)
+
+
+def test_many_calls_on_one_connection_keep_their_answers(server):
+    async def run():
+        async with aioclient.InferenceServerClient(server.grpc_url) as c:
+            async def one(i):
+                x = aioclient.InferInput("INPUT0", [1, 8], "FP32")
+                x.set_data_from_numpy(np.full((1, 8), i, dtype=np.float32))
+                r = await c.infer("identity_fp32", [x], request_id=str(i))
+                return r.get_response().id, r.as_numpy("OUTPUT0")[0, 0]
+            return await asyncio.gather(*(one(i) for i in range(200)))
+    for rid, value in asyncio.run(run()):
+        assert float(rid) == value
+
+
+def test_an_unknown_method_is_unimplemented(server):
+    with grpc.insecure_channel(server.grpc_url) as ch:
+        call = ch.unary_unary("/inference.GRPCInferenceService/NoSuchMethod",
+                              request_serializer=service_pb2.ServerLiveRequest.SerializeToString,
+                              response_deserializer=service_pb2.ServerLiveResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            call(service_pb2.ServerLiveRequest(), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert e.value.details() == "Method not found!"
+
+
+def _closed_by_server(port: int, data: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(data)
+        got = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return got
+            got += chunk
+
+
+@pytest.mark.parametrize("garbage", [
+    b"GET /v2 HTTP/1.1\r\nHost: x\r\n\r\n",
+    # a SETTINGS frame whose length is not a multiple of six
+    b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x05\x04\x00\x00\x00\x00\x00" + bytes(5),
+])
+def test_what_is_not_grpc_closes_its_connection_and_nothing_else(server, garbage):
+    got = _closed_by_server(server.grpc_port, garbage)
+    if garbage.startswith(b"PRI"):         # the server's SETTINGS, then GOAWAY FRAME_SIZE_ERROR
+        assert b"\x07\x00\x00\x00\x00\x00" in got and b"\x00\x00\x00\x06" in got
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        assert c.is_server_live()
+
+
+def test_a_client_gone_in_the_middle_costs_nothing(server):
+    """Half a request, then the socket closes: the server forgets it and keeps serving."""
+    import h2.config
+    import h2.connection
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                          (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                          ("content-type", "application/grpc"), ("te", "trailers")])
+    conn.send_data(1, b"\x00\x00\x00\x10\x00" + b"\x0a")       # 1 byte of a 4096-byte message
+    with socket.create_connection(("127.0.0.1", server.grpc_port), timeout=10) as s:
+        s.sendall(conn.data_to_send())
+        s.recv(65536)                                           # the server's SETTINGS
+    with grpcclient.InferenceServerClient(server.grpc_url) as c:
+        values = np.ones((1, 4), dtype=np.float32)
+        np.testing.assert_array_equal(_identity(c, values), values)
+
+
+def test_a_request_past_the_message_limit(example_repo):
+    srv = Server([example_repo], "--grpc-max-message-size", "2000")
+    try:
+        with grpcclient.InferenceServerClient(srv.grpc_url) as c:
+            with pytest.raises(InferenceServerException) as e:
+                _identity(c, np.ones((1, 1000), dtype=np.float32))
+            assert "RESOURCE_EXHAUSTED" in str(e.value.status())
+            assert "larger than max" in e.value.message()
+            values = np.ones((1, 4), dtype=np.float32)
+            np.testing.assert_array_equal(_identity(c, values), values)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_the_grpc_aio_server_is_still_there(example_repo):
+    srv = Server([example_repo], "--grpc-server", "aio", "--log-verbose", "1")
+    try:
+        with grpcclient.InferenceServerClient(srv.grpc_url) as c:
+            values = np.arange(16, dtype=np.float32).reshape(1, -1)
+            np.testing.assert_array_equal(_identity(c, values), values)
+    finally:
+        assert srv.stop() == 0
+
+
+def test_a_keepalive_flag_is_served_by_grpc_aio_and_says_so(example_repo):
+    srv = Server([example_repo], "--grpc-keepalive-time", "7200000")
+    try:
+        wait_for(lambda: "served by grpc.aio" in srv.log_text(), 30, "the log line")
+        assert "grpc.keepalive_time_ms" in srv.log_text()
+        with grpcclient.InferenceServerClient(srv.grpc_url) as c:
+            assert c.is_server_ready()
+    finally:
+        assert srv.stop() == 0
