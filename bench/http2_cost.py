@@ -95,6 +95,9 @@ class _Owner:
     def peer_going_away(self):
         pass
 
+    def ping_acked(self, payload):
+        pass
+
 
 def run_core(preface: bytes, calls: list[bytes]) -> float:
     from shmserve.frontend.grpc_loop import CONNECTION_WINDOW, LOCAL_SETTINGS, RESPONSE_HEADERS

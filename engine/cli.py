@@ -108,8 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "returned as JSON (past it: 400; ask for binary data instead)")
     p.add_argument("--grpc-server", choices=["loop", "aio"], default=D["grpc_server"],
                    help="what serves gRPC: 'loop' reads HTTP/2 on the frontend's event loop; "
-                        "'aio' is grpc.aio (also used whenever a keep-alive, connection-age or "
-                        "compression-level flag is given)")
+                        "'aio' is grpc.aio (also used when a response-compression or "
+                        "client-ping-policing flag is given)")
     p.add_argument("--grpc-max-message-size", type=int, default=D["grpc_max_message_size"],
                    help="bytes of one gRPC message, request or response (RESOURCE_EXHAUSTED past it)")
     p.add_argument("--max-request-tensor-bytes", type=int, default=D["max_request_tensor_bytes"],

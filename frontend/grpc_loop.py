@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from types import SimpleNamespace
 
@@ -29,7 +30,7 @@ log = logging.getLogger("shmserve.grpc")
 STREAM_WINDOW = 8 << 20         # what one stream may send ahead of being read
 CONNECTION_WINDOW = 64 << 20
 LOCAL_SETTINGS = {
-    http2.MAX_CONCURRENT_STREAMS: 1 << 20,
+    http2.MAX_CONCURRENT_STREAMS: 1 << 16,       # calls open at once on one connection
     http2.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
     http2.MAX_FRAME_SIZE: (1 << 24) - 1,
     http2.MAX_HEADER_LIST_SIZE: 1 << 16,
@@ -41,12 +42,33 @@ RESPONSE_HEADERS = (b"\x88"                                  # :status 200 (stat
 UNSUPPORTED_MEDIA = b"\x00" + http2.encode_int(7, 7) + b":status" + http2.encode_int(3, 7) + b"415"
 _OK = grpc_call.trailers(grpc.StatusCode.OK)
 _END = object()
+_KEEPALIVE_PING = b"shmkeepa"
+# the grpc.aio channel options the loop server implements (engine/compat_flags.py sets them)
+OPTIONS = frozenset(("grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms",
+                     "grpc.keepalive_permit_without_calls", "grpc.max_connection_age_ms",
+                     "grpc.max_connection_age_grace_ms"))
+
+
+class Keepalive:
+    """Server-side keep-alive and connection age, as gRPC's channel options mean them: a PING
+    every ``time_s`` (while calls are open, or always when ``without_calls``), the connection
+    closed when its ACK is ``timeout_s`` late; GOAWAY once the connection is ``max_age_s`` old
+    (±10%, so that clients do not all reconnect at once), closed ``grace_s`` later."""
+
+    def __init__(self, options: dict[str, int]):
+        ms = options.get
+        self.time_s = ms("grpc.keepalive_time_ms", 0) / 1000
+        self.timeout_s = ms("grpc.keepalive_timeout_ms", 20_000) / 1000
+        self.without_calls = bool(ms("grpc.keepalive_permit_without_calls", 0))
+        self.max_age_s = ms("grpc.max_connection_age_ms", 0) / 1000
+        self.grace_s = ms("grpc.max_connection_age_grace_ms", 0) / 1000
 
 
 class GrpcLoopServer:
-    def __init__(self, generic_handlers, max_message: int):
+    def __init__(self, generic_handlers, max_message: int, options: dict[str, int] | None = None):
         self.generic_handlers = list(generic_handlers)
         self.max_message = max_message
+        self.keepalive = Keepalive(options or {})
         self.methods: dict[bytes, object] = {}
         self.connections: set[Connection] = set()
         self.server: asyncio.AbstractServer | None = None
@@ -106,6 +128,8 @@ class Connection(asyncio.Protocol):
         self.peer = ""
         self.window = asyncio.Event()       # set when the peer opens a flow-control window
         self.closing = False
+        self.timers: list[asyncio.TimerHandle] = []
+        self.ping_deadline: asyncio.TimerHandle | None = None
 
     # ---- transport ------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -113,11 +137,21 @@ class Connection(asyncio.Protocol):
         self.peer = grpc_call.peer_name(transport.get_extra_info("peername"))
         self.server.connections.add(self)
         self.flush()
+        ka, loop = self.server.keepalive, asyncio.get_running_loop()
+        if ka.time_s > 0:
+            self.timers.append(loop.call_later(ka.time_s, self.keepalive))
+        if ka.max_age_s > 0:
+            age = ka.max_age_s * random.uniform(0.9, 1.1)
+            self.timers.append(loop.call_later(age, self.age_out))
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
         self.closing = True
         self.transport = None
+        for timer in self.timers:
+            timer.cancel()
+        if self.ping_deadline is not None:
+            self.ping_deadline.cancel()
         for call in list(self.calls.values()):
             self.abandon(call)
         self.window.set()
@@ -149,6 +183,38 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+    # ---- keep-alive and connection age ----------------------------------------------------------
+    def keepalive(self) -> None:
+        ka, loop = self.server.keepalive, asyncio.get_running_loop()
+        if self.transport is None:
+            return
+        if self.calls or ka.without_calls:
+            self.core.ping(_KEEPALIVE_PING)
+            self.flush()
+            self.ping_deadline = loop.call_later(ka.timeout_s, self.ping_unanswered)
+        else:
+            self.timers.append(loop.call_later(ka.time_s, self.keepalive))
+
+    def ping_acked(self, payload: bytes) -> None:
+        if payload == _KEEPALIVE_PING and self.ping_deadline is not None:
+            self.ping_deadline.cancel()
+            self.ping_deadline = None
+            self.timers.append(asyncio.get_running_loop().call_later(
+                self.server.keepalive.time_s, self.keepalive))
+
+    def ping_unanswered(self) -> None:
+        log.info("gRPC client %s did not answer a keep-alive ping: closing", self.peer)
+        self.ping_deadline = None
+        self.core.go_away(http2.NO_ERROR, "keepalive watchdog timeout")
+        self.flush()
+        self.close()
+
+    def age_out(self) -> None:
+        self.go_away()
+        grace = self.server.keepalive.grace_s
+        if grace > 0:
+            self.timers.append(asyncio.get_running_loop().call_later(grace, self.close))
 
     # ---- the HTTP/2 core's calls ----------------------------------------------------------------
     def window_opened(self) -> None:

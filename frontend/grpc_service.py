@@ -25,9 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
-from . import grpc_codec, log_settings, restricted, statistics  # noqa: E402
+from . import grpc_codec, grpc_loop, log_settings, restricted, statistics  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
-from .grpc_loop import GrpcLoopServer  # noqa: E402
 from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
 from .service import FrontendService  # noqa: E402
 
@@ -282,18 +281,20 @@ async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
                 max_message: int = MAX_MESSAGE,
                 options: dict[str, int] | None = None, kind: str = "loop",
-                reuse_port: bool = False) -> tuple[GrpcLoopServer | grpc.aio.Server, int]:
+                reuse_port: bool = False) -> tuple[grpc_loop.GrpcLoopServer | grpc.aio.Server, int]:
     """``max_message`` (--grpc-max-message-size) bounds each message, either way: a larger
     request is answered RESOURCE_EXHAUSTED before it reaches a handler, and so is a larger
     answer. ``kind`` (--grpc-server): ``loop`` serves on this event loop (grpc_loop), ``aio``
     with grpc.aio; ``options`` (keep-alive, connection age, compression flags) are grpc.aio
-    channel options, so a server given any is grpc.aio's."""
+    channel options: given one the loop server does not implement (ping policing, response
+    compression), grpc.aio serves."""
     handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceService(service, restrictions, max_message), handlers)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
-    if kind == "loop" and not options:
-        loop_server = GrpcLoopServer(handlers.handlers, max_message)
+    unsupported = sorted(set(options or {}) - grpc_loop.OPTIONS)
+    if kind == "loop" and not unsupported:
+        loop_server = grpc_loop.GrpcLoopServer(handlers.handlers, max_message, options)
         try:
             bound = await loop_server.start(address.strip("[]"), port, reuse_port)
         except OSError as e:
@@ -301,7 +302,7 @@ async def serve(service: FrontendService, address: str, port: int,
         return loop_server, bound
     if kind == "loop":
         log.info("gRPC served by grpc.aio: the loop server does not implement %s",
-                 ", ".join(sorted(options or {})))
+                 ", ".join(unsupported))
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
                                       ("grpc.max_receive_message_length", max_message),
                                       ("grpc.so_reuseport", int(reuse_port)),

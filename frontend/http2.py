@@ -11,7 +11,7 @@ once or by ``encode_literal``.
 
 What the owner implements: ``stream_headers(sid, headers, end_stream)``,
 ``stream_data(sid, data, flow_length, end_stream)``, ``stream_reset(sid)``,
-``window_opened()``, ``peer_going_away()``.
+``window_opened()``, ``peer_going_away()``, ``ping_acked(payload)``.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, \
     CONTINUATION = range(10)
 END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
-NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, COMPRESSION_ERROR = 0, 1, 3, 6, 9
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, FRAME_SIZE_ERROR, REFUSED_STREAM = 0, 1, 3, 6, 7
+COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 9, 11
 # settings identifiers
 HEADER_TABLE_SIZE, ENABLE_PUSH, MAX_CONCURRENT_STREAMS, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE, \
     MAX_HEADER_LIST_SIZE = range(1, 7)
@@ -93,6 +94,9 @@ class Http2Server:
         self.peer_max_frame = 16384
         self.decoder = hpack.Decoder()
         self.decoder.max_header_list_size = settings.get(MAX_HEADER_LIST_SIZE, 1 << 16)
+        # a header block's bytes before decoding (CONTINUATION frames cannot grow it for ever)
+        self.max_block = 2 * self.decoder.max_header_list_size
+        self.max_streams = settings.get(MAX_CONCURRENT_STREAMS, 1 << 31)
         self.decoded: dict[bytes, list] = {}         # all-indexed blocks, decoded
         self.block = bytearray()                    # a header block continued
         self.block_stream = 0
@@ -189,6 +193,9 @@ class Http2Server:
         if sid != self.block_stream:
             raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION out of place")
         self.block += payload
+        if len(self.block) > self.max_block:
+            raise ConnectionError_(ENHANCE_YOUR_CALM,
+                                   f"a header block past {self.max_block} bytes")
         if flags & END_HEADERS:
             self.block_stream = 0
             self._header_block(sid, bytes(self.block), self.block_end)
@@ -215,6 +222,9 @@ class Http2Server:
             return                          # a stream we already ended: nothing to do
         self.last_stream = sid
         if self.going_away:
+            return
+        if len(self.streams) >= self.max_streams:
+            self.out += frame_header(4, RST_STREAM, 0, sid) + REFUSED_STREAM.to_bytes(4, "big")
             return
         stream = self.streams[sid] = Stream(self.peer_initial_window)
         stream.remote_closed = end
@@ -246,6 +256,11 @@ class Http2Server:
             raise ConnectionError_(FRAME_SIZE_ERROR, "PING of the wrong size")
         if not flags & ACK:
             self.out += frame_header(8, PING, ACK, 0) + payload
+        else:
+            self.owner.ping_acked(payload)
+
+    def ping(self, payload: bytes) -> None:
+        self.out += frame_header(8, PING, 0, 0) + payload
 
     def _settings(self, flags: int, payload: bytes, sid: int) -> None:
         if sid:

@@ -125,12 +125,82 @@ def test_the_grpc_aio_server_is_still_there(example_repo):
         assert srv.stop() == 0
 
 
-def test_a_keepalive_flag_is_served_by_grpc_aio_and_says_so(example_repo):
-    srv = Server([example_repo], "--grpc-keepalive-time", "7200000")
+def test_a_flag_the_loop_server_lacks_is_served_by_grpc_aio_and_says_so(example_repo):
+    srv = Server([example_repo], "--grpc-infer-response-compression-level", "high")
     try:
         wait_for(lambda: "served by grpc.aio" in srv.log_text(), 30, "the log line")
-        assert "grpc.keepalive_time_ms" in srv.log_text()
+        assert "grpc.default_compression_level" in srv.log_text()
         with grpcclient.InferenceServerClient(srv.grpc_url) as c:
             assert c.is_server_ready()
+    finally:
+        assert srv.stop() == 0
+
+
+class RawClient:
+    """An HTTP/2 client (h2) on a plain socket, to see the frames the server sends."""
+
+    def __init__(self, port: int):
+        import h2.config
+        import h2.connection
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.initiate_connection()
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.sock.sendall(self.conn.data_to_send())
+        self.events: list = []
+        self.closed = False
+
+    def read_until(self, done, timeout: float, answer: bool = True) -> None:
+        """Reads (answering PINGs unless ``answer`` is false) until ``done()`` or the socket
+        closes; fails past ``timeout``."""
+        import time
+        deadline = time.monotonic() + timeout
+        while not done() and not self.closed:
+            left = deadline - time.monotonic()
+            assert left > 0, f"timed out; events so far: {self.events}"
+            self.sock.settimeout(left)
+            data = self.sock.recv(65536)
+            if not data:
+                self.closed = True
+                break
+            self.events += self.conn.receive_data(data)
+            out = self.conn.data_to_send()
+            if out and answer:
+                self.sock.sendall(out)
+
+    def count(self, kind) -> int:
+        return sum(isinstance(e, kind) for e in self.events)
+
+
+def test_keepalive_pings_and_the_watchdog(example_repo):
+    import h2.events
+    srv = Server([example_repo], "--grpc-keepalive-time", "200", "--grpc-keepalive-timeout",
+                 "500", "--grpc-keepalive-permit-without-calls", "true")
+    try:
+        assert "served by grpc.aio" not in srv.log_text()
+        answering = RawClient(srv.grpc_port)
+        answering.read_until(lambda: answering.count(h2.events.PingReceived) >= 3, 30)
+        assert not answering.closed             # answered pings keep it open
+        silent = RawClient(srv.grpc_port)
+        silent.read_until(lambda: False, 30, answer=False)
+        assert silent.closed and silent.count(h2.events.PingReceived) >= 1
+        assert silent.count(h2.events.ConnectionTerminated) == 1
+        with grpcclient.InferenceServerClient(srv.grpc_url) as c:
+            values = np.ones((1, 4), dtype=np.float32)
+            np.testing.assert_array_equal(_identity(c, values), values)
+        answering.sock.close()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_connections_are_aged_out_with_goaway_then_closed(example_repo):
+    import h2.events
+    srv = Server([example_repo], "--grpc-max-connection-age", "300",
+                 "--grpc-max-connection-age-grace", "300")
+    try:
+        client = RawClient(srv.grpc_port)
+        client.read_until(lambda: False, 30)
+        assert client.closed and client.count(h2.events.ConnectionTerminated) == 1
+        with grpcclient.InferenceServerClient(srv.grpc_url) as c:   # a new one is served
+            assert c.is_server_live()
     finally:
         assert srv.stop() == 0

@@ -40,6 +40,9 @@ class Owner:
     def peer_going_away(self):
         self.goaway = True
 
+    def ping_acked(self, payload):
+        self.acked = payload
+
 
 class Pair:
     """A server core and an h2 client wired back to back."""
@@ -171,6 +174,13 @@ def test_ping_is_answered_with_its_payload():
     assert p.of(h2.events.PingAckReceived)[0].ping_data == b"12345678"
 
 
+def test_our_ping_is_acknowledged_to_the_owner():
+    p = Pair()
+    p.server.ping(b"keepaliv")
+    p.pump()
+    assert p.of(h2.events.PingReceived) and p.owner.acked == b"keepaliv"
+
+
 def test_reset_and_goaway_reach_the_owner():
     p = Pair()
     sid = p.client.get_next_available_stream_id()
@@ -225,6 +235,28 @@ def test_protocol_errors_end_the_connection_with_their_code(frames, code):
     with pytest.raises(ConnectionError_) as e:
         _raw(Http2Server(Owner(), SETTINGS, 1 << 20), frames)
     assert e.value.code == code
+
+
+def test_an_endless_header_block_is_refused():
+    """CONTINUATION frames may not grow one header block past twice the header list limit."""
+    server = Http2Server(Owner(), SETTINGS, 1 << 20)
+    piece = http2.frame_header(16000, http2.CONTINUATION, 0, 1) + b"\x00" * 16000
+    frames = http2.frame_header(1, http2.HEADERS, 0, 1) + b"\x88" + piece * 10
+    with pytest.raises(ConnectionError_) as e:
+        _raw(server, frames)
+    assert e.value.code == http2.ENHANCE_YOUR_CALM
+
+
+def test_streams_past_the_limit_are_refused_and_the_others_go_on():
+    owner = Owner()
+    server = Http2Server(owner, {**SETTINGS, http2.MAX_CONCURRENT_STREAMS: 2}, 1 << 20)
+    block = b"\x83\x86\x84" + http2.encode_literal(b"content-type", b"application/grpc")
+    _raw(server, b"".join(http2.frame_header(len(block), http2.HEADERS, http2.END_HEADERS, sid)
+                          + block for sid in (1, 3, 5)))
+    assert sorted(owner.headers) == [1, 3]
+    refused = http2.frame_header(4, http2.RST_STREAM, 0, 5) + \
+        http2.REFUSED_STREAM.to_bytes(4, "big")
+    assert server.take().endswith(refused)
 
 
 def test_a_client_that_overruns_the_window_is_refused():
