@@ -204,3 +204,74 @@ def test_connections_are_aged_out_with_goaway_then_closed(example_repo):
             assert c.is_server_live()
     finally:
         assert srv.stop() == 0
+
+
+def test_a_stream_client_that_stops_reading_is_held_then_loses_nothing(server):
+    """ModelStreamInfer with 64 KiB requests and answers from a client that reads no answer:
+    the server stops reading the stream (its window stays shut) long before all are sent;
+    once the client reads again every answer arrives, in order."""
+    import h2.events
+    from tritonclient.grpc import service_pb2 as pb
+
+    from shmserve.frontend.grpc_call import MessageReader, frame
+    from shmserve.frontend.grpc_loop import STREAM_WINDOW
+
+    values = np.arange(16384, dtype=np.float32)
+    total = 300                                              # 19 MiB of requests
+    messages = [frame(pb.ModelInferRequest(
+        model_name="identity_fp32", id=str(i),
+        inputs=[pb.ModelInferRequest.InferInputTensor(name="INPUT0", datatype="FP32",
+                                                      shape=[1, 16384])],
+        raw_input_contents=[values.tobytes()]).SerializeToString()) for i in range(total)]
+    size = len(messages[0])
+    client = RawClient(server.grpc_port)
+    client.read_until(lambda: client.count(h2.events.RemoteSettingsChanged) >= 1, 30)
+    conn, sid = client.conn, 1
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                            (":path", "/inference.GRPCInferenceService/ModelStreamInfer"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+    client.sock.sendall(conn.data_to_send())
+
+    def send_what_fits(sent: int) -> int:
+        while sent < total and conn.local_flow_control_window(sid) >= size:
+            conn.send_data(sid, messages[sent])
+            client.sock.sendall(conn.data_to_send())
+            sent += 1
+        return sent
+
+    sent = send_what_fits(0)
+    while sent < total:                 # read window updates (never acknowledging answers)
+        client.sock.settimeout(1.0)
+        try:
+            data = client.sock.recv(1 << 20)
+        except TimeoutError:
+            break                       # the window stayed shut
+        client.events += conn.receive_data(data)
+        sent = send_what_fits(sent)
+    # what the server took: its window, what 16 requests in flight freed, one answer's room
+    assert sent * size <= STREAM_WINDOW + 20 * size, sent
+    assert sent < total
+
+    reader, answers = MessageReader(1 << 30, b""), []
+    client.sock.settimeout(30)
+    pending = client.events                     # what arrived while the client did not read
+    while len(answers) < total:
+        if not pending:
+            data = client.sock.recv(1 << 20)
+            assert data, "the server closed the connection"
+            pending = conn.receive_data(data)
+        events, pending = pending, []
+        for event in events:
+            if isinstance(event, h2.events.DataReceived):
+                conn.acknowledge_received_data(event.flow_controlled_length, sid)
+                answers += [pb.ModelStreamInferResponse.FromString(m)
+                            for m in reader.feed(event.data)]
+        sent = send_what_fits(sent)
+        if sent == total and not conn.streams[sid].state_machine.state.name.startswith("HALF"):
+            conn.end_stream(sid)
+        client.sock.sendall(conn.data_to_send())
+    assert [a.infer_response.id for a in answers] == [str(i) for i in range(total)]
+    assert all(a.error_message == "" for a in answers)
+    np.testing.assert_array_equal(np.frombuffer(answers[-1].infer_response.raw_output_contents[0],
+                                                dtype=np.float32), values)
+    client.sock.close()
