@@ -258,7 +258,7 @@ class Connection(asyncio.Protocol):
             call.timer = asyncio.get_running_loop().call_later(seconds, self.expire, call)
         if handler.request_streaming:
             call.queue = asyncio.Queue()
-            call.task = asyncio.ensure_future(self.run_streaming(call))
+            call.task = asyncio.ensure_future(self.run(call))
             if end_stream:
                 call.queue.put_nowait((_END, 0))
         elif end_stream:
@@ -282,7 +282,7 @@ class Connection(asyncio.Protocol):
                     self.fail(call, grpc.StatusCode.INTERNAL,
                               "more than one request message on a unary call")
                     return
-                call.task = asyncio.ensure_future(self.run_unary(call, messages[0]))
+                call.task = asyncio.ensure_future(self.run(call, messages[0]))
             if end and call.task is None:
                 self.fail(call, grpc.StatusCode.INTERNAL,
                           "the stream ended inside a message" if call.reader.pending()
@@ -300,23 +300,32 @@ class Connection(asyncio.Protocol):
             else:
                 call.queue.put_nowait((_END, 0))
 
-    async def run_unary(self, call: Call, message: bytes) -> None:
+    async def run(self, call: Call, message: bytes | None = None) -> None:
+        """Runs the call's handler on ``message`` (a unary request) or on the stream's requests,
+        writes what it answers, and ends the call with its status."""
         handler = call.handler
         try:
-            request = handler.request_deserializer(message)
-            if handler.response_streaming:
-                responses = handler.unary_stream(request, call.context)
-                await self.send_all(call, responses)
+            if message is not None:
+                request = handler.request_deserializer(message)
             else:
-                response = handler.unary_unary(request, call.context)
+                request = self.requests(call)
+            if handler.response_streaming:
+                method = handler.stream_stream if handler.request_streaming \
+                    else handler.unary_stream
+                responses = method(request, call.context)
+                if hasattr(responses, "__aiter__"):
+                    async for response in responses:
+                        await self.send_message(call, self.serialize(call, response))
+                else:
+                    for response in responses:
+                        await self.send_message(call, self.serialize(call, response))
+            else:
+                method = handler.stream_unary if handler.request_streaming \
+                    else handler.unary_unary
+                response = method(request, call.context)
                 if not isinstance(response, pb_message):
                     response = await response
-                payload = handler.response_serializer(response)
-                if len(payload) > self.server.max_message:
-                    raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                    f"Sent message larger than max ({len(payload)} vs. "
-                                    f"{self.server.max_message})")
-                await self.send_message(call, payload, flush=False)
+                await self.send_message(call, self.serialize(call, response), flush=False)
         except asyncio.CancelledError:
             return
         except Exception as e:
@@ -324,14 +333,13 @@ class Connection(asyncio.Protocol):
             return
         self.finish(call, grpc.StatusCode.OK)
 
-    async def send_all(self, call: Call, responses) -> None:
-        serialize = call.handler.response_serializer
-        if hasattr(responses, "__aiter__"):
-            async for response in responses:
-                await self.send_message(call, serialize(response))
-        else:
-            for response in responses:
-                await self.send_message(call, serialize(response))
+    def serialize(self, call: Call, response) -> bytes:
+        payload = call.handler.response_serializer(response)
+        if len(payload) > self.server.max_message:
+            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"Sent message larger than max ({len(payload)} vs. "
+                            f"{self.server.max_message})")
+        return payload
 
     async def requests(self, call: Call):
         queue = call.queue
@@ -346,24 +354,6 @@ class Connection(asyncio.Protocol):
                 return
             if message is not None:
                 yield deserialize(message)
-
-    async def run_streaming(self, call: Call) -> None:
-        handler = call.handler
-        try:
-            if handler.response_streaming:
-                await self.send_all(call, handler.stream_stream(self.requests(call),
-                                                                call.context))
-            else:
-                response = handler.stream_unary(self.requests(call), call.context)
-                if not isinstance(response, pb_message):
-                    response = await response
-                await self.send_message(call, handler.response_serializer(response))
-        except asyncio.CancelledError:
-            return
-        except Exception as e:
-            self.finish(call, *failure_status(e, call.context))
-            return
-        self.finish(call, grpc.StatusCode.OK)
 
     async def send_message(self, call: Call, payload: bytes, flush: bool = True) -> None:
         if call.done:
