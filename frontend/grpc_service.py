@@ -274,9 +274,6 @@ class _GenericHandlers:
         pass        # the service's generic handler serves the same methods
 
 
-SERVER_KINDS = ("loop", "aio")
-
-
 async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
                 max_message: int = MAX_MESSAGE,
