@@ -3,10 +3,9 @@
 
 Frontends send the completion records of leased requests in bulk (LeasedDone, every 50 ms);
 at concurrency 1 that is ~100 records the scheduler takes in one pass, on a CPU the requests
-in flight need (docs/performance.md, "The c=1 tail"). This times that pass three ways on the
-same records, interleaved: decoding the message (the floor: what it costs to receive them),
-``Accounting.leased`` (the written-out path for a request that succeeded) and the general
-``Accounting.account`` path that it replaces for that case.
+in flight need (docs/performance.md, "The c=1 tail"). This times that pass on the same
+records, interleaved: decoding the message (the floor: what it costs to receive them) and
+``Accounting.leased`` (the statistics each record adds).
 
   python bench/leased_accounting.py [--records 100] [--rounds 7]
 """
@@ -18,7 +17,6 @@ import time
 from types import SimpleNamespace
 
 from shmserve.engine.accounting import Accounting
-from shmserve.engine.batching import QueuedRequest
 from shmserve.engine.stats import VersionStats
 from shmserve.ipc import messages
 from shmserve.ipc.messages import BatchDone, LeasedDone, SubmitRequest
@@ -52,23 +50,11 @@ def main() -> None:
     def decode(_):
         messages.decode(wire)
 
-    def fast(rs):
+    def leased(rs):
         for d in rs:
             acc.leased(ver, d.leased, d)
 
-    def general(rs):
-        for d in rs:
-            h = d.leased
-            started = d.finished_ns - d.compute_input_ns - d.compute_infer_ns - \
-                d.compute_output_ns
-            acc.account(ver, [QueuedRequest(h.req_id, h.frontend, h.batch_size, None,
-                                            enqueued_ns=h.received_ns,
-                                            received_ns=h.received_ns,
-                                            dispatched_ns=max(h.received_ns, started))],
-                        d, d.executed)
-
-    rows = {"decode LeasedDone (floor)": decode, "Accounting.leased": fast,
-            "Accounting.account (general)": general}
+    rows = {"decode LeasedDone (floor)": decode, "Accounting.leased": leased}
     got: dict[str, list[float]] = {k: [] for k in rows}
     for _ in range(a.rounds):
         for name, fn in rows.items():

@@ -42,28 +42,16 @@ class Accounting:
     def leased(self, ver: ModelVersion | None, head: SubmitRequest, done: BatchDone) -> None:
         """A request a frontend sent under a lease, answered by its worker; ``ver``: its
         version, None when it is gone (counted as leased all the same)."""
-        counts = self.leased_counts
-        counts[head.model] = counts.get(head.model, 0) + 1
+        self.leased_counts[head.model] = self.leased_counts.get(head.model, 0) + 1
         if ver is None:
             return
         # it waited in the worker's inbox from when the frontend got it until it started
-        received, finished = head.received_ns, done.finished_ns
-        ci, cinf, co = done.compute_input_ns, done.compute_infer_ns, done.compute_output_ns
-        dispatched = max(received, finished - ci - cinf - co)
-        if done.failed or not finished or head.frontend == ENSEMBLE_FRONTEND:
-            self.account(ver, [QueuedRequest(
-                head.req_id, head.frontend, head.batch_size, None, enqueued_ns=received,
-                received_ns=received, dispatched_ns=dispatched)], done, done.executed)
-            return
-        # the common case, what account() does for one request that succeeded, written out:
-        # frontends send these in bulk (every 50 ms) and the scheduler's pass over them holds
-        # a CPU the requests in flight need (docs/performance.md, "The c=1 tail")
-        stats = ver.stats
-        executed = done.executed if done.executed >= 0 else head.batch_size
-        if executed:
-            stats.executed(executed, ci, cinf, co)
-        stats.succeeded(head.batch_size, finished - received, dispatched - received, ci, cinf,
-                        co)
+        started = done.finished_ns - done.compute_input_ns - done.compute_infer_ns - \
+            done.compute_output_ns
+        self.account(ver, [QueuedRequest(
+            head.req_id, head.frontend, head.batch_size, None, enqueued_ns=head.received_ns,
+            received_ns=head.received_ns,
+            dispatched_ns=max(head.received_ns, started))], done, done.executed)
 
     def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone,
                 executed: int = -1) -> None:

@@ -33,6 +33,7 @@ DEFAULT_WINDOW = 65535
 _HEADER = struct.Struct(">BHBBI")           # length (24 bits as 8 + 16), type, flags, stream id
 _SETTING = struct.Struct(">HI")
 _ALL_HIGH = bytes(range(128, 256))          # bytes that can only be single-byte indexed fields
+Buffer = bytes | bytearray                  # frames cut from a held incomplete frame: bytearray
 
 
 class ConnectionError_(Exception):
@@ -79,7 +80,7 @@ class Http2Server:
     def __init__(self, owner, settings: dict[int, int], connection_window: int):
         self.owner = owner
         self.out = bytearray()
-        self.buf = b""
+        self.buf = bytearray()                      # an incomplete frame, kept until whole
         self.preface_seen = False
         self.streams: dict[int, Stream] = {}
         self.last_stream = 0
@@ -108,15 +109,16 @@ class Http2Server:
             self._window_update(0, connection_window - DEFAULT_WINDOW)
 
     # ---- input ----------------------------------------------------------------------------------
-    def receive(self, data: bytes) -> None:
+    def receive(self, data: Buffer) -> None:
         if self.buf:
-            data = self.buf + data
-            self.buf = b""
+            # a frame arrives in pieces: append (amortised), never re-copy what is held
+            self.buf += data
+            data, self.buf = self.buf, bytearray()
         if not self.preface_seen:
             if len(data) < len(PREFACE):
                 if not PREFACE.startswith(data):
                     raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                self.buf = data
+                self.buf = bytearray(data)
                 return
             if not data.startswith(PREFACE):
                 raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
@@ -158,9 +160,12 @@ class Http2Server:
                 raise ConnectionError_(PROTOCOL_ERROR, "a client may not push")
             # PRIORITY and unknown frame types are ignored (RFC 9113 §5.5)
         if pos < size:
-            self.buf = data[pos:]
+            if pos == 0 and isinstance(data, bytearray):
+                self.buf = data                 # nothing taken: keep it, no copy
+            else:
+                self.buf = bytearray(data[pos:])
 
-    def _data(self, sid: int, flags: int, payload: bytes, length: int) -> None:
+    def _data(self, sid: int, flags: int, payload: Buffer, length: int) -> None:
         self.recv_window -= length
         if self.recv_window < 0:
             raise ConnectionError_(FLOW_CONTROL_ERROR, "the client overran the window")
@@ -175,7 +180,7 @@ class Http2Server:
             stream.remote_closed = True
         self.owner.stream_data(sid, payload, length, end)
 
-    def _headers(self, sid: int, flags: int, payload: bytes) -> None:
+    def _headers(self, sid: int, flags: int, payload: Buffer) -> None:
         if not sid & 1:
             raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on stream {sid}")
         if flags & PADDED:
@@ -189,7 +194,7 @@ class Http2Server:
             self.block_stream = sid
             self.block_end = bool(flags & END_STREAM)
 
-    def _continuation(self, sid: int, flags: int, payload: bytes) -> None:
+    def _continuation(self, sid: int, flags: int, payload: Buffer) -> None:
         if sid != self.block_stream:
             raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION out of place")
         self.block += payload
@@ -230,7 +235,7 @@ class Http2Server:
         stream.remote_closed = end
         self.owner.stream_headers(sid, headers, end)
 
-    def _window(self, sid: int, payload: bytes) -> None:
+    def _window(self, sid: int, payload: Buffer) -> None:
         if len(payload) != 4:
             raise ConnectionError_(FRAME_SIZE_ERROR, "WINDOW_UPDATE of the wrong size")
         increment = int.from_bytes(payload, "big") & MAX_WINDOW
@@ -251,7 +256,7 @@ class Http2Server:
             stream.send_window += increment
         self.owner.window_opened()
 
-    def _ping(self, flags: int, payload: bytes) -> None:
+    def _ping(self, flags: int, payload: Buffer) -> None:
         if len(payload) != 8:
             raise ConnectionError_(FRAME_SIZE_ERROR, "PING of the wrong size")
         if not flags & ACK:
@@ -262,7 +267,7 @@ class Http2Server:
     def ping(self, payload: bytes) -> None:
         self.out += frame_header(8, PING, 0, 0) + payload
 
-    def _settings(self, flags: int, payload: bytes, sid: int) -> None:
+    def _settings(self, flags: int, payload: Buffer, sid: int) -> None:
         if sid:
             raise ConnectionError_(PROTOCOL_ERROR, "SETTINGS on a stream")
         if flags & ACK:
@@ -360,7 +365,7 @@ class Http2Server:
         if stream is not None and not stream.remote_closed:
             self.out += frame_header(4, RST_STREAM, 0, sid) + NO_ERROR.to_bytes(4, "big")
 
-    def take(self) -> bytes:
-        out = bytes(self.out)
-        self.out.clear()
+    def take(self) -> bytearray:
+        """What to write, handed over (the transport may keep it): no copy."""
+        out, self.out = self.out, bytearray()
         return out

@@ -2,10 +2,6 @@
 metrics add, and the statistics reply (the core's own tests drive it end to end)."""
 from types import SimpleNamespace
 
-import msgspec
-from hypothesis import given
-from hypothesis import strategies as st
-
 from shmserve.engine.accounting import Accounting
 from shmserve.engine.batching import QueuedRequest
 from shmserve.engine.states import ModelState
@@ -69,24 +65,3 @@ def test_the_reply_names_what_is_missing_and_keeps_live_workers_metrics():
     assert acc.reply(StatsQuery(0, 9, "m", 2), versions, {"m"}, {}, {}).error == \
         "requested model version is not available for model 'm'"
 
-
-@given(st.lists(st.tuples(st.integers(1, 8), st.integers(0, 10**6), st.integers(0, 10**6),
-                          st.integers(-1, 8), st.integers(0, 3 * 10**6)), max_size=30))
-def test_a_leased_request_adds_what_the_general_path_adds(records):
-    """leased() writes out account()'s case of one request that succeeded: both must count
-    the same, whatever the batch sizes, times and ``executed``."""
-    fast, general = version(), version()
-    acc, _ = book()
-    for size, received, took, executed, compute in records:
-        head = SubmitRequest(1, 0, "m", 1, size, received)
-        done = BatchDone(1, 0, [], compute // 3, compute // 2, compute // 6, leased=head,
-                         finished_ns=received + took + 1, executed=executed)
-        acc.leased(fast, head, done)
-        started = done.finished_ns - compute // 3 - compute // 2 - compute // 6
-        acc.account(general, [QueuedRequest(1, 0, size, None, enqueued_ns=received,
-                                            received_ns=received,
-                                            dispatched_ns=max(received, started))],
-                    done, executed)
-    a, b = fast.stats.snapshot(0), general.stats.snapshot(0)
-    a.last_inference = b.last_inference = 0
-    assert msgspec.to_builtins(a) == msgspec.to_builtins(b)
