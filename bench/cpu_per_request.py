@@ -10,6 +10,9 @@ statistics API. The table gives medians over the passes.
 
   python bench/cpu_per_request.py --repo /tmp/triton-bench/models/triton --model identity_fp32 \\
       --concurrency 32 --setting "" --setting "--instance-leases false"
+
+A setting may start with ``python=PATH`` to run the server of another build (a virtual
+environment with that build installed), e.g. ``--setting "python=/tmp/main-venv/bin/python"``.
 """
 from __future__ import annotations
 
@@ -75,13 +78,23 @@ def _get(url: str):
         return json.load(r)
 
 
+def _interpreter(setting: str) -> tuple[str, list[str]]:
+    """A setting's Python (``python=PATH`` first: another build, e.g. main's in its own
+    virtual environment, measured interleaved with this one) and its server flags."""
+    words = shlex.split(setting)
+    if words and words[0].startswith("python="):
+        return words[0][len("python="):], words[1:]
+    return sys.executable, words
+
+
 def one_pass(a, setting: str) -> dict[str, float]:
     tmp = tempfile.mkdtemp(prefix="cpu-per-request-")
     port_file = os.path.join(tmp, "ports.json")
+    python, flags = _interpreter(setting)
     server = subprocess.Popen(
-        [sys.executable, "-m", "shmserve.engine.cli", "--model-repository", a.repo,
+        [python, "-m", "shmserve.engine.cli", "--model-repository", a.repo,
          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
-         "--port-file", port_file, *shlex.split(setting)],
+         "--port-file", port_file, *flags],
         stdout=open(os.path.join(tmp, "server.log"), "wb"), stderr=subprocess.STDOUT)
     pa = None
     try:

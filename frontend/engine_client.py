@@ -69,7 +69,7 @@ ResultCallback = Callable[[InferResult], None]
 class Lease:
     lease_id: int
     spawn_id: int
-    box: packets.PacketOutbox | channel.Outbox
+    box: packets.PacketOutbox
     depth: int = 1              # requests in flight at once; 0 = no limit
     inflight: int = 0
 
@@ -99,7 +99,7 @@ class EngineClient:
         self.loop = loop
         self.inbox = channel.inbox_for(channel.frontend_address(run_dir, frontend_id))
         self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
-        self.workers: dict[str, packets.PacketOutbox | channel.Outbox] = {}
+        self.workers: dict[str, packets.PacketOutbox] = {}
         self.catalog = ModelCatalog()
         self.pending: dict[int, ResultCallback] = {}
         # what each pending request was sent as, to submit it again if its answer dies with
@@ -112,6 +112,8 @@ class EngineClient:
         # (model, version) -> its leases: one, or (no depth limit) one per idle instance
         self.leases: dict[tuple[str, int], list[Lease]] = {}
         self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
+        # leased requests of this turn of the event loop, per worker, sent when it ends
+        self.corked: dict[packets.PacketOutbox, list[tuple[Lease, SubmitRequest, bytes]]] = {}
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
         self.done: list = []                    # leased completion records not yet sent
         self.flusher: asyncio.TimerHandle | None = None
@@ -149,17 +151,11 @@ class EngineClient:
                              sequence_flags=p.flags)
         payload = encode_message(prepared.payload)
         lease = _least_busy(self.leases.get((model, version))) if self.leases else None
-        if lease is None or ordered or (lease.depth and lease.inflight >= lease.depth) or \
-                not self._send_leased(lease, head, payload):
-            # a lease we hold but could not use: the scheduler must not hand it back to us
-            head.no_lease = lease is not None and not lease.depth
-            try:
-                self.scheduler.send(head, (payload,), channel.NOBLOCK)
-            except zmq.Again:
-                on_result(InferResult(req_id, model, version,
-                                      error="the scheduler queue is full",
-                                      code=ErrorCode.UNAVAILABLE))
-                return req_id
+        if lease is not None and (ordered or (lease.depth and lease.inflight >= lease.depth)):
+            # a lease we hold but cannot use: the scheduler must not hand it back to us
+            head.no_lease = not lease.depth
+            lease = None
+        # pending before it is sent: a send that fails answers it at once (_resubmit)
         self.pending[req_id] = on_result
         self.sent[req_id] = (head, payload)
         deadline = self.deadlines.add(req_id, head.received_ns, head.timeout_us)
@@ -169,6 +165,10 @@ class EngineClient:
             key = (model, version)
             self.order.setdefault(key, deque()).append(req_id)
             self.ordered_key[req_id] = key
+        if lease is not None:
+            self._send_leased(lease, head, payload)
+        else:
+            self._resubmit(head, payload)
         return req_id
 
     def _deliver(self, msg: InferResult) -> None:
@@ -291,6 +291,8 @@ class EngineClient:
         """The client went away: the scheduler drops the request if it has not started."""
         lease = self.direct.get(req_id)
         if lease is not None:           # sent to a leased worker: it hears it directly
+            if self.corked:             # after the request itself
+                self._uncork()
             try:
                 lease.box.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
             except (packets.PeerGone, zmq.Again):
@@ -331,22 +333,46 @@ class EngineClient:
     def _worker_box(self, address: str):
         box = self.workers.get(address)
         if box is None:
-            box = self.workers[address] = channel.outbox_for(address)
+            box = self.workers[address] = packets.PacketOutbox(address)
         return box
 
-    def _send_leased(self, lease: Lease, head: SubmitRequest, payload: bytes) -> bool:
-        """False when the worker cannot take it now (gone, or its inbox full): the scheduler
-        gets it instead."""
-        try:
-            lease.box.send(LeasedExecute(lease.lease_id, head), (payload,), channel.NOBLOCK)
-        except packets.PeerGone:
-            self._forget_leases(lambda held: held is lease)
-            return False
-        except zmq.Again:
-            return False
+    def _send_leased(self, lease: Lease, head: SubmitRequest, payload: bytes) -> None:
+        """Send a request under a lease. To an idle worker it goes at once; to a busy one, with
+        the others sent to it in this turn of the event loop, in one packet (``_uncork``):
+        the worker reads them in one wake-up, and would not have started them sooner."""
+        idle = not lease.inflight
         lease.inflight += 1
         self.direct[head.req_id] = lease
-        return True
+        held = self.corked.get(lease.box)
+        if held is not None:
+            held.append((lease, head, payload))
+        elif idle:
+            self._send_held(lease.box, [(lease, head, payload)])
+        else:
+            if not self.corked:
+                self.loop.call_soon(self._uncork)
+            self.corked[lease.box] = [(lease, head, payload)]
+
+    def _uncork(self) -> None:
+        corked, self.corked = self.corked, {}
+        for box, held in corked.items():
+            self._send_held(box, held)
+
+    def _send_held(self, box: packets.PacketOutbox,
+                   held: list[tuple[Lease, SubmitRequest, bytes]]) -> None:
+        """Send leased requests to one worker; one it cannot take now (gone, or its inbox
+        full) goes to the scheduler instead."""
+        sent = box.send_many([(LeasedExecute(lease.lease_id, head), (payload,))
+                              for lease, head, payload in held], channel.NOBLOCK)
+        if sent == len(held):
+            return
+        if box.gone:
+            self._forget_leases(lambda lease: lease.box is box)
+        for lease, head, payload in held[sent:]:
+            self._lease_done(head.req_id)
+            # a lease we hold but could not use: the scheduler must not hand it back to us
+            head.no_lease = not lease.depth or box.gone
+            self._resubmit(head, payload)
 
     def _lease_done(self, req_id: int) -> None:
         lease = self.direct.pop(req_id, None)
@@ -373,9 +399,11 @@ class EngineClient:
             if sent is None or rid not in self.pending:
                 continue
             head, payload = sent
-            if lease is None or not self._send_leased(lease, head, payload):
+            if lease is None:
                 head.no_lease = True
                 self._resubmit(head, payload)
+            else:
+                self._send_leased(lease, head, payload)
 
     def _lease_revoked(self, msg: LeaseRevoked) -> None:
         self._forget_leases(lambda held: held.lease_id == msg.lease_id)
@@ -397,6 +425,8 @@ class EngineClient:
             self._resubmit(sent[0], sent[1])
 
     def _lease_lost(self, msg: LeaseLost) -> None:
+        if self.corked:         # what is held for the worker finds it gone, before its box closes
+            self._uncork()
         self._forget_leases(lambda held: held.spawn_id == msg.spawn_id)
         gone = self.workers.pop(channel.worker_address(self.run_dir, msg.spawn_id), None)
         if gone is not None:
@@ -517,6 +547,7 @@ class EngineClient:
         self.sent.clear()
         self.streaming.clear()
         self.direct.clear()
+        self.corked.clear()
         self.leases.clear()
         self.deadlines.clear()
         self.order.clear()

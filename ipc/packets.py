@@ -6,10 +6,12 @@ buffer and the receiver's own thread reads it (bench/transport_hops.py measures 
 interface is the one of ``channel.Inbox`` / ``channel.Outbox``: addresses are ``unix://<path>``,
 and ``channel.inbox_for`` / ``channel.outbox_for`` pick the transport by the address.
 
-Wire format, one message per packet (SEQPACKET keeps boundaries and order per connection):
-``flags:u8 nframes:u16 len:u32 * nframes`` then the frames, the first being the encoded message.
-A message larger than ``MAX_PACKET`` (several inline tensors together) goes as fragments: every
-packet but the last carries ``MORE`` in its flags, and the receiver joins them.
+Wire format (SEQPACKET keeps boundaries and order per connection): ``flags:u8`` then one or
+more messages, each ``nframes:u16 len:u32 * nframes`` then its frames, the first being the
+encoded message. ``send_many`` packs the messages a sender has at once into one packet (one
+system call and one wake-up of the receiver for all of them). A message larger than
+``MAX_PACKET`` (several inline tensors together) goes alone, as fragments: every packet but the
+last carries ``MORE`` in its flags, and the receiver joins them.
 
 Back-pressure: the receiver's socket buffer is the queue. A non-blocking send to a full peer
 raises ``zmq.Again`` (the exception callers of ``channel.Outbox`` already handle); a blocking send
@@ -37,7 +39,8 @@ MAX_PACKET = 128 * 1024          # fits the default AF_UNIX send buffer with roo
 SEND_TIMEOUT_S = 10.0
 SOCKET_BUFFER = 4 << 20          # asked for; the kernel caps it (net.core.[rw]mem_max)
 MORE = 1
-_PREFIX = struct.Struct("<BH")
+# sendmsg takes at most 1024 buffers (UIO_MAXIOV): a message is two plus its payloads
+MAX_BATCH = 64
 _NOBLOCK = NOBLOCK = int(zmq.NOBLOCK)
 _RECV_SIZE = MAX_PACKET + 64
 
@@ -67,23 +70,31 @@ def _path(addr: str) -> str:
     return addr[len(SCHEME):]
 
 
+_LAST = b"\x00"        # the flags byte of a packet that ends its message(s)
+
+
 def _encode_frames(head: bytes, payloads) -> list:
-    lens = [len(head)] + [len(p) for p in payloads]
-    prefix = _PREFIX.pack(0, len(lens)) + struct.pack(f"<{len(lens)}I", *lens)
+    """One message's part of a packet: its frame count and lengths, then its frames."""
+    n = 1 + len(payloads)
+    prefix = struct.pack(f"<HI{n - 1}I", n, len(head), *[len(p) for p in payloads])
     return [prefix, head, *payloads]
 
 
-def _decode_frames(body) -> tuple[bytes, list[bytes]]:
-    """``body`` starts after the flags byte: ``nframes`` then lengths then frames."""
+def _decode_frames(body) -> list[tuple[bytes, list[bytes]]]:
+    """The messages in ``body`` (a packet after its flags byte): (encoded message, payloads)."""
     mv = memoryview(body)
-    (n,) = struct.unpack_from("<H", mv, 0)
-    lens = struct.unpack_from(f"<{n}I", mv, 2)
-    pos = 2 + 4 * n
-    frames = []
-    for ln in lens:
-        frames.append(bytes(mv[pos:pos + ln]))
-        pos += ln
-    return frames[0], frames[1:]
+    end, pos = len(mv), 0
+    out = []
+    while pos < end:
+        (n,) = struct.unpack_from("<H", mv, pos)
+        lens = struct.unpack_from(f"<{n}I", mv, pos + 2)
+        pos += 2 + 4 * n
+        frames = []
+        for ln in lens:
+            frames.append(bytes(mv[pos:pos + ln]))
+            pos += ln
+        out.append((frames[0], frames[1:]))
+    return out
 
 
 class PacketInbox:
@@ -203,10 +214,10 @@ class PacketInbox:
                 continue
             parts = self.partial.pop(fd, None)
             if parts is None:
-                self.ready.append(_decode_frames(memoryview(buf)[1:n]))
+                self.ready.extend(_decode_frames(memoryview(buf)[1:n]))
             else:
                 parts.append(bytes(buf[1:n]))
-                self.ready.append(_decode_frames(b"".join(parts)))
+                self.ready.extend(_decode_frames(b"".join(parts)))
 
     def _drop(self, fd: int) -> None:
         conn = self.conns.pop(fd, None)
@@ -261,27 +272,59 @@ class PacketOutbox:
 
     def send(self, msg, payloads=(), flags: int = 0) -> None:
         """Send a message and optional payload frames (bytes-like, not copied on the way)."""
-        head = messages.encode(msg)
-        parts = _encode_frames(head, payloads)
-        size = sum(len(p) for p in parts)
+        parts = _encode_frames(messages.encode(msg), payloads)
+        size = 1 + sum(len(p) for p in parts)
         COUNTERS.sent(size)
         if size <= MAX_PACKET:
-            self._send_packet(parts, flags)
+            self._send_packet([_LAST, *parts], flags)
         else:
-            # Rare (several inline tensors together): one join, then fragments. Once the first
-            # fragment is out the rest must follow, so only the first may fail with Again.
-            whole = memoryview(b"".join(parts))[1:]
-            step = MAX_PACKET - 1
-            for start in range(0, len(whole), step):
-                last = start + step >= len(whole)
-                try:
-                    self._send_packet([b"\x00" if last else b"\x01", whole[start:start + step]],
-                                      flags if start == 0 else flags & ~_NOBLOCK)
-                except PeerStalled:
-                    if start:       # half a message is out: the connection cannot be used again
-                        self.gone = True
-                        self.sock.close()
-                    raise
+            self._send_fragments(parts, flags)
+
+    def send_many(self, items: list, flags: int = 0) -> int:
+        """Send (message, payloads) pairs in order, packed into as few packets as fit; returns
+        how many went out: all, or fewer when the peer is full (``flags`` NOBLOCK, or stalled)
+        or gone (``gone`` is then true). Whatever is not sent is not queued either."""
+        sent = 0
+        batch: list = [_LAST]
+        size = count = 0
+        try:
+            for msg, payloads in items:
+                parts = _encode_frames(messages.encode(msg), payloads)
+                n = sum(len(p) for p in parts)
+                if count and (1 + size + n > MAX_PACKET or count == MAX_BATCH):
+                    self._send_packet(batch, flags)
+                    sent += count
+                    batch, size, count = [_LAST], 0, 0
+                COUNTERS.sent(n)
+                if 1 + n > MAX_PACKET:      # too big to share a packet: alone, in fragments
+                    self._send_fragments(parts, flags)
+                    sent += 1
+                    continue
+                batch += parts
+                size += n
+                count += 1
+            if count:
+                self._send_packet(batch, flags)
+                sent += count
+        except (zmq.Again, PeerGone):
+            pass
+        return sent
+
+    def _send_fragments(self, parts: list, flags: int) -> None:
+        # Rare (several inline tensors together): one join, then fragments. Once the first
+        # fragment is out the rest must follow, so only the first may fail with Again.
+        whole = memoryview(b"".join(parts))
+        step = MAX_PACKET - 1
+        for start in range(0, len(whole), step):
+            last = start + step >= len(whole)
+            try:
+                self._send_packet([_LAST if last else b"\x01", whole[start:start + step]],
+                                  flags if start == 0 else flags & ~_NOBLOCK)
+            except PeerStalled:
+                if start:       # half a message is out: the connection cannot be used again
+                    self.gone = True
+                    self.sock.close()
+                raise
 
     def _send_packet(self, parts: list, flags: int) -> None:
         if self.gone:

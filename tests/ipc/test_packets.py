@@ -106,6 +106,75 @@ def test_a_stalled_reader_bounds_memory_and_gives_a_clear_error(addr, monkeypatc
         assert inbox.recv()[0] == Ping(i)
 
 
+def test_send_many_packs_messages_into_one_packet_each_whole(addr, monkeypatch):
+    decoded = []
+    real = packets._decode_frames
+    monkeypatch.setattr(packets, "_decode_frames",
+                        lambda body: decoded.append(len(real(body))) or real(body))
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    items = [(Ping(i), (bytes([i]) * i, b"") if i % 2 else ()) for i in range(10)]
+    assert out.send_many(items) == 10
+    inbox.set_timeout(2000)
+    for i in range(10):
+        assert inbox.recv() == (Ping(i), [bytes([i]) * i, b""] if i % 2 else [])
+    assert decoded == [10]          # one packet held all ten
+    out.close()
+    inbox.close()
+
+
+def test_send_many_splits_at_the_packet_limit_and_sends_big_ones_alone(addr, monkeypatch):
+    decoded = []
+    real = packets._decode_frames
+    monkeypatch.setattr(packets, "_decode_frames",
+                        lambda body: decoded.append(len(real(body))) or real(body))
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    third = b"t" * (packets.MAX_PACKET // 3)
+    huge = os.urandom(packets.MAX_PACKET * 2 + 5)
+    items = [(Ping(0), (third,)), (Ping(1), (third,)), (Ping(2), (third,)),
+             (Ping(3), (huge,)), (Ping(4), ())]
+    items += [(Ping(5 + i), ()) for i in range(packets.MAX_BATCH + 1)]
+    assert out.send_many(items) == len(items)
+    inbox.set_timeout(2000)
+    for i, (msg, payloads) in enumerate(items):
+        assert inbox.recv() == (msg, list(payloads)), i
+    # two thirds fit one packet; the huge one goes alone (in fragments); then the small ones,
+    # at most MAX_BATCH to a packet
+    assert decoded == [2, 1, 1, packets.MAX_BATCH, 2]
+    out.close()
+    inbox.close()
+
+
+def test_send_many_to_a_full_peer_says_how_many_went_and_loses_none_of_them(addr):
+    inbox = packets.PacketInbox(addr)   # not read until the end
+    out = packets.PacketOutbox(addr)
+    inbox.has_message()
+    payload = b"p" * 60_000         # two to a packet
+    items = [(Ping(i), (payload,)) for i in range(2000)]
+    sent = out.send_many(items, zmq.NOBLOCK)
+    assert 0 < sent < len(items)
+    assert not out.gone
+    # the rest can go once the reader has made room, in order after the first ones
+    inbox.set_timeout(2000)
+    got = [inbox.recv()[0] for _ in range(sent)]
+    assert got == [Ping(i) for i in range(sent)]
+    assert out.send_many(items[sent:sent + 3], zmq.NOBLOCK) == 3
+    assert [inbox.recv()[0] for _ in range(3)] == [Ping(sent + i) for i in range(3)]
+
+
+def test_send_many_to_a_gone_peer_sends_none_and_says_so(addr):
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    inbox.has_message()
+    inbox.close()
+    for _ in range(10):     # the first send may still land in a buffer being torn down
+        if out.send_many([(Ping(1), ()), (Ping(2), ())], zmq.NOBLOCK) == 0:
+            break
+    assert out.gone
+    assert out.send_many([(Ping(3), ())]) == 0
+
+
 def test_sending_to_a_closed_inbox_raises_peer_gone(addr):
     inbox = packets.PacketInbox(addr)
     out = packets.PacketOutbox(addr)
