@@ -19,15 +19,13 @@ from types import SimpleNamespace
 from shmserve.engine.accounting import Accounting
 from shmserve.engine.stats import VersionStats
 from shmserve.ipc import messages
-from shmserve.ipc.messages import BatchDone, LeasedDone, SubmitRequest
+from shmserve.ipc.messages import LeasedDone, LeasedRecord
 
 
-def records(n: int) -> list[BatchDone]:
+def records(n: int) -> list[LeasedRecord]:
     now = time.monotonic_ns()
-    return [BatchDone(1, 0, [], 20_000, 30_000, 15_000,
-                      leased=SubmitRequest(i, 0, "identity_fp32", 1, 1, now + i * 500_000,
-                                           shape_key="16"),
-                      finished_ns=now + i * 500_000 + 200_000) for i in range(n)]
+    return [LeasedRecord(1, "identity_fp32", 1, 1, now + i * 500_000, now + i * 500_000 + 200_000,
+                         20_000, 30_000, 15_000) for i in range(n)]
 
 
 def per_record_us(fn, recs, repeat: int = 200) -> float:
@@ -51,8 +49,7 @@ def main() -> None:
         messages.decode(wire)
 
     def leased(rs):
-        for d in rs:
-            acc.leased(ver, d.leased, d)
+        acc.leased(ver, "identity_fp32", rs)
 
     rows = {"decode LeasedDone (floor)": decode, "Accounting.leased": leased}
     got: dict[str, list[float]] = {k: [] for k in rows}

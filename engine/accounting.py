@@ -12,9 +12,9 @@ from shmserve.ipc.messages import (
     ENSEMBLE_FRONTEND,
     BatchDone,
     CustomMetrics,
+    LeasedRecord,
     StatsQuery,
     StatsReply,
-    SubmitRequest,
 )
 
 from .batching import QueuedRequest
@@ -39,46 +39,61 @@ class Accounting:
     def worker_gone(self, spawn_id: int) -> None:
         self.custom_metrics.pop(spawn_id, None)
 
-    def leased(self, ver: ModelVersion | None, head: SubmitRequest, done: BatchDone) -> None:
-        """A request a frontend sent under a lease, answered by its worker; ``ver``: its
-        version, None when it is gone (counted as leased all the same)."""
-        self.leased_counts[head.model] = self.leased_counts.get(head.model, 0) + 1
+    def leased(self, ver: ModelVersion | None, model: str, records: list[LeasedRecord]) -> None:
+        """Requests frontends sent under leases to one version of ``model``, answered by its
+        workers; ``ver``: None when it is gone (counted as leased all the same). A frontend
+        reports them in bulk, ~100 at a time at concurrency 1: they are counted a column at a
+        time, not one by one, because this pass takes a CPU the requests in flight need
+        (docs/performance.md, "The c=1 tail")."""
+        self.leased_counts[model] = self.leased_counts.get(model, 0) + len(records)
         if ver is None:
             return
+        stats = ver.stats
+        ok = []
+        for r in records:
+            if r.failed:
+                stats.failed("BACKEND", r.finished_ns - r.received_ns)
+            else:
+                ok.append(r)
+        inputs = [r.compute_input_ns for r in ok]
+        infers = [r.compute_infer_ns for r in ok]
+        outputs = [r.compute_output_ns for r in ok]
+        totals = [r.finished_ns - r.received_ns for r in ok]
         # it waited in the worker's inbox from when the frontend got it until it started
-        started = done.finished_ns - done.compute_input_ns - done.compute_infer_ns - \
-            done.compute_output_ns
-        self.account(ver, [QueuedRequest(
-            head.req_id, head.frontend, head.batch_size, None, enqueued_ns=head.received_ns,
-            received_ns=head.received_ns,
-            dispatched_ns=max(head.received_ns, started))], done, done.executed)
+        queues = [max(0, t - a - b - c) for t, a, b, c in zip(totals, inputs, infers, outputs)]
+        stats.successes([r.batch_size for r in ok], totals, queues, inputs, infers, outputs)
+        # the execution each record counts: its request's alone (-1), none (0: another
+        # record of the same execution counts it), or that many inferences
+        runs = [r for r in records if r.executed]
+        stats.executions([r.executed if r.executed > 0 else r.batch_size for r in runs],
+                         [r.compute_input_ns for r in runs], [r.compute_infer_ns for r in runs],
+                         [r.compute_output_ns for r in runs])
 
-    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone,
-                executed: int = -1) -> None:
-        """Statistics of a finished batch; ``executed``: the inferences of the execution to
-        count (-1: the batch's; 0: none, another record of a leased batch counts it)."""
-        now = done.finished_ns or self.clock()
+    def account(self, ver: ModelVersion, batch: list[QueuedRequest], done: BatchDone) -> None:
+        """Statistics of a batch the scheduler dispatched, finished."""
+        now = self.clock()
         failed = set(done.failed)
         stats = ver.stats
-        if executed < 0:
-            executed = sum(r.batch_size for i, r in enumerate(batch) if i not in failed) or \
-                sum(r.batch_size for r in batch)
-        if executed:
-            stats.executed(executed, done.compute_input_ns, done.compute_infer_ns,
-                           done.compute_output_ns)
+        ci, cinf, co = done.compute_input_ns, done.compute_infer_ns, done.compute_output_ns
+        ok = []
         for i, r in enumerate(batch):
             if i in failed:
                 stats.failed("BACKEND", now - r.received_ns)
             else:
-                stats.succeeded(r.batch_size, now - r.received_ns, r.dispatched_ns - r.enqueued_ns,
-                                done.compute_input_ns, done.compute_infer_ns,
-                                done.compute_output_ns)
-                if r.frontend == ENSEMBLE_FRONTEND:
-                    # an ensemble's step: its times are the ensemble's too (a retry, alone
-                    # after its worker died, waited through the run that died: no queue time)
-                    self.ensemble_timings(r.req_id, 0 if r.alone else
-                                          r.dispatched_ns - r.enqueued_ns, done.compute_input_ns,
-                                          done.compute_infer_ns, done.compute_output_ns)
+                ok.append(r)
+        executed = sum(r.batch_size for r in ok) or sum(r.batch_size for r in batch)
+        if executed:
+            stats.executions([executed], [ci], [cinf], [co])
+        n = len(ok)
+        stats.successes([r.batch_size for r in ok], [now - r.received_ns for r in ok],
+                        [r.dispatched_ns - r.enqueued_ns for r in ok], [ci] * n, [cinf] * n,
+                        [co] * n)
+        for r in ok:
+            if r.frontend == ENSEMBLE_FRONTEND:
+                # an ensemble's step: its times are the ensemble's too (a retry, alone after
+                # its worker died, waited through the run that died: no queue time)
+                self.ensemble_timings(r.req_id, 0 if r.alone else r.dispatched_ns - r.enqueued_ns,
+                                      ci, cinf, co)
 
     def reply(self, q: StatsQuery, versions: dict[tuple[str, int], ModelVersion],
               known: set[str] | dict, live: set[int] | dict, ipc: dict[str, int],

@@ -34,6 +34,7 @@ from shmserve.ipc.messages import (
     FrontendHello,
     InferResult,
     LeasedDone,
+    LeasedRecord,
     LeaseEnded,
     LogSettings,
     Pong,
@@ -392,21 +393,22 @@ class SchedulerCore:
         return True
 
     def leased_done(self, msg: LeasedDone) -> None:
-        """Statistics of requests frontends sent under leases (their workers answered them)."""
+        """Statistics of requests frontends sent under leases (their workers answered them),
+        taken a worker's and version's records at a time."""
+        groups: dict[tuple[int, str, int], list[LeasedRecord]] = {}
+        for rec in msg.records:
+            groups.setdefault((rec.spawn_id, rec.model, rec.version), []).append(rec)
         by_spawn, versions = self.supervisor.by_spawn, self.versions
-        for done in msg.records:
-            head = done.leased
-            if head is None:
-                continue
+        for (spawn_id, model, version), records in groups.items():
             if self.on_demand is not None:
-                self.on_demand.used(head.model)
-            found = by_spawn.get(done.spawn_id)
+                self.on_demand.used(model)
+            found = by_spawn.get(spawn_id)
             if found is not None:
                 found[1].deaths_in_a_row = 0
-                self.leases.progress(done.spawn_id, done.finished_ns)
+                self.leases.progress(spawn_id, max(r.finished_ns for r in records))
             # its worker may have ended since
-            ver = found[0] if found is not None else versions.get((head.model, head.version))
-            self.accounting.leased(ver, head, done)
+            ver = found[0] if found is not None else versions.get((model, version))
+            self.accounting.leased(ver, model, records)
 
     def batch_done(self, msg: BatchDone) -> None:
         self.finish_batch(msg)

@@ -330,8 +330,8 @@ class EnsembleRunner:
             self.respond(run, root, final=True)
             self.close(run)
         q, i, c, o = run.timings
-        ver.stats.executed(head.batch_size, i, c, o)
-        ver.stats.succeeded(head.batch_size, now - head.received_ns, q, i, c, o)
+        ver.stats.executions([head.batch_size], [i], [c], [o])
+        ver.stats.successes([head.batch_size], [now - head.received_ns], [q], [i], [c], [o])
 
     def fail(self, run: Run, step: Step | None, code: ErrorCode, error: str) -> None:
         """The request fails with the failing step's name; the steps still running are

@@ -29,6 +29,13 @@ def _add(d: Duration, ns: int) -> None:
     d.ns += max(0, ns)
 
 
+def _positive_sum(col: list[int]) -> int:
+    """The sum of the durations in ``col``, a negative one (clocks of two processes that
+    disagree) counting as zero."""
+    total = sum(col)
+    return total if not col or min(col) >= 0 else sum(ns for ns in col if ns > 0)
+
+
 class VersionStats:
     def __init__(self, name: str, version: int, buckets_ms=DEFAULT_LATENCY_BUCKETS_MS,
                  wall_clock=time.time, summaries: bool = False):
@@ -36,50 +43,58 @@ class VersionStats:
         self.windows = {k: deque(maxlen=SUMMARY_WINDOW) for k in SUMMARY_KINDS} if summaries \
             else None
         self.buckets_ms = tuple(buckets_ms)
+        # the bucket bounds in ns: a request's duration finds its bucket without a division
+        self.buckets_ns = tuple(ms * 1e6 for ms in self.buckets_ms)
         self.record.latency_buckets = [0] * (len(self.buckets_ms) + 1)
         self.batches: dict[int, BatchStatistics] = {}
         self.wall_clock = wall_clock
 
-    def _latency(self, ms: float) -> None:
+    def executions(self, sizes: list[int], inputs: list[int], infers: list[int],
+                   outputs: list[int]) -> None:
+        """Executions of ``sizes[i]`` inferences each (the sum of a batch's batch sizes), with
+        their compute times. Lists, so that the many a frontend reports at once (leased
+        requests, engine/accounting.py) cost one call."""
+        if not sizes:
+            return
         r = self.record
-        r.latency_buckets[bisect.bisect_left(self.buckets_ms, ms)] += 1
-        r.latency_sum_ms += ms
-
-    def executed(self, batch_size: int, input_ns: int, infer_ns: int, output_ns: int) -> None:
-        """One execution of ``batch_size`` inferences (the sum of its requests' batch sizes)."""
-        r = self.record
-        r.execution_count += 1
+        r.execution_count += len(sizes)
         r.last_inference = int(self.wall_clock() * 1000)
-        b = self.batches.get(batch_size)
-        if b is None:
-            b = self.batches[batch_size] = BatchStatistics(batch_size, Duration(), Duration(),
-                                                           Duration())
-        for d, ns in ((b.compute_input, input_ns), (b.compute_infer, infer_ns),
-                      (b.compute_output, output_ns)):
-            d.count += 1
-            if ns > 0:
-                d.ns += ns
+        batches = self.batches
+        if len(set(sizes)) == 1:
+            groups = [(sizes[0], inputs, infers, outputs)]
+        else:
+            by_size: dict[int, list[int]] = {}
+            for i, size in enumerate(sizes):
+                by_size.setdefault(size, []).append(i)
+            groups = [(size, [inputs[i] for i in ix], [infers[i] for i in ix],
+                       [outputs[i] for i in ix]) for size, ix in by_size.items()]
+        for size, *cols in groups:
+            b = batches.get(size)
+            if b is None:
+                b = batches[size] = BatchStatistics(size, Duration(), Duration(), Duration())
+            for d, col in zip((b.compute_input, b.compute_infer, b.compute_output), cols):
+                d.count += len(col)
+                d.ns += _positive_sum(col)
 
-    def succeeded(self, batch_size: int, total_ns: int, queue_ns: int, input_ns: int,
-                  infer_ns: int, output_ns: int) -> None:
+    def successes(self, sizes: list[int], totals: list[int], queues: list[int],
+                  inputs: list[int], infers: list[int], outputs: list[int]) -> None:
+        """Requests that succeeded: their batch sizes and durations in ns, one list each."""
+        if not sizes:
+            return
         r = self.record
-        r.inference_count += batch_size
-        # _add() written out: this runs for every request (engine/accounting.py, leased())
-        for d, ns in ((r.success, total_ns), (r.queue, queue_ns), (r.compute_input, input_ns),
-                      (r.compute_infer, infer_ns), (r.compute_output, output_ns)):
-            d.count += 1
-            if ns > 0:
-                d.ns += ns
-        ms = total_ns / 1e6
-        r.latency_buckets[bisect.bisect_left(self.buckets_ms, ms)] += 1
-        r.latency_sum_ms += ms
+        n = len(sizes)
+        r.inference_count += sum(sizes)
+        for d, col in ((r.success, totals), (r.queue, queues), (r.compute_input, inputs),
+                       (r.compute_infer, infers), (r.compute_output, outputs)):
+            d.count += n
+            d.ns += _positive_sum(col)
+        buckets, edges = r.latency_buckets, self.buckets_ns
+        for t in totals:
+            buckets[bisect.bisect_left(edges, t)] += 1
+        r.latency_sum_ms += sum(totals) / 1e6
         if self.windows is not None:
-            w = self.windows
-            w["request"].append(total_ns / 1e3)
-            w["queue"].append(queue_ns / 1e3)
-            w["compute_input"].append(input_ns / 1e3)
-            w["compute_infer"].append(infer_ns / 1e3)
-            w["compute_output"].append(output_ns / 1e3)
+            for kind, col in zip(SUMMARY_KINDS, (totals, queues, inputs, infers, outputs)):
+                self.windows[kind].extend(ns / 1e3 for ns in col)
 
     def failed(self, reason: str, total_ns: int) -> None:
         r = self.record

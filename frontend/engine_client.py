@@ -42,6 +42,7 @@ from shmserve.ipc.messages import (
     LeaseBounced,
     LeasedDone,
     LeasedExecute,
+    LeasedRecord,
     LeaseGranted,
     LeaseLost,
     LeaseRevoked,
@@ -115,7 +116,7 @@ class EngineClient:
         # leased requests of this turn of the event loop, per worker, sent when it ends
         self.corked: dict[packets.PacketOutbox, list[tuple[Lease, SubmitRequest, bytes]]] = {}
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
-        self.done: list = []                    # leased completion records not yet sent
+        self.done: list[LeasedRecord] = []      # leased completion records not yet sent
         self.flusher: asyncio.TimerHandle | None = None
         self.ids = itertools.count(1)
         # requests of decoupled models that have answered and go on answering:
@@ -181,7 +182,6 @@ class EngineClient:
         if self.direct:
             self._lease_done(msg.req_id)
         if msg.done is not None and sent is not None:
-            msg.done.leased = sent[0]
             self.done.append(msg.done)
             if self.flusher is None:
                 self.flusher = self.loop.call_later(LEASED_FLUSH_S, self.flush_done)

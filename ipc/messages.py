@@ -166,7 +166,7 @@ class LeasedDone(msgspec.Struct, array_like=True, tag=6):
     the scheduler's statistics. Sent every LEASED_FLUSH_S while there are any, and before any
     statistics query or control request, which travel the same socket: a query never misses a
     request its client already has the answer of."""
-    records: list[BatchDone]
+    records: list["LeasedRecord"]
 
 
 class CancelRequest(msgspec.Struct, array_like=True, tag=5):
@@ -438,12 +438,26 @@ class BatchDone(msgspec.Struct, array_like=True, tag=32):
     compute_input_ns: int = 0
     compute_infer_ns: int = 0
     compute_output_ns: int = 0
-    leased: SubmitRequest | None = None     # the request a LeasedExecute ran, for statistics
-    finished_ns: int = 0        # leased: when it finished (statistics count to then, not to
-                                # when the record reaches the scheduler)
     answers: list["InferResult"] = []   # the answers of an ensemble's steps in the batch
-    # leased: the inferences of the execution this record counts (-1: its request's alone; 0:
-    # another record of the same execution counts it; workers/lease_batch.py)
+
+
+class LeasedRecord(msgspec.Struct, array_like=True):
+    """What a request a frontend sent under a lease adds to the statistics. Its worker fills
+    it in (InferResult.done) from the request it ran; the frontend passes these on in bulk
+    (LeasedDone). Flat and small: the scheduler decodes ~100 at a time at concurrency 1."""
+    spawn_id: int
+    model: str
+    version: int
+    batch_size: int
+    received_ns: int            # when the frontend got the request
+    finished_ns: int            # when it finished (statistics count to then, not to when
+                                # the record reaches the scheduler)
+    compute_input_ns: int = 0
+    compute_infer_ns: int = 0
+    compute_output_ns: int = 0
+    failed: bool = False
+    # the inferences of the execution this record counts (-1: its request's alone; 0: another
+    # record of the same execution counts it; workers/lease_batch.py)
     executed: int = -1
 
 
@@ -476,7 +490,7 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     parameters: dict[str, Any] = {}
     # a leased request's completion record: the frontend passes these on to the scheduler in
     # bulk (LeasedDone), so that a leased request costs the scheduler no message of its own
-    done: BatchDone | None = None
+    done: LeasedRecord | None = None
     # decoupled models answer a request with any number of these; the last has final=True.
     # no_response: the model ended the request without a response (the FINAL flag alone).
     final: bool = True

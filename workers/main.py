@@ -33,6 +33,7 @@ from shmserve.ipc.messages import (
     InferResults,
     LeaseBounced,
     LeasedExecute,
+    LeasedRecord,
     LeaseEnded,
     Ping,
     Pong,
@@ -464,9 +465,9 @@ class Worker:
             for head, res in zip(leased, results):
                 if res is None:         # (one a response sender answered has gone already)
                     continue
-                res.done = BatchDone(self.args.spawn_id, 0, [0] if res.error else [],
-                                     t1 - t0, t2 - t1, t3 - t2, finished_ns=t3,
-                                     executed=executed)
+                res.done = LeasedRecord(self.args.spawn_id, head.model, head.version,
+                                        head.batch_size, head.received_ns, t3, t1 - t0,
+                                        t2 - t1, t3 - t2, bool(res.error), executed)
                 executed = 0
                 self.answer(head.frontend, res)
             return

@@ -9,12 +9,12 @@ from shmserve.engine.leases import COOLDOWN_NS, TERM_NS
 from shmserve.engine.models import PING_TIMEOUT_S
 from shmserve.engine.states import InstanceState
 from shmserve.ipc.messages import (
-    BatchDone,
     ControlAction,
     ControlRequest,
     ErrorCode,
     FrontendHello,
     LeasedDone,
+    LeasedRecord,
     LeaseEnded,
     LeaseGranted,
     LeaseLost,
@@ -90,9 +90,8 @@ def first_request_leases(h, model="plain"):
 def leased_done(h, sid, req_id, failed=(), took_ns=1000, model="plain", executed=-1):
     """The worker ran a request its frontend sent under the lease; the frontend passes its
     completion record on (in bulk, later: the clock has moved on since)."""
-    head = SubmitRequest(req_id, FRONTEND, model, 1, 2, h.clock())
-    record = BatchDone(sid, 0, list(failed), 10, 20, 30, leased=head,
-                       finished_ns=h.clock() + took_ns, executed=executed)
+    record = LeasedRecord(sid, model, 1, 2, h.clock(), h.clock() + took_ns, 10, 20, 30,
+                          bool(failed), executed)
     h.clock.advance(0.05)
     h.core.handle(LeasedDone([record]))
 
@@ -395,11 +394,10 @@ def test_a_request_sent_before_the_grant_arrived_is_given_back(repo):
 def test_a_lease_that_makes_progress_is_not_renewed(repo):
     h = leased_harness(repo)
     sid, grant = first_request_leases(h, "timed")
-    for i in range(5):
+    for _ in range(5):
         h.tick(TERM_NS / 1e9 / 2)
-        head = SubmitRequest(900 + i, FRONTEND, "timed", 1, 1, h.clock())
-        h.core.handle(LeasedDone([BatchDone(sid, 0, [], 1, 1, 1, leased=head,
-                                            finished_ns=h.clock())]))
+        h.core.handle(LeasedDone([LeasedRecord(sid, "timed", 1, 1, h.clock(), h.clock(),
+                                               1, 1, 1)]))
     assert h.to_worker(RevokeLease) == []        # its progress shows it is alive
     h.tick(TERM_NS / 1e9)
     assert h.to_worker(RevokeLease) == [(sid, RevokeLease(grant.lease_id))]

@@ -40,8 +40,10 @@ def test_fresh_record(stats):
 
 
 def test_succeeded_accumulates(stats):
-    stats.succeeded(4, total_ns=10 * MS, queue_ns=1_000, input_ns=200, infer_ns=3_000, output_ns=40)
-    stats.succeeded(1, total_ns=20 * MS, queue_ns=2_000, input_ns=100, infer_ns=1_000, output_ns=60)
+    stats.successes([4], totals=[10 * MS], queues=[1_000], inputs=[200], infers=[3_000],
+                    outputs=[40])
+    stats.successes([1], totals=[20 * MS], queues=[2_000], inputs=[100], infers=[1_000],
+                    outputs=[60])
     r = stats.snapshot(0)
     assert r.inference_count == 5                  # batch sizes, not requests
     assert r.success == Duration(2, 30 * MS)
@@ -49,14 +51,14 @@ def test_succeeded_accumulates(stats):
     assert r.compute_input == Duration(2, 300)
     assert r.compute_infer == Duration(2, 4_000)
     assert r.compute_output == Duration(2, 100)
-    assert r.execution_count == 0                  # executions are counted by executed()
+    assert r.execution_count == 0                  # executions are counted by executions()
     assert r.fail == Duration(0, 0)
 
 
 def test_negative_durations_count_as_zero(stats):
-    stats.succeeded(1, total_ns=-5, queue_ns=-1, input_ns=-1, infer_ns=-1, output_ns=-1)
+    stats.successes([1], totals=[-5], queues=[-1], inputs=[-1], infers=[-1], outputs=[-1])
     stats.failed("BACKEND", -7)
-    stats.executed(1, -1, -2, -3)
+    stats.executions([1], [-1], [-2], [-3])
     r = stats.snapshot(0)
     assert r.success == Duration(1, 0) and r.queue == Duration(1, 0)
     assert r.fail == Duration(1, 0)
@@ -78,13 +80,13 @@ def test_failed_by_reason(stats):
 
 
 def test_executed_counts_executions_and_groups_batch_sizes(stats):
-    stats.executed(4, 10, 100, 1)
-    stats.executed(1, 20, 200, 2)
-    stats.executed(4, 30, 300, 3)
-    stats.executed(2, 40, 400, 4)
+    stats.executions([4], [10], [100], [1])
+    stats.executions([1], [20], [200], [2])
+    stats.executions([4], [30], [300], [3])
+    stats.executions([2], [40], [400], [4])
     r = stats.snapshot(0)
     assert r.execution_count == 4
-    assert r.inference_count == 0                  # inferences are counted by succeeded()
+    assert r.inference_count == 0                  # inferences are counted by successes()
     assert [b.batch_size for b in r.batch_stats] == [1, 2, 4]      # sorted by batch size
     b4 = r.batch_stats[2]
     assert (b4.compute_input, b4.compute_infer, b4.compute_output) == \
@@ -97,20 +99,20 @@ def test_executed_counts_executions_and_groups_batch_sizes(stats):
 
 
 def test_snapshot_sorts_sizes_added_later(stats):
-    stats.executed(8, 1, 1, 1)
+    stats.executions([8], [1], [1], [1])
     assert [b.batch_size for b in stats.snapshot(0).batch_stats] == [8]
-    stats.executed(3, 1, 1, 1)
-    stats.executed(5, 1, 1, 1)
+    stats.executions([3], [1], [1], [1])
+    stats.executions([5], [1], [1], [1])
     assert [b.batch_size for b in stats.snapshot(0).batch_stats] == [3, 5, 8]
 
 
 def test_last_inference_from_the_wall_clock(stats, wall):
-    stats.succeeded(1, 1, 1, 1, 1, 1)
+    stats.successes([1], [1], [1], [1], [1], [1])
     assert stats.snapshot(0).last_inference == 0   # set per execution
-    stats.executed(1, 1, 1, 1)
+    stats.executions([1], [1], [1], [1])
     assert stats.snapshot(0).last_inference == 1_700_000_000_500
     wall.t = 1_700_000_123.25
-    stats.executed(1, 1, 1, 1)
+    stats.executions([1], [1], [1], [1])
     assert stats.snapshot(0).last_inference == 1_700_000_123_250
 
 
@@ -120,7 +122,7 @@ def test_last_inference_from_the_wall_clock(stats, wall):
     (5000.001, 4), (60_000, 4),                    # above the last edge: the overflow bucket
 ])
 def test_latency_buckets(stats, total_ms, bucket):
-    stats.succeeded(1, int(total_ms * MS), 0, 0, 0, 0)
+    stats.successes([1], [int(total_ms * MS)], [0], [0], [0], [0])
     r = stats.snapshot(0)
     expected = [0] * 5
     expected[bucket] = 1
@@ -131,10 +133,36 @@ def test_latency_buckets(stats, total_ms, bucket):
 def test_latency_sum_and_custom_buckets(wall):
     s = VersionStats("m", 1, buckets_ms=[1, 10], wall_clock=wall)
     for ms in (0.5, 1, 2, 10, 11, 12):
-        s.succeeded(1, int(ms * MS), 0, 0, 0, 0)
+        s.successes([1], [int(ms * MS)], [0], [0], [0], [0])
     r = s.snapshot(0)
     assert r.latency_buckets == [2, 2, 2]
     assert r.latency_sum_ms == pytest.approx(36.5)
+
+
+def test_many_at_once_add_what_one_at_a_time_adds(wall):
+    """successes() and executions() take lists: the many records a frontend reports at once
+    in one call. Mixed batch sizes, a negative duration in a column and the summaries'
+    windows all come out as if added one by one."""
+    cols = ([1, 4, 1, 2], [MS, 600 * MS, 3 * MS, -2], [10, -5, 30, 40], [1, 2, 3, 4],
+            [100, 200, 300, 400], [7, 8, -9, 10])
+    bulk = VersionStats("m", 1, wall_clock=wall, summaries=True)
+    single = VersionStats("m", 1, wall_clock=wall, summaries=True)
+    bulk.successes(*cols)
+    bulk.executions(cols[0], *cols[3:])
+    for row in zip(*cols):
+        single.successes(*[[v] for v in row])
+        single.executions([row[0]], *[[v] for v in row[3:]])
+    assert bulk.snapshot(0) == single.snapshot(0)
+    r = bulk.snapshot(0)
+    assert r.success == Duration(4, 604 * MS) and r.compute_output == Duration(4, 25)
+    assert [(b.batch_size, b.compute_infer.count) for b in r.batch_stats] == \
+        [(1, 2), (2, 1), (4, 1)]
+
+
+def test_empty_lists_add_nothing(stats, wall):
+    stats.successes([], [], [], [], [], [])
+    stats.executions([], [], [], [])
+    assert stats.snapshot(0) == VersionStats("m", 3, wall_clock=wall).snapshot(0)
 
 
 def test_snapshot_pending(stats):
@@ -146,8 +174,8 @@ def test_versions_do_not_share_counters(wall):
     a = VersionStats("a", 1, wall_clock=wall)
     b = VersionStats("b", 1, wall_clock=wall)
     a.failed("REJECTED", 1)
-    a.succeeded(2, 50 * MS, 0, 0, 0, 0)
-    a.executed(2, 0, 0, 0)
+    a.successes([2], [50 * MS], [0], [0], [0], [0])
+    a.executions([2], [0], [0], [0])
     rb = b.snapshot(0)
     assert rb.failures["REJECTED"] == 0
     assert rb.latency_buckets == [0] * 5

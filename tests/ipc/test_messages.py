@@ -36,10 +36,10 @@ MESSAGES = [
     m.LeaseGranted(3, "simple", 1, 4),
     m.LeaseRevoked(3),
     m.LeaseLost(4, "exited unexpectedly", retry=False),
-    m.BatchDone(4, 0, [0], 1, 2, 3, leased=m.SubmitRequest(6, 1, "simple", 1, 1)),
-    m.LeasedDone([m.BatchDone(4, 0, [], 1, 2, 3, leased=m.SubmitRequest(6, 1, "simple", 1, 1),
-                              finished_ns=9)]),
-    m.InferResult(6, "simple", 1, done=m.BatchDone(4, 0, [], 1, 2, 3, finished_ns=9)),
+    m.BatchDone(4, 0, [0], 1, 2, 3),
+    m.LeasedDone([m.LeasedRecord(4, "simple", 1, 2, 5, 9, 1, 2, 3),
+                  m.LeasedRecord(4, "simple", 1, 1, 6, 9, failed=True, executed=0)]),
+    m.InferResult(6, "simple", 1, done=m.LeasedRecord(4, "simple", 1, 1, 5, 9, 1, 2, 3)),
     m.ControlReply(12, "load failed", "INVALID_ARG"),
     m.ModelTable([
         m.ModelInfo("simple", b"\x0a\x06simple", [m.VersionInfo(1, "READY"),
@@ -107,8 +107,7 @@ def test_every_message_type_is_covered():
 
 def test_messages_are_tagged_arrays():
     assert m.encode(m.Shutdown()) == msgspec.msgpack.encode([21])
-    assert m.encode(m.BatchDone(1, 2)) == msgspec.msgpack.encode([32, 1, 2, [], 0, 0, 0, None, 0,
-                                                                  [], -1])
+    assert m.encode(m.BatchDone(1, 2)) == msgspec.msgpack.encode([32, 1, 2, [], 0, 0, 0, []])
 
 
 @pytest.mark.parametrize("payload", [

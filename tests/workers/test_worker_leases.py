@@ -59,7 +59,7 @@ def test_runs_leased_requests_until_the_revoke_then_hands_them_back(worker):
     w.leased(LeasedExecute(3, head(10)), [b"p10"])
     [(batch, frames, leased)] = w.executed
     assert batch.batch_id == 0 and [(r.req_id, r.frontend) for r in batch.routes] == [(10, 2)]
-    assert frames == [b"p10"] and leased == [head(10)]   # BatchDone carries it, for statistics
+    assert frames == [b"p10"] and leased == [head(10)]   # its LeasedRecord comes from it
     w.revoke_lease(RevokeLease(3))
     assert w.scheduler.sent == [LeaseEnded(SPAWN, 3)]
     w.leased(LeasedExecute(3, head(11)), [b"p11"])       # read after the revoke: not run
