@@ -73,8 +73,18 @@ def _path(addr: str) -> str:
 _LAST = b"\x00"        # the flags byte of a packet that ends its message(s)
 
 
+_ALONE = struct.Struct("<HI")
+_WITH_ONE = struct.Struct("<HII")
+
+
 def _encode_frames(head: bytes, payloads) -> list:
     """One message's part of a packet: its frame count and lengths, then its frames."""
+    # the two shapes nearly every message has, with prebuilt Structs: ~1 µs less a message
+    if not payloads:
+        return [_ALONE.pack(1, len(head)), head]
+    if len(payloads) == 1:
+        p = payloads[0]
+        return [_WITH_ONE.pack(2, len(head), len(p)), head, p]
     n = 1 + len(payloads)
     prefix = struct.pack(f"<HI{n - 1}I", n, len(head), *[len(p) for p in payloads])
     return [prefix, head, *payloads]
