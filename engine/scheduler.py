@@ -23,7 +23,7 @@ import zmq
 
 from shmserve.ipc import channel, logs, packets, shm
 from shmserve.ipc.messages import LogSettings, ProcessExited, ServerSettings
-from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent
+from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent, freeze_startup_heap
 
 from . import supervision
 from .alarm import Alarm
@@ -174,6 +174,7 @@ class SchedulerShell:
     def run(self) -> None:
         core = self.core
         core.start()
+        freeze_startup_heap()
         inbox = self.inbox
         armed_ms = None
         stop = self.stop or StopFlag(signals=())

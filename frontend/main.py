@@ -17,7 +17,7 @@ import uvloop
 
 from shmserve.ipc import logs
 from shmserve.ipc.messages import ServerSettings
-from shmserve.ipc.proc import die_with_parent
+from shmserve.ipc.proc import die_with_parent, freeze_startup_heap
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 from . import grpc_service, http_server, restricted
@@ -105,6 +105,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
             with open(tmp, "w") as f:
                 json.dump(ports, f)
             os.replace(tmp, settings.port_file)
+        freeze_startup_heap()
         await stop.wait()
         log.info("frontend stopping")
         service.accepting = False

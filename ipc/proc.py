@@ -1,8 +1,9 @@
-"""Process plumbing shared by every shmserve process: parent-death signal, flag-only handlers, and
-waking a loop that blocks when a stop signal arrives."""
+"""Process plumbing shared by every shmserve process: parent-death signal, flag-only handlers,
+waking a loop that blocks when a stop signal arrives, and a heap the collector leaves alone."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -85,6 +86,14 @@ class InboxWaker:
 
     def close(self) -> None:
         self.socket.close(0)
+
+
+def freeze_startup_heap() -> None:
+    """Once a process has started (modules imported, model loaded, sockets open), what it holds
+    lives as long as the process: take it out of the collector's reach. A full collection over
+    a frontend's ~45,000 startup objects stopped it for 33 ms mid-load (a gc.callbacks probe,
+    HTTP c=32 on 2 cores); after the freeze a collection walks only what was made since."""
+    gc.freeze()
 
 
 def failure_path(args_path: str) -> str:

@@ -50,7 +50,13 @@ from shmserve.ipc.messages import (
     decode_payload,
     parameter_problem,
 )
-from shmserve.ipc.proc import PacketWaker, StopFlag, die_with_parent, failure_path
+from shmserve.ipc.proc import (
+    PacketWaker,
+    StopFlag,
+    die_with_parent,
+    failure_path,
+    freeze_startup_heap,
+)
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequence, tensors, warmup
@@ -198,6 +204,7 @@ class Worker:
         # before WorkerReady, on the same socket: a client that sees the model ready finds the
         # families initialize() created on /metrics
         self.send_metrics()
+        freeze_startup_heap()       # the model's objects too
         self.tell(WorkerReady(self.args.spawn_id, os.getpid(), self.inbox.address,
                                         completed))
         return True
