@@ -98,7 +98,7 @@ class EngineClient:
         self.frontend_id = frontend_id
         self.run_dir = run_dir
         self.loop = loop
-        self.inbox = channel.inbox_for(channel.frontend_address(run_dir, frontend_id))
+        self.inbox = packets.PacketInbox(channel.frontend_address(run_dir, frontend_id))
         self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
         self.workers: dict[str, packets.PacketOutbox] = {}
         self.catalog = ModelCatalog()
@@ -508,12 +508,12 @@ class EngineClient:
     def _drain(self) -> None:
         inbox, handlers = self.inbox, self.handlers
         while True:
-            try:
-                msg, _ = inbox.recv(channel.NOBLOCK)
-            except zmq.Again:
+            got = inbox.take()
+            if got is None:
                 if self.lost:
                     self._resolve_lost()
                 return
+            msg = got[0]
             handler = handlers.get(type(msg))
             if handler is None:
                 log.warning("ignoring an unexpected %s message", type(msg).__name__)

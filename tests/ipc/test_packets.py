@@ -238,3 +238,22 @@ def test_the_timeout_is_for_the_whole_receive(addr):
     assert still_coming                 # it timed out while peers were still arriving
     for p in peers:
         p.close()
+
+
+def test_take_returns_what_has_arrived_and_none_without_an_exception(addr):
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    assert inbox.take() is None
+    out.send_many([(Ping(1), (b"a",)), (Ping(2), ())])
+    deadline = time.monotonic() + 2
+    got = []
+    while len(got) < 2 and time.monotonic() < deadline:
+        item = inbox.take()
+        if item is not None:
+            got.append(item)
+    assert got == [(Ping(1), [b"a"]), (Ping(2), [])]
+    assert inbox.take() is None
+    with pytest.raises(zmq.Again):
+        inbox.recv(zmq.NOBLOCK)
+    out.close()
+    inbox.close()
