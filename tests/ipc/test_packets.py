@@ -106,11 +106,17 @@ def test_a_stalled_reader_bounds_memory_and_gives_a_clear_error(addr, monkeypatc
         assert inbox.recv()[0] == Ping(i)
 
 
-def test_send_many_packs_messages_into_one_packet_each_whole(addr, monkeypatch):
-    decoded = []
+@pytest.fixture
+def decoded(monkeypatch):
+    """The number of messages in each packet an inbox reads, in order."""
+    sizes: list[int] = []
     real = packets._decode_frames
     monkeypatch.setattr(packets, "_decode_frames",
-                        lambda body: decoded.append(len(real(body))) or real(body))
+                        lambda body: sizes.append(len(real(body))) or real(body))
+    return sizes
+
+
+def test_send_many_packs_messages_into_one_packet_each_whole(addr, decoded):
     inbox = packets.PacketInbox(addr)
     out = packets.PacketOutbox(addr)
     items = [(Ping(i), (bytes([i]) * i, b"") if i % 2 else ()) for i in range(10)]
@@ -123,11 +129,7 @@ def test_send_many_packs_messages_into_one_packet_each_whole(addr, monkeypatch):
     inbox.close()
 
 
-def test_send_many_splits_at_the_packet_limit_and_sends_big_ones_alone(addr, monkeypatch):
-    decoded = []
-    real = packets._decode_frames
-    monkeypatch.setattr(packets, "_decode_frames",
-                        lambda body: decoded.append(len(real(body))) or real(body))
+def test_send_many_splits_at_the_packet_limit_and_sends_big_ones_alone(addr, decoded):
     inbox = packets.PacketInbox(addr)
     out = packets.PacketOutbox(addr)
     third = b"t" * (packets.MAX_PACKET // 3)
