@@ -507,8 +507,10 @@ class EngineClient:
 
     def _drain(self) -> None:
         inbox, handlers = self.inbox, self.handlers
+        look = True
         while True:
-            got = inbox.take()
+            got = inbox.take(look)
+            look = False        # one look at the sockets per wake-up (level-triggered)
             if got is None:
                 if self.lost:
                     self._resolve_lost()

@@ -150,12 +150,16 @@ class PacketInbox:
             self._collect(timeout_s)
         return bool(self.ready)
 
-    def take(self):
+    def take(self, look: bool = True):
         """(message, payload frames) if one has arrived, else None: ``recv(NOBLOCK)`` without
         an exception, for a loop that drains the inbox on every wake-up (the zmq.Again that
-        ends such a drain cost about as much as reading a message)."""
+        ends such a drain cost about as much as reading a message). ``look=False``: only what
+        an earlier look at the sockets read; an event loop that watches ``fileno`` needs one
+        look per wake-up, since what arrives after it wakes the loop again."""
         ready = self.ready
         if not ready:
+            if not look:
+                return None
             while self._collect(0.0) and not ready:
                 pass
             if not ready:

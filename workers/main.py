@@ -465,34 +465,37 @@ class Worker:
         if leased is not None:
             # their statistics ride with the answers; the frontend passes them on in bulk. The
             # first record counts the execution (the inferences of the requests that did not
-            # fail, or of all if all failed), the others only their requests.
+            # fail, or of all if all failed), the others only their requests. (A request a
+            # response sender answered has no result here: its answer has gone already.)
             executed = sum(h.batch_size for h, r in zip(leased, results)
                            if r is not None and not r.error) or \
                 sum(h.batch_size for h in leased)
             for head, res in zip(leased, results):
-                if res is None:         # (one a response sender answered has gone already)
-                    continue
-                res.done = LeasedRecord(self.args.spawn_id, head.model, head.version,
-                                        head.batch_size, head.received_ns, t3, t1 - t0,
-                                        t2 - t1, t3 - t2, bool(res.error), executed)
-                executed = 0
-                self.answer(head.frontend, res)
+                if res is not None:
+                    res.done = LeasedRecord(self.args.spawn_id, head.model, head.version,
+                                            head.batch_size, head.received_ns, t3, t1 - t0,
+                                            t2 - t1, t3 - t2, bool(res.error), executed)
+                    executed = 0
+            self.answer_all(batch.routes, results)
             return
-        failed = []
+        failed = [i for i, res in enumerate(results) if res is not None and res.error]
+        steps = self.answer_all(batch.routes, results)
+        self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,
+                            t1 - t0, t2 - t1, t3 - t2, answers=steps))
+
+    def answer_all(self, routes: list[RequestRoute],
+                   results: list[InferResult | None]) -> list[InferResult]:
+        """The answers of one execution, one message per frontend (one wake-up of it for the
+        whole batch). An ensemble's steps are returned instead: they ride in the BatchDone (one
+        message, one wake-up of the scheduler, which runs the ensemble)."""
         by_frontend: dict[int, list[InferResult]] = {}
-        for i, (route, res) in enumerate(zip(batch.routes, results)):
-            if res is None:
-                continue
-            if res.error:
-                failed.append(i)
-            by_frontend.setdefault(route.frontend, []).append(res)
-        # an ensemble's steps: their answers ride in the BatchDone (one message, one wake-up of
-        # the scheduler, which runs the ensemble)
-        steps = by_frontend.pop(ENSEMBLE_FRONTEND, None)
+        for route, res in zip(routes, results):
+            if res is not None:
+                by_frontend.setdefault(route.frontend, []).append(res)
+        steps = by_frontend.pop(ENSEMBLE_FRONTEND, [])
         for fid, answers in by_frontend.items():
             self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
-        self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,
-                            t1 - t0, t2 - t1, t3 - t2, answers=steps or []))
+        return steps
 
     def end_stream(self, route: RequestRoute) -> None:
         """The request's answer comes from execute()'s return: its sender can send no more."""

@@ -11,10 +11,14 @@ import pytest
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (
+    ENSEMBLE_FRONTEND,
+    InferResult,
+    InferResults,
     LeaseBounced,
     LeasedExecute,
     LeaseEnded,
     Ping,
+    RequestRoute,
     RevokeLease,
     SubmitRequest,
 )
@@ -80,3 +84,17 @@ def test_stopping_hands_back_the_leased_requests_it_still_holds(worker):
     w.bounce_leased()
     assert w.executed == []
     assert w.answers == [(2, LeaseBounced(SPAWN, 20)), (2, LeaseBounced(SPAWN, 21))]
+
+
+def test_the_answers_of_one_execution_go_one_message_per_frontend(worker):
+    """A leased batch's answers wake their frontend once (InferResults); an ensemble's steps
+    are handed back to ride in the BatchDone instead."""
+    w, _ = worker
+    routes = [RequestRoute(i, fid) for i, fid in
+              enumerate([2, 2, 4, 2, ENSEMBLE_FRONTEND, 2])]
+    results = [InferResult(i, "m", 1) for i in range(6)]
+    results[5] = None           # answered through its response sender: gone already
+    steps = w.answer_all(routes, results)
+    assert w.answers == [(2, InferResults([results[0], results[1], results[3]])),
+                         (4, results[2])]
+    assert steps == [results[4]]
