@@ -217,11 +217,15 @@ class FrontendService:
         fut = asyncio.get_running_loop().create_future()
         req_id = self.submit(view, version, prepared, fut.set_result)
         try:
-            return await asyncio.shield(fut)
+            return await fut
         except asyncio.CancelledError:
-            self.cancel(req_id)
-            fut.add_done_callback(lambda f: self.release_outputs(
-                f.result(), self.release_inputs(prepared, f.result())))
+            def release(result: InferResult) -> None:
+                self.release_outputs(result, self.release_inputs(prepared, result))
+            if fut.done() and not fut.cancelled():     # answered, then cancelled
+                release(fut.result())
+            else:                       # its answer, when it comes, only gives memory back
+                self.cancel(req_id)
+                self.client.drain_abandoned(req_id, release)
             raise
 
     async def infer_stream(self, view: ModelView, version: int,
