@@ -215,12 +215,19 @@ class FrontendService:
         """Submit and wait for the answer. If the caller is cancelled, the request is dropped
         when still queued, and its memory is released whenever its answer comes."""
         fut = asyncio.get_running_loop().create_future()
-        req_id = self.submit(view, version, prepared, fut.set_result)
+
+        def release(result: InferResult) -> None:
+            self.release_outputs(result, self.release_inputs(prepared, result))
+
+        def answered(result: InferResult) -> None:
+            if fut.cancelled():     # the call ended while its task was being cancelled
+                release(result)
+            else:
+                fut.set_result(result)
+        req_id = self.submit(view, version, prepared, answered)
         try:
             return await fut
         except asyncio.CancelledError:
-            def release(result: InferResult) -> None:
-                self.release_outputs(result, self.release_inputs(prepared, result))
             if fut.done() and not fut.cancelled():     # answered, then cancelled
                 release(fut.result())
             else:                       # its answer, when it comes, only gives memory back

@@ -16,7 +16,16 @@ from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError, grpc_status, http_status
 from shmserve.frontend.grpc_service import InferenceService
 from shmserve.frontend.http_app import KServeHttpApp
-from shmserve.ipc.messages import ControlAction, ControlReply, ErrorCode
+from shmserve.frontend.request import PreparedRequest
+from shmserve.ipc.messages import (
+    ControlAction,
+    ControlReply,
+    ErrorCode,
+    InferPayload,
+    InferResult,
+    ShmRef,
+    Tensor,
+)
 
 
 def run(coro):
@@ -318,3 +327,71 @@ def test_unload_dependents_true_unloads_over_both():
                             parameters={"unload_dependents": _param(bool_param=True)}))
     assert aborted is None
     assert client.controls == [(ControlAction.UNLOAD, "simple", "", True)] * 2
+
+
+# ---- an infer whose caller goes away ---------------------------------------------------------------
+class AnsweringClient(FakeClient):
+    """Takes requests and lets the test answer them, as the EngineClient's inbox would."""
+
+    def __init__(self):
+        super().__init__()
+        self.handlers: dict[int, object] = {}
+        self.released: list[tuple[str, list]] = []
+
+    def submit(self, model, version, prepared, on_result, ordered=False):
+        rid = len(self.handlers) + 1
+        self.handlers[rid] = on_result
+        return rid
+
+    def drain_abandoned(self, req_id, handler):
+        self.handlers[req_id] = handler
+
+    def release(self, worker, refs):
+        self.released.append((worker, refs))
+
+
+def _answer(rid: int):
+    out = Tensor("OUT0", "INT32", [16], shm=ShmRef("seg", 64 * rid, 64))
+    return InferResult(rid, "simple", 1, [out], worker="w")
+
+
+def _prepared():
+    return PreparedRequest(InferPayload("", [], []), batch_size=1, outputs={}, request_id="")
+
+
+@pytest.mark.parametrize("when", ["after the cancel", "between the cancel and the task's step"])
+def test_an_abandoned_infer_gives_its_answers_slots_back(when):
+    client = AnsweringClient()
+    svc = make_service(client)
+    view, v = svc.infer_target("simple", "1")
+
+    async def scenario():
+        task = asyncio.ensure_future(svc.infer(view, v, _prepared()))
+        await asyncio.sleep(0)                      # submitted, waiting
+        task.cancel()
+        if when != "after the cancel":
+            client.handlers[1](_answer(1))          # the answer wins the race
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        if when == "after the cancel":
+            assert client.cancelled == [1]
+            client.handlers[1](_answer(1))          # the late answer
+        return client.released
+
+    released = run(scenario())
+    assert released == [("w", [_answer(1).outputs[0].shm])]
+
+
+def test_an_infer_answered_in_time_returns_its_answer():
+    client = AnsweringClient()
+    svc = make_service(client)
+    view, v = svc.infer_target("simple", "1")
+
+    async def scenario():
+        task = asyncio.ensure_future(svc.infer(view, v, _prepared()))
+        await asyncio.sleep(0)
+        client.handlers[1](_answer(1))
+        return await task
+
+    assert run(scenario()) == _answer(1)
+    assert client.released == []                   # the caller gives them back once sent
