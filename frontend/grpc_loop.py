@@ -128,8 +128,11 @@ class Connection(asyncio.Protocol):
         self.peer = ""
         self.window = asyncio.Event()       # set when the peer opens a flow-control window
         self.closing = False
-        self.timers: list[asyncio.TimerHandle] = []
-        self.ping_deadline: asyncio.TimerHandle | None = None
+        # the next keep-alive ping, or (ping_sent) the deadline of the one sent: one at a time,
+        # so a connection open for days holds one handle, not one per ping
+        self.ping_timer: asyncio.TimerHandle | None = None
+        self.ping_sent = False
+        self.age_timer: asyncio.TimerHandle | None = None     # GOAWAY at max age, then close
 
     # ---- transport ------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
@@ -139,19 +142,18 @@ class Connection(asyncio.Protocol):
         self.flush()
         ka, loop = self.server.keepalive, asyncio.get_running_loop()
         if ka.time_s > 0:
-            self.timers.append(loop.call_later(ka.time_s, self.keepalive))
+            self.ping_timer = loop.call_later(ka.time_s, self.keepalive)
         if ka.max_age_s > 0:
             age = ka.max_age_s * random.uniform(0.9, 1.1)
-            self.timers.append(loop.call_later(age, self.age_out))
+            self.age_timer = loop.call_later(age, self.age_out)
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
         self.closing = True
         self.transport = None
-        for timer in self.timers:
-            timer.cancel()
-        if self.ping_deadline is not None:
-            self.ping_deadline.cancel()
+        for timer in (self.ping_timer, self.age_timer):
+            if timer is not None:
+                timer.cancel()
         for call in list(self.calls.values()):
             self.abandon(call)
         self.window.set()
@@ -192,20 +194,22 @@ class Connection(asyncio.Protocol):
         if self.calls or ka.without_calls:
             self.core.ping(_KEEPALIVE_PING)
             self.flush()
-            self.ping_deadline = loop.call_later(ka.timeout_s, self.ping_unanswered)
+            self.ping_sent = True
+            self.ping_timer = loop.call_later(ka.timeout_s, self.ping_unanswered)
         else:
-            self.timers.append(loop.call_later(ka.time_s, self.keepalive))
+            self.ping_timer = loop.call_later(ka.time_s, self.keepalive)
 
     def ping_acked(self, payload: bytes) -> None:
-        if payload == _KEEPALIVE_PING and self.ping_deadline is not None:
-            self.ping_deadline.cancel()
-            self.ping_deadline = None
-            self.timers.append(asyncio.get_running_loop().call_later(
-                self.server.keepalive.time_s, self.keepalive))
+        if payload == _KEEPALIVE_PING and self.ping_sent and self.ping_timer is not None:
+            self.ping_sent = False
+            self.ping_timer.cancel()
+            self.ping_timer = asyncio.get_running_loop().call_later(
+                self.server.keepalive.time_s, self.keepalive)
 
     def ping_unanswered(self) -> None:
         log.info("gRPC client %s did not answer a keep-alive ping: closing", self.peer)
-        self.ping_deadline = None
+        self.ping_sent = False
+        self.ping_timer = None
         self.core.go_away(http2.NO_ERROR, "keepalive watchdog timeout")
         self.flush()
         self.close()
@@ -214,7 +218,7 @@ class Connection(asyncio.Protocol):
         self.go_away()
         grace = self.server.keepalive.grace_s
         if grace > 0:
-            self.timers.append(asyncio.get_running_loop().call_later(grace, self.close))
+            self.age_timer = asyncio.get_running_loop().call_later(grace, self.close)
 
     # ---- the HTTP/2 core's calls ----------------------------------------------------------------
     def window_opened(self) -> None:
