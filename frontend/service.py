@@ -216,12 +216,9 @@ class FrontendService:
         when still queued, and its memory is released whenever its answer comes."""
         fut = asyncio.get_running_loop().create_future()
 
-        def release(result: InferResult) -> None:
-            self.release_outputs(result, self.release_inputs(prepared, result))
-
         def answered(result: InferResult) -> None:
             if fut.cancelled():     # the call ended while its task was being cancelled
-                release(result)
+                self._drop(result, prepared)
             else:
                 fut.set_result(result)
         req_id = self.submit(view, version, prepared, answered)
@@ -229,10 +226,10 @@ class FrontendService:
             return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():     # answered, then cancelled
-                release(fut.result())
+                self._drop(fut.result(), prepared)
             else:                       # its answer, when it comes, only gives memory back
                 self.cancel(req_id)
-                self.client.drain_abandoned(req_id, release)
+                self.client.drain_abandoned(req_id, lambda r: self._drop(r, prepared))
             raise
 
     async def infer_stream(self, view: ModelView, version: int,
@@ -260,8 +257,8 @@ class FrontendService:
                     self._drop(answers.get_nowait(), prepared)
 
     def _drop(self, result: InferResult, prepared: PreparedRequest) -> None:
-        """An answer of a stream its client left: its slots go back, and with the last the
-        request's inputs."""
+        """An answer nobody will send (its call or stream ended first): its slots go back,
+        and with the last the request's inputs."""
         if result.final:
             request.release(prepared, self.arena)
         self.release_outputs(result, request.worker_slots(result, prepared))
