@@ -89,9 +89,10 @@ def segments_of(pid: int) -> list[str]:
 
 class Server:
     def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90,
-                 prefix: tuple[str, ...] = ()):
+                 prefix: tuple[str, ...] = (), wait_ports: bool = True):
         """``prefix``: a command the server runs under (it must exec it, so the pid stays the
-        launcher's), e.g. unshare for a /dev/shm of its own."""
+        launcher's), e.g. unshare for a /dev/shm of its own. ``wait_ports=False``: return once
+        started, for a server that may exit before it serves (``--exit-on-error``)."""
         self.tmp = tempfile.mkdtemp(prefix="shmserve-test-")
         self.port_file = os.path.join(self.tmp, "ports.json")
         self.log_path = os.path.join(self.tmp, "server.log")
@@ -104,6 +105,8 @@ class Server:
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
+        if not wait_ports:
+            return
         try:
             ports = wait_for(self._ports, timeout, "the server to write its port file")
             self.http_port = ports["http"]
