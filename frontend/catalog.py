@@ -126,10 +126,10 @@ def version_number(name: str, version: str) -> int:
     """A version as a request spells it; every protocol and endpoint refuses a bad one alike."""
     if not (version.isascii() and version.isdigit()) or int(version) >= 1 << 63:
         raise InferError(ErrorCode.INVALID_ARG,
-                         # Triton's words, which its clients and tests look for
+                         # Triton's words ("stol": what its parse failed in), which its clients
+                         # and tests look for
                          f"failed to get model version from specified version string "
-                         f"'{version}' for model '{name}': a version is a non-negative 64-bit "
-                         f"integer")
+                         f"'{version}' (details: stol), version should be an integral value > 0")
     return int(version)
 
 
@@ -165,7 +165,8 @@ class ModelCatalog:
                 if v >= 0:
                     entry["version"] = str(v)
                 entry["state"] = ModelState(state).value     # tables built in tests hold str
-                entry["reason"] = reason
+                if reason:          # as Triton: no "reason" key where there is none
+                    entry["reason"] = reason
                 out.append(entry)
         return out
 

@@ -48,13 +48,27 @@ def set_parameter(target, key: str, value) -> None:
         p.string_param = str(value)
 
 
-def _typed_contents(model: ModelView, t: Tensor, contents, count: int) -> bytes:
+# the datatype Triton names for data given in a contents field
+_FIELD_TYPE = {"bool_contents": "BOOL", "int_contents": "INT32", "int64_contents": "INT64",
+               "uint_contents": "UINT32", "uint64_contents": "UINT64",
+               "fp32_contents": "FP32", "fp64_contents": "FP64", "bytes_contents": "BYTES"}
+
+
+def _typed_contents(model: ModelView, t: Tensor, contents, count: int, request_id: str) -> bytes:
     field = _CONTENTS_FIELD.get(t.datatype)
     if field is None:
         raise invalid(f"input '{t.name}' of datatype {t.datatype} must be sent in "
                       f"raw_input_contents")
+    for other, type_name in _FIELD_TYPE.items():
+        if other != field and len(getattr(contents, other)):
+            raise invalid(f"unexpected explicit tensor data for input tensor '{t.name}' for "
+                          f"model '{model.name}' of type '{type_name}', expected datatype "
+                          f"'{t.datatype}'")
     values = getattr(contents, field)
     if len(values) != count:
+        if t.datatype != "BYTES":       # Triton counts the bytes the values would take
+            validation.check_byte_size(model, t, len(values) * dtypes.ELEMENT_SIZE[t.datatype],
+                                       None, request_id)
         raise invalid(f"unexpected number of elements for input '{t.name}' for model "
                       f"'{model.name}': shape {t.shape} needs {count}, got {len(values)}")
     if t.datatype == "BYTES":
@@ -88,6 +102,11 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
     for inp in req.inputs:
         name = inp.name
         if inp.datatype not in dtypes.ELEMENT_SIZE:
+            spec = model.inputs.get(name)
+            if spec is not None:        # Triton's core finds it: the model's type, not this one
+                raise invalid(f"{validation.request_tag(req.id)}inference input '{name}' "
+                              f"data-type is '<invalid>', but model '{model.name}' expects "
+                              f"'{spec.datatype}'")
             raise invalid(f"input '{name}' has invalid datatype '{inp.datatype}'")
         shape = list(inp.shape)
         if any(d < 0 for d in shape):
@@ -100,21 +119,22 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
             if typed:
                 raise invalid(f"input '{name}' must set only one of contents and the "
                               f"'shared_memory_region' parameter")
-            budget.data(t, request.input_from_region(registry, model, t, tparams, regions))
+            budget.data(t, request.input_from_region(registry, model, t, tparams, regions,
+                                                     req.id))
             tensors.append(t)
             continue
         if typed:
             if raw:
                 raise invalid(f"contents field must not be specified when using "
                               f"raw_input_contents for '{name}' for model '{model.name}'")
-            data = _typed_contents(model, t, inp.contents, count)
+            data = _typed_contents(model, t, inp.contents, count, req.id)
         else:
             if next_raw >= len(raw):
-                raise invalid(f"input '{name}' for model '{model.name}' has no data: give "
-                              f"raw_input_contents, typed contents or a shared memory region")
+                raise invalid(f"unable to find data for input tensor '{name}' for model "
+                              f"'{model.name}' in request.")
             data = raw[next_raw]
             next_raw += 1
-            validation.check_byte_size(model, t, len(data), data)
+            validation.check_byte_size(model, t, len(data), data, req.id)
         budget.data(t, len(data))
         request.place_data(t, data, arena, scratch)
         tensors.append(t)

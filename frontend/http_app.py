@@ -279,9 +279,9 @@ class KServeHttpApp(HttpApp):
             except msgspec.ValidationError as e:
                 if "$.ready" in str(e):
                     raise invalid("Invalid value for 'ready': expected a boolean") from None
-                raise invalid(f"failed to parse the repository index request JSON: {e}") from None
+                raise invalid(f"failed to parse the request JSON buffer: {e}") from None
             except msgspec.DecodeError as e:
-                raise invalid(f"failed to parse the repository index request JSON: {e}") from None
+                raise invalid(f"failed to parse the request JSON buffer: {e}") from None
             except RecursionError:
                 raise invalid(http_codec.TOO_DEEP) from None
         self.later(conn, req, self.service.index(ready), http_codec.encode_json)
@@ -343,15 +343,15 @@ class KServeHttpApp(HttpApp):
                           "(.../region/<name>/register)")
         try:
             doc = http_codec.decode_json(req.body) if req.body else {}
-        except Exception:
-            raise invalid("failed to parse the shared memory register request JSON") from None
+        except Exception as e:
+            raise invalid(f"failed to parse the request JSON buffer: {e}") from None
         if not isinstance(doc, dict):
             raise invalid("the shared memory register request must be a JSON object")
         if system:
             for field in ("key", "byte_size"):
                 if field not in doc:
-                    raise invalid(f"shared memory register request for '{region}' is missing "
-                                  f"'{field}'")
+                    raise invalid(f"Shared memory register request has no '{field}' field "
+                                  f"(region '{region}')")
             self.service.register_system(region, doc["key"], doc.get("offset", 0),
                                          doc["byte_size"], conn.peer())
         else:       # raw_handle {"b64": ...}; what is missing is None, and named as such

@@ -19,12 +19,47 @@ from shmserve.ipc.shm import ShmArena
 
 from . import request, validation
 from .catalog import ModelView
-from .errors import invalid
+from .errors import InferError, invalid
 from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits, TensorBudget
 from .shm_registry import ShmRegistry
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
+
+def unparsable(field: str, problem: str, detail: str = "") -> InferError:
+    """A request field of the wrong JSON type, in the words of Triton's JSON reader (which
+    clients see and compare), then what shmserve knows about it. Triton answers these with 500;
+    they are the client's mistakes, so here they are 400."""
+    text = f"Unable to parse '{field}': {problem}"
+    return invalid(f"{text} ({detail})" if detail else text)
+
+
+MISSING = "attempt to access non-existing object member"
+NOT_STRING = "attempt to access JSON non-string as string"
+NOT_ARRAY = "attempt to access JSON non-array as array"
+NOT_UNSIGNED = "attempt to access JSON non-unsigned-integer as unsigned-integer"
+NOT_BOOL = "attempt to access JSON non-boolean as boolean"
+ONE_SOURCE = ("Input must set only one of the following fields: 'data', 'binary_data_size' in "
+              "'parameters', 'shared_memory_region' in 'parameters'")
+
+# what Triton's reader says of a JSON value that is not of the datatype's kind
+_DATA_PROBLEM = {"BOOL": NOT_BOOL, "FP32": "attempt to access JSON non-number as double",
+                 "FP64": "attempt to access JSON non-number as double"}
+for _t in ("INT8", "INT16", "INT32", "INT64"):
+    _DATA_PROBLEM[_t] = "attempt to access JSON non-signed-integer as signed-integer"
+for _t in ("UINT8", "UINT16", "UINT32", "UINT64"):
+    _DATA_PROBLEM[_t] = NOT_UNSIGNED
+
+
+def _member(obj: dict, field: str, kind: type, problem: str, detail: str = ""):
+    """``obj[field]``, which must be there and of ``kind``."""
+    value = obj.get(field)
+    if value is None:
+        raise unparsable(field, f"{MISSING} '{field}'", detail)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise unparsable(field, problem, detail)
+    return value
+
 
 def _flatten(data: Any) -> list:
     if not isinstance(data, list):
@@ -46,25 +81,32 @@ def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], d
                       f"supported. Please use the binary data format for input data")
     _check_depth(name, data)
     flat = _flatten(data)
-    if len(flat) != count:
-        raise invalid(f"unexpected number of elements for input '{name}' for model "
-                      f"'{model.name}': shape {shape} needs {count}, got {len(flat)}")
     if datatype == "BYTES":
+        # Triton reads strings whatever their number; its core then counts them (the
+        # caller's check_byte_size, in its words)
         if not all(isinstance(x, str) for x in flat):
-            raise invalid(f"input '{name}' of datatype BYTES must hold JSON strings")
+            raise invalid(f"Unable to parse JSON bytes array: {NOT_STRING} (input '{name}' of "
+                          f"datatype BYTES must hold JSON strings)")
         return dtypes.serialize_bytes(np.array(flat, dtype=object)).tobytes()
+    if len(flat) != count:
+        raise unparsable("data", "Shape does not match true shape of 'data' field",
+                         f"input '{name}' for model '{model.name}': shape {shape} needs {count} "
+                         f"elements, got {len(flat)}")
     if datatype == "BOOL":
         if not all(isinstance(x, bool) for x in flat):
-            raise invalid(f"input '{name}' of datatype BOOL must hold JSON true/false values")
+            raise unparsable("data", NOT_BOOL, f"input '{name}' of datatype BOOL must hold JSON "
+                                               f"true/false values")
     else:
         if any(isinstance(x, (bool, str, list, dict)) or x is None for x in flat):
-            raise invalid(f"input '{name}' of datatype {datatype} must hold numbers")
+            raise unparsable("data", _DATA_PROBLEM[datatype],
+                             f"input '{name}' of datatype {datatype} must hold numbers")
     try:
         arr = np.array(flat, dtype=dtypes.WIRE_TO_NUMPY[datatype])
     except (OverflowError, ValueError, TypeError) as e:
         raise invalid(f"input '{name}' holds a value that is not a valid {datatype}: {e}") from None
     if datatype not in ("FP32", "FP64") and any(isinstance(x, float) for x in flat):
-        raise invalid(f"input '{name}' of datatype {datatype} must hold integers")
+        raise unparsable("data", _DATA_PROBLEM[datatype],
+                         f"input '{name}' of datatype {datatype} must hold integers")
     return arr.tobytes()
 
 
@@ -85,9 +127,11 @@ def _check_depth(name: str, data: Any) -> None:
 
 
 def _shape(name: str, value: Any) -> list[int]:
+    if value is None:
+        raise unparsable("shape", f"{MISSING} 'shape'", f"input '{name}'")
     if not isinstance(value, list):
-        raise invalid(f"Unable to parse 'shape' of input '{name}': expected an array of "
-                      f"non-negative integers")
+        raise unparsable("shape", NOT_ARRAY, f"input '{name}': the shape is an array of "
+                                             f"non-negative integers")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
         # Triton answers this one with a 500 (its JSON reader's words); it is the client's: 400
         raise invalid(f"Unable to parse 'shape': attempt to access JSON non-unsigned-integer as "
@@ -116,16 +160,17 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
         raise invalid(f"JSON nesting depth exceeds maximum allowed limit ({MAX_DATA_DEPTH}): "
                       f"{TOO_DEEP}") from None
     if not isinstance(doc, dict):
-        raise invalid("the request JSON must be an object")
-    inputs = doc.get("inputs")
-    if not isinstance(inputs, list):
-        raise invalid("the request JSON must contain an 'inputs' array")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise invalid("request 'parameters' must be a JSON object")
+        raise unparsable("inputs", f"{MISSING} 'inputs'", "the request JSON must be an object")
     request_id = doc.get("id", "")
     if not isinstance(request_id, str):
-        raise invalid("request 'id' must be a string")
+        raise unparsable("id", NOT_STRING, "the request 'id' is a string")
+    inputs = _member(doc, "inputs", list, NOT_ARRAY)
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise invalid("failed to get request params.: attempt to get members for non-object "
+                      "(the request 'parameters' must be a JSON object)")
+    if not isinstance(params.get("binary_data_output", False), bool):
+        raise unparsable("binary_data_output", NOT_BOOL, "a request parameter")
     scratch: list[ShmRef] = []
     try:
         return _parse(model, mv, header_len, body_ref, arena, registry, doc, inputs, params,
@@ -142,36 +187,41 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
     cursor = header_len
     tensors, regions = [], []
     for item in inputs:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise invalid("each entry of 'inputs' must be an object with a string 'name'")
-        name = item["name"]
-        datatype = item.get("datatype")
-        if not isinstance(datatype, str) or datatype not in dtypes.ELEMENT_SIZE:
-            raise invalid(f"input '{name}' has invalid datatype '{datatype}'")
-        shape = _shape(name, item.get("shape"))
+        if not isinstance(item, dict):
+            raise invalid(f"{ONE_SOURCE}. But no field is set (each entry of 'inputs' is an "
+                          f"object)")
         tparams = item.get("parameters") or {}
         if not isinstance(tparams, dict):
-            raise invalid(f"input '{name}': 'parameters' must be a JSON object")
-        t = Tensor(name, datatype, shape)
-        count = budget.declare(t)
+            raise invalid(f"input '{item.get('name')}': 'parameters' must be a JSON object")
         sources = ("data" in item) + ("binary_data_size" in tparams) + \
             ("shared_memory_region" in tparams)
         if sources != 1:
-            raise invalid(f"input '{name}' must set only one of 'data', the 'binary_data_size' "
-                          f"parameter and the 'shared_memory_region' parameter")
+            given = " ".join(f"'{f}'" for f, there in (
+                ("data", "data" in item), ("binary_data_size", "binary_data_size" in tparams),
+                ("shared_memory_region", "shared_memory_region" in tparams)) if there)
+            problem = f"But set {given}" if given else "But no field is set"
+            raise invalid(f"{ONE_SOURCE}. {problem} (input '{item.get('name')}')")
+        name = _member(item, "name", str, NOT_STRING, "an entry of 'inputs'")
+        datatype = _member(item, "datatype", str, NOT_STRING, f"input '{name}'")
+        if datatype not in dtypes.ELEMENT_SIZE:
+            raise invalid(f"invalid datatype for input {name} (got '{datatype}')")
+        shape = _shape(name, item.get("shape"))
+        t = Tensor(name, datatype, shape)
+        count = budget.declare(t)
         if "shared_memory_region" in tparams:
-            budget.data(t, request.input_from_region(registry, model, t, tparams, regions))
+            budget.data(t, request.input_from_region(registry, model, t, tparams, regions,
+                                                     request_id))
         elif "binary_data_size" in tparams:
             bsize = tparams["binary_data_size"]
             if not isinstance(bsize, int) or isinstance(bsize, bool) or bsize < 0:
-                raise invalid(f"input '{name}': binary_data_size must be a non-negative integer")
+                raise unparsable("binary_data_size", NOT_UNSIGNED, f"input '{name}'")
             if cursor + bsize > len(mv):
-                raise invalid(f"unexpected size for input '{name}', expecting {bsize} additional "
-                              f"bytes for model '{model.name}' but the body has only "
-                              f"{len(mv) - cursor} left")
+                raise invalid(f"unexpected size for input '{name}', expecting "
+                              f"{cursor + bsize - len(mv)} additional bytes for model "
+                              f"'{model.name}'")
             chunk = mv[cursor:cursor + bsize]
             budget.data(t, bsize)
-            validation.check_byte_size(model, t, bsize, chunk)
+            validation.check_byte_size(model, t, bsize, chunk, request_id)
             if body_ref is not None and bsize > INLINE_LIMIT:
                 t.shm = ShmRef(body_ref.segment, body_ref.offset + cursor, bsize)
             else:
@@ -180,6 +230,8 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
         else:
             budget.json(name, count)
             data = _json_tensor(model, name, datatype, shape, item["data"], count)
+            if datatype == "BYTES":
+                validation.check_byte_size(model, t, len(data), data, request_id)
             budget.data(t, len(data))
             request.place_data(t, data, arena, scratch)
         tensors.append(t)
@@ -191,14 +243,18 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
     wanted = None
     if outputs is not None:
         if not isinstance(outputs, list):
-            raise invalid("request 'outputs' must be an array")
+            raise unparsable("outputs", NOT_ARRAY)
         wanted = []
         for o in outputs:
-            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                raise invalid("each entry of 'outputs' must be an object with a string 'name'")
+            if not isinstance(o, dict):
+                raise unparsable("name", f"{MISSING} 'name'", "each entry of 'outputs' is an "
+                                                              "object")
+            _member(o, "name", str, NOT_STRING, "an entry of 'outputs'")
             oparams = o.get("parameters") or {}
             if not isinstance(oparams, dict):
                 raise invalid(f"output '{o['name']}': 'parameters' must be a JSON object")
+            if not isinstance(oparams.get("binary_data", False), bool):
+                raise unparsable("binary_data", NOT_BOOL, f"output '{o['name']}'")
             wanted.append(request.output_wanted(registry, o["name"], oparams, binary_default,
                                                 regions))
     return request.prepare(model, tensors, wanted, params, request_id, scratch, regions,

@@ -165,13 +165,13 @@ def place_data(t: Tensor, data: bytes, arena: ShmArena, scratch: list[ShmRef]) -
 
 
 def input_from_region(registry: ShmRegistry, model: ModelView, t: Tensor, params: dict,
-                      regions: list[Region]) -> int:
+                      regions: list[Region], request_id: str = "") -> int:
     """Point ``t`` at its bytes in a client's region (system or CUDA); returns their size."""
     what = f"input '{t.name}'"
     region, ref = registry.resolve(params.get("shared_memory_region"),
                                    params.get("shared_memory_byte_size"),
                                    params.get("shared_memory_offset", 0), what)
-    validation.check_byte_size(model, t, ref.nbytes)
+    validation.check_byte_size(model, t, ref.nbytes, None, request_id)
     if type(ref) is CudaRef:
         t.cuda = ref
     else:
@@ -209,7 +209,7 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
             regions: list[Region], binary_default: bool = False,
             limits: RequestLimits = DEFAULT_LIMITS, json_outputs: bool = True) -> PreparedRequest:
     """``json_outputs``: whether outputs not asked for as binary come back as JSON (HTTP)."""
-    batch = validation.validate_inputs(model, tensors)
+    batch = validation.validate_inputs(model, tensors, request_id)
     if outputs is None:
         outputs = [OutputWanted(n, binary_default) for n in model.output_names]
     else:

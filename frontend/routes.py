@@ -1,9 +1,10 @@
 """HTTP routing from one table of (methods, path pattern, handler), compiled once.
 
 A pattern is a path whose segments are literals or ``{name}`` captures. A capture matches one
-non-empty segment and reaches the handler URL-unquoted, as a positional argument in the order of
-the pattern: ``handler(conn, req, *captures)``. Positional, not keyword, because a keyword call
-costs twice as much and the infer path pays it on every request. The router answers what a path
+non-empty segment (``{version}`` only digits, as Triton's routes: another path is not found)
+and reaches the handler URL-unquoted, as a positional argument in the order of the pattern:
+``handler(conn, req, *captures)``. Positional, not keyword, because a keyword call costs twice
+as much and the infer path pays it on every request. The router answers what a path
 means before any handler runs: no pattern matches (404), or patterns match but none takes the
 method (405, with the methods that would have worked).
 
@@ -25,7 +26,7 @@ def _is_capture(segment: str) -> bool:
 
 
 class _Pattern:
-    __slots__ = ("pattern", "literals", "captures", "handlers")
+    __slots__ = ("pattern", "literals", "captures", "digits", "handlers")
 
     def __init__(self, pattern: str):
         self.pattern = pattern
@@ -35,6 +36,7 @@ class _Pattern:
         self.literals: tuple[tuple[int, str], ...] = tuple(
             (i, p) for i, p in enumerate(parts[:-1]) if i and not _is_capture(p))
         self.captures: tuple[int, ...] = tuple(i for i, p in enumerate(parts) if _is_capture(p))
+        self.digits: frozenset[int] = frozenset(i for i, p in enumerate(parts) if p == "{version}")
         self.handlers: dict[str, Handler] = {}
 
 
@@ -88,7 +90,7 @@ class Router:
                     captures = []
                     for i in p.captures:
                         value = parts[i]
-                        if not value:
+                        if not value or (i in p.digits and not (value.isascii() and value.isdigit())):
                             break
                         captures.append(unquote(value) if "%" in value else value)
                     else:

@@ -300,7 +300,9 @@ class ShmRegistry:
             raise invalid(f"{what}: shared_memory_region must be a string")
         region = self.regions.get(region_name)
         if region is None:
-            raise invalid(f"{what}: Unable to find shared memory region: '{region_name}'")
+            # Triton's words and code (NOT_FOUND: 404 over HTTP), then which tensor named it
+            raise InferError(ErrorCode.NOT_FOUND, f"Unable to find shared memory region: "
+                                                  f"'{region_name}' ({what})")
         if byte_size is None:
             raise invalid(f"{what}: shared_memory_byte_size must be given with "
                           f"shared_memory_region")

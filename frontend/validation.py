@@ -7,33 +7,58 @@ from shmserve.ipc.messages import Tensor
 from .catalog import ModelView
 from .errors import invalid
 
+# Triton adds this to a shape error of a model with batching (a client that left out the batch
+# dimension is the usual cause); its text is part of the message clients see.
+BATCH_DIM_NOTE = ("NOTE: Setting a non-zero max_batch_size in the model config requires a batch "
+                  "dimension to be prepended to each input shape. If you want to specify the full "
+                  "shape including the batch dim in your input dims config, try setting "
+                  "max_batch_size to zero. See the model configuration docs for more info on "
+                  "max_batch_size.")
+
+
+def request_tag(request_id: str) -> str:
+    """How Triton's core starts the errors it finds in a request: with the request's id."""
+    return f"[request id: {request_id or '<id_unknown>'}] "
+
+
+def _dims(dims) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
 
 def check_shape(model: ModelView, name: str, dims: list[int], shape: list[int],
-                full_shape: list[int] | None = None) -> None:
+                full_shape: list[int] | None = None, request_id: str = "") -> None:
     """``shape`` without the batch dim is checked; ``full_shape`` (with it) is what the error shows."""
     ok = len(dims) == len(shape) and all(d == -1 or d == s for d, s in zip(dims, shape))
     if not ok:
         lead = [-1] if model.max_batch_size > 0 else []
-        raise invalid(f"unexpected shape for input '{name}' for model '{model.name}'. Expected "
-                      f"{lead + dims}, got {shape if full_shape is None else full_shape}")
+        note = BATCH_DIM_NOTE if lead else ""
+        raise invalid(f"{request_tag(request_id)}unexpected shape for input '{name}' for model "
+                      f"'{model.name}'. Expected {_dims(lead + dims)}, got "
+                      f"{_dims(shape if full_shape is None else full_shape)}. {note}")
 
 
-def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
-    """Raise InferError naming the problem; return the request's batch size (1 without batching)."""
+def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = "") -> int:
+    """Raise InferError naming the problem; return the request's batch size (1 without batching).
+    The checks come in Triton's order, so that a request with several problems gets the error
+    Triton would give: a repeated input, the count of inputs, then each input."""
+    tag = request_tag(request_id)
+    seen: set[str] = set()
+    for t in inputs:
+        if t.name in seen:
+            raise invalid(f"{tag}input '{t.name}' already exists in request")
+        seen.add(t.name)
+    required = model.required_inputs
+    if len(inputs) > len(model.inputs) or len(inputs) < len(required):
+        _count_error(model, tag, seen)
     mbs = model.max_batch_size
     batch = None
-    seen = set()
     for t in inputs:
         spec = model.inputs.get(t.name)
         if spec is None:
             raise invalid(f"unexpected inference input '{t.name}' for model '{model.name}'")
-        if t.name in seen:
-            raise invalid(f"input '{t.name}' already exists in request for model "
-                          f"'{model.name}'")
-        seen.add(t.name)
         if t.datatype != spec.datatype:
-            raise invalid(f"inference input '{t.name}' data-type is '{t.datatype}', but model "
-                          f"'{model.name}' expects '{spec.datatype}'")
+            raise invalid(f"{tag}inference input '{t.name}' data-type is '{t.datatype}', but "
+                          f"model '{model.name}' expects '{spec.datatype}'")
         shape = t.shape
         if mbs > 0:
             if not shape:
@@ -47,19 +72,27 @@ def validate_inputs(model: ModelView, inputs: list[Tensor]) -> int:
                 raise invalid(f"input '{t.name}' has batch size {b} but other inputs of the "
                               f"request have batch size {batch} for model '{model.name}'")
             if b > mbs:
-                raise invalid(f"inference request batch-size must be <= {mbs} for '{model.name}'")
-            check_shape(model, t.name, spec.dims, shape[1:], shape)
+                raise invalid(f"{tag}inference request batch-size must be <= {mbs} for "
+                              f"'{model.name}'")
+            check_shape(model, t.name, spec.dims, shape[1:], shape, request_id)
         else:
-            check_shape(model, t.name, spec.dims, shape)
-    missing = [n for n in model.required_inputs if n not in seen]
-    if missing:
-        required, total = len(model.required_inputs), len(model.inputs)
-        expected = f"expected {required} inputs" if required == total else \
-            f"expected number of inputs between {required} and {total}"
-        raise invalid(f"{expected} but got {len(inputs)} inputs for model '{model.name}'. Got "
-                      f"input(s) {_names(sorted(seen))}, but missing required input(s) "
-                      f"{_names(missing)}. Please provide all required input(s).")
+            check_shape(model, t.name, spec.dims, shape, None, request_id)
+    if any(n not in seen for n in required):
+        _count_error(model, tag, seen)
     return batch if batch is not None else 1
+
+
+def _count_error(model: ModelView, tag: str, given: set[str]) -> None:
+    required, total = model.required_inputs, len(model.inputs)
+    expected = f"expected {len(required)} inputs" if len(required) == total else \
+        f"expected number of inputs between {len(required)} and {total}"
+    missing = [n for n in required if n not in given]
+    # Triton writes an empty list of missing inputs as "]" (its list loses its opening
+    # bracket); clients compare these texts, so the quirk is kept
+    missing_text = _names(missing) if missing else "]"
+    raise invalid(f"{tag}{expected} but got {len(given)} inputs for model '{model.name}'. Got "
+                  f"input(s) {_names(sorted(given))}, but missing required input(s) "
+                  f"{missing_text}. Please provide all required input(s).")
 
 
 def _names(names) -> str:
@@ -76,13 +109,14 @@ def check_load_name(name: str) -> None:
         raise invalid(f"model name must not contain path traversal characters (got '{name}')")
 
 
-def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None) -> None:
+def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None,
+                    request_id: str = "") -> None:
     """The bytes given for a tensor must be exactly what its shape and datatype need."""
     expected = dtypes.byte_size(t.datatype, t.shape)
     if expected is not None:
         if nbytes != expected:
-            raise invalid(f"input byte size mismatch for input '{t.name}' for model "
-                          f"'{model.name}'. Expected {expected}, got {nbytes}")
+            raise invalid(f"{request_tag(request_id)}input byte size mismatch for input "
+                          f"'{t.name}' for model '{model.name}'. Expected {expected}, got {nbytes}")
         return
     if data is not None:
         count = dtypes.element_count(t.shape)
@@ -90,13 +124,19 @@ def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None) -> None
             dtypes.count_bytes_elements(data, count)
         except dtypes.BytesCountError as e:
             where = f"for inference input '{t.name}' for model '{model.name}'"
+            tag = request_tag(request_id)
             if e.count > count:
-                raise invalid(f"unexpected number of string elements {e.count} {where}, "
+                raise invalid(f"{tag}unexpected number of string elements {e.count} {where}, "
                               f"expecting {count}") from None
-            raise invalid(f"expected {count} string elements {where}, got {e.count}") from None
-        except ValueError as e:
-            raise invalid(f"input '{t.name}' for model '{model.name}' has invalid BYTES data: "
-                          f"{e}") from None
+            raise invalid(f"{tag}expected {count} string elements {where}, got {e.count}") from None
+        except dtypes.BytesCutError as e:
+            if e.prefix:
+                raise invalid(f"{request_tag(request_id)}incomplete string length indicator for "
+                              f"inference input '{t.name}' for model '{model.name}', expecting "
+                              f"4 bytes but only {e.have} bytes available. Please make sure the "
+                              f"string length indicator is in one buffer.") from None
+            raise invalid(f"incomplete string data for inference input '{t.name}', expecting "
+                          f"string of length {e.need} but only {e.have} bytes available") from None
 
 
 def check_outputs(model: ModelView, names) -> None:

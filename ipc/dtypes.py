@@ -126,6 +126,15 @@ def deserialize_bytes(buffer, count: int | None = None) -> np.ndarray:
     return result
 
 
+class BytesCutError(ValueError):
+    """BYTES data that ends inside an element: ``prefix`` when inside a 4-byte length prefix,
+    else inside the element's data; ``need`` bytes were due where ``have`` were left."""
+
+    def __init__(self, message: str, prefix: bool, need: int, have: int):
+        super().__init__(message)
+        self.prefix, self.need, self.have = prefix, need, have
+
+
 class BytesCountError(ValueError):
     """BYTES data that is well formed but holds a different number of elements: ``count`` is
     how many were found (``expected + 1`` when there are more)."""
@@ -136,19 +145,21 @@ class BytesCountError(ValueError):
 
 
 def count_bytes_elements(buffer, expected: int) -> None:
-    """Walk the length prefixes of BYTES data without copying; ValueError unless exactly
-    ``expected`` (BytesCountError when only the count is wrong)."""
+    """Walk the length prefixes of BYTES data without copying: BytesCutError for data cut
+    short, BytesCountError for well-formed data with other than ``expected`` elements."""
     mv = memoryview(buffer).cast("B")
     total = len(mv)
     pos = 0
     n = 0
     while pos < total:
         if pos + 4 > total:
-            raise ValueError(f"truncated length prefix at byte {pos}")
-        pos += 4 + int.from_bytes(mv[pos:pos + 4], "little")
+            raise BytesCutError(f"truncated length prefix at byte {pos}", True, 4, total - pos)
+        length = int.from_bytes(mv[pos:pos + 4], "little")
+        pos += 4 + length
         n += 1
         if pos > total:
-            raise ValueError(f"element {n - 1} extends past the end of the data")
+            raise BytesCutError(f"element {n - 1} extends past the end of the data", False,
+                                length, total - (pos - length))
         if n > expected:
             break
     if n != expected:

@@ -289,14 +289,17 @@ def test_onnx_model_over_grpc_with_bad_ranges_in_triton_words(fake_server, segme
                                 "Expected 2048, got 1024"),
             ("nope", 2048, 0, "Unable to find shared memory region: 'nope'"),
         ]:
+            # an unregistered region is NOT_FOUND, as Triton answers it
+            status = ("StatusCode.NOT_FOUND",) if region == "nope" else \
+                ("400", "StatusCode.INVALID_ARGUMENT")
             refused(lambda: c.infer("mlp_onnx", [_cuda_io(mod, "INPUT0", [2, 256], region,
-                                                          nbytes, offset)]), words)
+                                                          nbytes, offset)]), words, status)
         refused(lambda: c.infer("mlp_onnx", [_cuda_io(mod, "INPUT0", [2, 256], "mlp_in", 2048)],
                                 outputs=[_cuda_io(mod, "OUTPUT0", None, "mlp_out", 1024,
                                                   output=True)]),
                 "should be at least 2048 bytes to hold the results")
         refused(lambda: c.unregister_cuda_shared_memory("mlp_in") or
                 c.infer("mlp_onnx", [_cuda_io(mod, "INPUT0", [2, 256], "mlp_in", 2048)]),
-                "Unable to find shared memory region: 'mlp_in'")
+                "Unable to find shared memory region: 'mlp_in'", ("StatusCode.NOT_FOUND",))
     finally:
         c.unregister_cuda_shared_memory()

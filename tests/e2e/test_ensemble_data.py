@@ -599,9 +599,13 @@ def test_bad_inputs_are_refused_naming_the_input(proto):
         # a missing input
         (lambda: infer(mod, c, "pair", {"A": np.ones((1, 3), np.int32)}, dtype="INT32"),
          "missing required input(s) ['B']"),
-        # an input it does not have
+        # an input it does not have: more inputs than the model has, counted first as Triton
+        # does, naming what was given
         (lambda: infer(mod, c, "ens", {"IN": np.ones((1, 2), np.float32),
                                        "PLUS": np.ones((1, 2), np.float32)}),
+         "expected 1 inputs but got 2 inputs for model 'ens'. Got input(s) ['IN','PLUS']"),
+        # in place of the one it has
+        (lambda: infer(mod, c, "ens", {"PLUS": np.ones((1, 2), np.float32)}),
          "unexpected inference input 'PLUS' for model 'ens'"),
     ]
     for call, text in cases:

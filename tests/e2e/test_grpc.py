@@ -35,6 +35,9 @@ def test_health_metadata_and_config(client):
     with pytest.raises(InferenceServerException) as e:
         client.is_model_ready("no_such_model")
     assert "NOT_FOUND" in str(e.value.status())
+    with pytest.raises(InferenceServerException) as e:
+        client.is_model_ready("simple", "x")
+    assert "INVALID_ARG" in str(e.value.status())
     meta = client.get_server_metadata()
     assert meta.name == "shmserve-test" and "system_shared_memory" in meta.extensions
     m = client.get_model_metadata("simple")
@@ -105,7 +108,7 @@ def test_typed_and_raw_together_is_refused(server):
     (lambda r: r.inputs[0].shape.__setitem__(1, 8), "INVALID_ARGUMENT", "byte size mismatch for input 'INPUT0'"),
     (lambda r: setattr(r.inputs[0], "datatype", "FP32"), "INVALID_ARGUMENT", "data-type is 'FP32'"),
     (lambda r: r.raw_input_contents.__setitem__(0, b"\0" * 10), "INVALID_ARGUMENT", "Expected 64, got 10"),
-    (lambda r: r.raw_input_contents.pop(), "INVALID_ARGUMENT", "has no data"),
+    (lambda r: r.raw_input_contents.pop(), "INVALID_ARGUMENT", "unable to find data for input tensor"),
     (lambda r: r.raw_input_contents.append(b"\0" * 64), "INVALID_ARGUMENT", "raw_input_contents"),
     (lambda r: (r.inputs.pop(), r.raw_input_contents.pop()), "INVALID_ARGUMENT", "missing required input(s) ['INPUT1']"),
 ])

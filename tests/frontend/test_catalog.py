@@ -160,15 +160,15 @@ def test_server_ready():
 def test_index(catalog):
     assert catalog.index(ready_only=False) == [
         {"name": "broken", "state": "UNAVAILABLE", "reason": "failed to parse config.pbtxt: x"},
-        {"name": "loading", "version": "1", "state": "LOADING", "reason": ""},
+        {"name": "loading", "version": "1", "state": "LOADING"},
         {"name": "onnx", "version": "1", "state": "UNAVAILABLE", "reason": "unloaded"},
-        {"name": "simple", "version": "1", "state": "READY", "reason": ""},
+        {"name": "simple", "version": "1", "state": "READY"},
         {"name": "simple", "version": "2", "state": "UNAVAILABLE", "reason": "load failed: boom"},
-        {"name": "simple", "version": "3", "state": "READY", "reason": ""},
-        {"name": "simple", "version": "4", "state": "LOADING", "reason": ""},
+        {"name": "simple", "version": "3", "state": "READY"},
+        {"name": "simple", "version": "4", "state": "LOADING"},
     ]
     assert catalog.index(ready_only=True) == [
-        {"name": "simple", "version": "1", "state": "READY", "reason": ""},
-        {"name": "simple", "version": "3", "state": "READY", "reason": ""},
+        {"name": "simple", "version": "1", "state": "READY"},
+        {"name": "simple", "version": "3", "state": "READY"},
     ]
     assert ModelCatalog().index(ready_only=False) == []

@@ -232,10 +232,11 @@ def test_resolve_gives_a_cuda_reference_with_system_regions_texts(drv, segment):
         (("c", 64, 256), "input 'X': Invalid offset for shared memory region: 'c'"),
         (("c", 200, 100), "input 'X': Invalid offset + byte size for shared memory region: 'c'"),
         (("c", 2 ** 64 - 1, 1), "input 'X': Integer overflow detected"),
-        (("nope", 8, 0), "input 'X': Unable to find shared memory region: 'nope'"),
         (("c", None, 0), "input 'X': shared_memory_byte_size must be given"),
     ]:
         assert refused(ErrorCode.INVALID_ARG, reg.resolve, *args, "input 'X'").startswith(words)
+    assert refused(ErrorCode.NOT_FOUND, reg.resolve, "nope", 8, 0, "input 'X'") == \
+        "Unable to find shared memory region: 'nope' (input 'X')"
 
 
 # ---- one table for every frontend ------------------------------------------------------------------

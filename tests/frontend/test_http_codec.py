@@ -279,7 +279,7 @@ def test_large_raw_body_is_passed_by_reference(catalog, arena):
     ("raw_fixed", b"\x00" * 4, "input byte size mismatch for input 'R'"),
     ("raw_two_var", b"\x00" * 8, "The shape of the raw input 'R' can not be deduced because there "
                                  "are more than one variable-sized dimension"),
-    ("raw_bytes", b"\x05\x00\x00\x00ab", "input 'S' for model 'raw_bytes' has invalid BYTES data"),
+    ("raw_bytes", b"\x05\x00\x00\x00ab", "incomplete string data for inference input 'S', expecting string of length 5 but only 2 bytes available"),
 ])
 def test_raw_body_errors(catalog, arena, model, body, match):
     with pytest.raises(InferError, match=_re(match)) as e:
@@ -296,14 +296,13 @@ BATCHED_INPUTS = [t_in("X", "INT64", [1, 3], [1, 2, 3]), t_in("Y", "BOOL", [1, 1
     (None, None, {"OUT0": False, "OUT1": False}),
     ({"binary_data_output": True}, None, {"OUT0": True, "OUT1": True}),
     ({"binary_data_output": False}, None, {"OUT0": False, "OUT1": False}),
-    ({"binary_data_output": "yes"}, None, {"OUT0": False, "OUT1": False}),   # only JSON true counts
     (None, [{"name": "OUT1"}], {"OUT1": False}),
     ({"binary_data_output": True}, [{"name": "OUT1"}, {"name": "OUT0", "parameters": {"binary_data": False}}],
      {"OUT1": True, "OUT0": False}),
     (None, [{"name": "OUT0", "parameters": {"binary_data": True}}, {"name": "OUT1"}],
      {"OUT0": True, "OUT1": False}),
     (None, [], {}),
-], ids=["default", "all-binary", "all-json", "non-bool", "one", "override-off", "override-on", "empty"])
+], ids=["default", "all-binary", "all-json", "one", "override-off", "override-on", "empty"])
 def test_binary_data_output(catalog, arena, params, outputs, expected):
     doc = {"inputs": [t_in("A", "FP32", [2, 2], [0] * 4), t_in("B", "BYTES", [1], ["s"])]}
     if params is not None:
@@ -323,29 +322,28 @@ B_OK = t_in("B", "BYTES", [1], ["s"])
 
 # (id, model, inputs, message fragment naming the input)
 INPUT_ERRORS = [
-    ("datatype", "multi", [t_in("A", "FLOAT", [2, 2], [0] * 4), B_OK], "input 'A' has invalid datatype 'FLOAT'"),
-    ("no-datatype", "multi", [{"name": "A", "shape": [2, 2], "data": [0] * 4}, B_OK], "input 'A' has invalid datatype 'None'"),
+    ("datatype", "multi", [t_in("A", "FLOAT", [2, 2], [0] * 4), B_OK], "invalid datatype for input A (got 'FLOAT')"),
+    ("no-datatype", "multi", [{"name": "A", "shape": [2, 2], "data": [0] * 4}, B_OK], "Unable to parse 'datatype': attempt to access non-existing object member 'datatype' (input 'A')"),
     ("shape-negative", "multi", [t_in("A", "FP32", [2, -2], [0] * 4), B_OK], "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A'"),
-    ("shape-missing", "multi", [{"name": "A", "datatype": "FP32", "data": [0] * 4}, B_OK], "Unable to parse 'shape' of input 'A'"),
+    ("shape-missing", "multi", [{"name": "A", "datatype": "FP32", "data": [0] * 4}, B_OK], "Unable to parse 'shape': attempt to access non-existing object member 'shape' (input 'A')"),
     ("shape-float", "multi", [t_in("A", "FP32", [2.0, 2], [0] * 4), B_OK], "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A'"),
     ("shape-bool", "multi", [t_in("A", "FP32", [True, 2], [0] * 4), B_OK], "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A'"),
     ("data-and-binary", "multi", [t_in("A", "FP32", [2, 2], [0] * 4, binary_data_size=16), B_OK],
-     "input 'A' must set only one of"),
-    ("neither", "multi", [t_in("A", "FP32", [2, 2]), B_OK], "input 'A' must set only one of"),
-    ("shm-region", "multi", [t_in("A", "FP32", [2, 2], shared_memory_region="r", shared_memory_byte_size=16), B_OK],
-     "input 'A': Unable to find shared memory region: 'r'"),
+     "Input must set only one of the following fields: 'data', 'binary_data_size' in 'parameters', "
+     "'shared_memory_region' in 'parameters'. But set 'data' 'binary_data_size' (input 'A')"),
+    ("neither", "multi", [t_in("A", "FP32", [2, 2]), B_OK], "But no field is set (input 'A')"),
     ("binary-size-negative", "multi", [t_in("A", "FP32", [2, 2], binary_data_size=-1), B_OK],
-     "input 'A': binary_data_size must be a non-negative integer"),
+     "Unable to parse 'binary_data_size': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A')"),
     ("binary-size-str", "multi", [t_in("A", "FP32", [2, 2], binary_data_size="16"), B_OK],
-     "input 'A': binary_data_size must be a non-negative integer"),
+     "Unable to parse 'binary_data_size': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A')"),
     ("binary-size-bool", "multi", [t_in("A", "FP32", [2, 2], binary_data_size=True), B_OK],
-     "input 'A': binary_data_size must be a non-negative integer"),
+     "Unable to parse 'binary_data_size': attempt to access JSON non-unsigned-integer as unsigned-integer (input 'A')"),
     ("binary-past-end", "multi", [t_in("A", "FP32", [2, 2], binary_data_size=16), B_OK],
-     "unexpected size for input 'A', expecting 16 additional bytes for model 'multi' but the body has only 0 left"),
+     "unexpected size for input 'A', expecting 16 additional bytes for model 'multi'"),
     ("count", "multi", [t_in("A", "FP32", [2, 2], [1, 2, 3]), B_OK],
-     "unexpected number of elements for input 'A' for model 'multi': shape [2, 2] needs 4, got 3"),
+     "Unable to parse 'data': Shape does not match true shape of 'data' field (input 'A' for model 'multi': shape [2, 2] needs 4 elements, got 3)"),
     ("count-nested", "multi", [t_in("A", "FP32", [2, 2], [[1, 2], [3, 4], [5, 6]]), B_OK],
-     "unexpected number of elements for input 'A'"),
+     "Unable to parse 'data': Shape does not match true shape of 'data' field (input 'A'"),
     ("bytes-not-str", "multi", [A_OK, t_in("B", "BYTES", [2], ["a", 1])], "input 'B' of datatype BYTES must hold JSON strings"),
     ("numbers", "multi", [t_in("A", "FP32", [2, 2], [1, "2", 3, 4]), B_OK], "input 'A' of datatype FP32 must hold numbers"),
     ("null", "multi", [t_in("A", "FP32", [2, 2], [1, None, 3, 4]), B_OK], "input 'A' of datatype FP32 must hold numbers"),
@@ -364,7 +362,7 @@ INPUT_ERRORS = [
     ("dtype-mismatch", "multi", [t_in("A", "FP64", [2, 2], [1, 2, 3, 4]), B_OK],
      "inference input 'A' data-type is 'FP64', but model 'multi' expects 'FP32'"),
     ("shape-mismatch", "multi", [t_in("A", "FP32", [4], [1, 2, 3, 4]), B_OK],
-     "unexpected shape for input 'A' for model 'multi'. Expected [2, 2], got [4]"),
+     "[request id: <id_unknown>] unexpected shape for input 'A' for model 'multi'. Expected [2,2], got [4]. "),
     ("missing", "multi", [A_OK], "missing required input(s) ['B']"),
     ("no-batch-dim", "batched", [t_in("X", "INT64", [], [1]), t_in("Y", "BOOL", [1, 1], [True])],
      "input 'X' for model 'batched' has no batch dimension"),
@@ -373,7 +371,7 @@ INPUT_ERRORS = [
     ("batch-too-big", "batched", [t_in("X", "INT64", [5, 3], [0] * 15), t_in("Y", "BOOL", [5, 1], [True] * 5)],
      "inference request batch-size must be <= 4 for 'batched'"),
     ("batched-shape", "batched", [t_in("X", "INT64", [1, 4], [0] * 4), t_in("Y", "BOOL", [1, 1], [True])],
-     "unexpected shape for input 'X' for model 'batched'. Expected [-1, 3], got [1, 4]"),
+     "[request id: <id_unknown>] unexpected shape for input 'X' for model 'batched'. Expected [-1,3], got [1,4]. NOTE: Setting a non-zero max_batch_size"),
 ]
 
 
@@ -385,19 +383,27 @@ def test_input_errors_name_the_input(catalog, arena, model, inputs, match):
     assert e.value.message == str(e.value)
 
 
+def test_an_unregistered_region_is_not_found_as_triton_says(catalog, arena):
+    inputs = [t_in("A", "FP32", [2, 2], shared_memory_region="r", shared_memory_byte_size=16), B_OK]
+    with pytest.raises(InferError) as e:
+        parse(catalog, arena, "multi", jbody({"inputs": inputs}))
+    assert e.value.code == ErrorCode.NOT_FOUND      # 404 over HTTP, as Triton
+    assert e.value.message == "Unable to find shared memory region: 'r' (input 'A')"
+
+
 # (id, model, body builder, header_len, message fragment)
 BINARY_ERRORS = [
     ("size-mismatch", "multi", lambda: binary_request({"inputs": [t_in("A", "FP32", [2, 2], binary_data_size=12), B_OK]},
                                                       b"\x00" * 12), "input byte size mismatch for input 'A' for model 'multi'. Expected 16, got 12"),
     ("bad-bytes", "multi", lambda: binary_request({"inputs": [A_OK, t_in("B", "BYTES", [2], binary_data_size=9)]},
                                                   b"\x01\x00\x00\x00a\x09\x00\x00\x00"),
-     "input 'B' for model 'multi' has invalid BYTES data: element 1 extends past the end"),
+     "incomplete string data for inference input 'B', expecting string of length 9 but only 0 bytes available"),
     ("bytes-count", "multi", lambda: binary_request({"inputs": [A_OK, t_in("B", "BYTES", [2], binary_data_size=5)]},
                                                     b"\x01\x00\x00\x00a"),
      "expected 2 string elements for inference input 'B' for model 'multi', got 1"),
     ("short-body", "blob", lambda: binary_request({"inputs": [t_in("U", "UINT8", [4], binary_data_size=4),
                                                               t_in("V", "UINT8", [4], binary_data_size=4)]}, b"\x00" * 6),
-     "unexpected size for input 'V', expecting 4 additional bytes for model 'blob' but the body has only 2 left"),
+     "unexpected size for input 'V', expecting 2 additional bytes for model 'blob'"),
 ]
 
 
@@ -412,12 +418,17 @@ def test_binary_input_errors_name_the_input(catalog, arena, model, build, match)
 REQUEST_ERRORS = [
     ("json", b'{"inputs": [', None, "failed to parse the request JSON buffer"),
     ("not-object", b"[1, 2]", None, "the request JSON must be an object"),
-    ("no-inputs", b"{}", None, "must contain an 'inputs' array"),
-    ("inputs-not-list", b'{"inputs": {}}', None, "must contain an 'inputs' array"),
-    ("input-not-object", b'{"inputs": [1]}', None, "each entry of 'inputs' must be an object with a string 'name'"),
-    ("input-no-name", b'{"inputs": [{"datatype": "FP32"}]}', None, "each entry of 'inputs' must be an object"),
+    ("no-inputs", b"{}", None, "Unable to parse 'inputs': attempt to access non-existing object member 'inputs'"),
+    ("inputs-not-list", b'{"inputs": {}}', None, "Unable to parse 'inputs': attempt to access JSON non-array as array"),
+    ("input-not-object", b'{"inputs": [1]}', None, "But no field is set (each entry of 'inputs' is an object)"),
+    ("input-no-name", b'{"inputs": [{"datatype": "FP32", "data": [1]}]}', None,
+     "Unable to parse 'name': attempt to access non-existing object member 'name' (an entry of 'inputs')"),
+    ("input-name-not-str", b'{"inputs": [{"name": 1, "data": [1]}]}', None,
+     "Unable to parse 'name': attempt to access JSON non-string as string (an entry of 'inputs')"),
+    ("binary-output-not-bool", b'{"inputs": [], "parameters": {"binary_data_output": "yes"}}', None,
+     "Unable to parse 'binary_data_output': attempt to access JSON non-boolean as boolean"),
     ("params", b'{"inputs": [], "parameters": [1]}', None, "request 'parameters' must be a JSON object"),
-    ("id", b'{"inputs": [], "id": 5}', None, "request 'id' must be a string"),
+    ("id", b'{"inputs": [], "id": 5}', None, "Unable to parse 'id': attempt to access JSON non-string as string"),
     ("header-len", b'{"inputs": []}', 100, "inference header size should be in range (0, 14), got: 100 (Inference-Header-Content-Length is larger than the request body of 14 bytes)"),
     ("header-len-negative", b'{"inputs": []}', -1, "inference header size should be in range (0, 14), got: -1 (Inference-Header-Content-Length is negative)"),
     ("trailing", b'{"inputs": []}xyz', 14, "unexpected additional input data for model 'multi': 3 bytes after the last binary input"),
@@ -434,10 +445,12 @@ def test_request_errors(catalog, arena, body, hlen, match):
 
 OUTPUT_ERRORS = [
     ("unknown", [{"name": "NOPE"}], "unexpected inference output 'NOPE' for model 'multi'"),
-    ("not-list", {"name": "OUT0"}, "request 'outputs' must be an array"),
-    ("no-name", [{"parameters": {}}], "each entry of 'outputs' must be an object with a string 'name'"),
+    ("not-list", {"name": "OUT0"}, "Unable to parse 'outputs': attempt to access JSON non-array as array"),
+    ("no-name", [{"parameters": {}}], "Unable to parse 'name': attempt to access non-existing object member 'name' (an entry of 'outputs')"),
+    ("binary-not-bool", [{"name": "OUT0", "parameters": {"binary_data": 1}}],
+     "Unable to parse 'binary_data': attempt to access JSON non-boolean as boolean (output 'OUT0')"),
     ("shm", [{"name": "OUT0", "parameters": {"shared_memory_region": "r"}}],
-     "output 'OUT0': Unable to find shared memory region: 'r'"),
+     "Unable to find shared memory region: 'r' (output 'OUT0')"),
     ("classification-bytes", [{"name": "OUT1", "parameters": {"classification": 2}}],
      "output 'OUT1': class result not available for output due to unsupported type 'BYTES'"),
     ("classification-zero", [{"name": "OUT0", "parameters": {"classification": 0}}],

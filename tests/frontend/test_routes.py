@@ -179,8 +179,10 @@ def test_answers_of_simple_routes(app):
     status, body, _ = http(app, "GET", "/v2/models/simple/versions/1")
     assert status == 200 and json.loads(body)["versions"] == ["1"]
     assert http(app, "GET", "/v2/models/simple/ready")[0] == 200
-    status, body, _ = http(app, "GET", "/v2/models/no%20such/ready")
+    status, body, _ = http(app, "GET", "/v2/models/no%20such")
     assert status == 404 and "'no such'" in json.loads(body)["error"]
+    assert http(app, "GET", "/v2/models/simple/versions/x")[0] == 404     # digits only
+    assert http(app, "GET", "/v2/models/simple/versions/%C2%B2")[0] == 404
     status, body, _ = http(app, "GET", "/v2/models/stats")
     assert status == 200 and json.loads(body)["model_stats"][0]["name"] == "simple"
     assert http(app, "POST", "/v2/repository/models/simple/load")[0] == 200
