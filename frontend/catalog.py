@@ -183,6 +183,9 @@ class ModelCatalog:
             ready = view.ready_versions()
             if not ready and view.on_demand:
                 return view, self._on_demand(view, max(view.states))
+            if not view.states:     # in the repository, never loaded: unknown, as Triton says
+                raise InferError(ErrorCode.NOT_FOUND,
+                                 f"Request for unknown model: '{name}' is not found")
             if not ready:
                 reasons = "; ".join(r for _, r, _ in view.states.values() if r)
                 raise InferError(ErrorCode.NOT_FOUND,

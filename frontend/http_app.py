@@ -298,7 +298,8 @@ class KServeHttpApp(HttpApp):
                 raise invalid(f"failed to parse the {action} request JSON") from None
             params = doc.get("parameters", {}) if isinstance(doc, dict) else None
             if not isinstance(params, dict):
-                raise invalid(f"{action} request 'parameters' must be a JSON object")
+                raise invalid(f"attempt to get members for non-object ({action} request "
+                              f"'parameters' must be a JSON object)")
         if action == "load":       # model files come as base64 text in JSON
             self.later(conn, req, self.service.load(model, params, repository, base64_files=True))
         else:

@@ -140,6 +140,19 @@ def _shape(name: str, value: Any) -> list[int]:
     return value
 
 
+def _sequence_types(params: dict) -> None:
+    """The sequence parameters' JSON types, in the words of Triton's reader (request.prepare
+    checks their values for every protocol)."""
+    cid = params.get("sequence_id", 0)
+    if isinstance(cid, bool) or not isinstance(cid, (int, str)):
+        raise unparsable("sequence_id", NOT_STRING, f"request parameter 'sequence_id' is an "
+                                                   f"unsigned 64-bit integer or a string, got {cid!r}")
+    for key in ("sequence_start", "sequence_end"):
+        if not isinstance(params.get(key, False), bool):
+            raise unparsable(key, NOT_BOOL, f"request parameter '{key}' is a boolean, got "
+                                            f"{params[key]!r}")
+
+
 def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef | None,
                 arena: ShmArena, registry: ShmRegistry,
                 limits: RequestLimits = DEFAULT_LIMITS) -> PreparedRequest:
@@ -171,6 +184,7 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
                       "(the request 'parameters' must be a JSON object)")
     if not isinstance(params.get("binary_data_output", False), bool):
         raise unparsable("binary_data_output", NOT_BOOL, "a request parameter")
+    _sequence_types(params)
     scratch: list[ShmRef] = []
     try:
         return _parse(model, mv, header_len, body_ref, arena, registry, doc, inputs, params,

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from multiprocessing import shared_memory
 
 import grpc
 from tritonclient.grpc import service_pb2_grpc
@@ -28,6 +29,7 @@ from tritonclient.grpc import service_pb2_grpc
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(HERE))
+import triton_steps  # noqa: E402
 from serverproc import Server  # noqa: E402
 from triton_cases import GOOD_GRPC, GOOD_HTTP, GRPC_CASES, HTTP_CASES, build_repo  # noqa: E402
 
@@ -111,6 +113,29 @@ def run_good(http_url: str, grpc_url: str) -> dict:
     return out
 
 
+def run_steps(http_url: str, grpc_url: str) -> dict:
+    """Each step's answer: (status, the JSON / message as a dict) when it succeeded, else
+    (status, error text)."""
+    from google.protobuf.json_format import MessageToDict
+    out = {}
+    with grpc.insecure_channel(grpc_url) as ch:
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(ch)
+        for proto, name, step in triton_steps.STEPS:
+            if proto == "HTTP":
+                status, _, doc, _ = http_good(http_url, *step[:3])
+                if status != 200:
+                    doc = doc.get("error", "") if isinstance(doc, dict) else doc
+                out[(proto, name)] = (status, doc)
+            else:
+                try:
+                    resp = getattr(stub, step[0])(step[1], timeout=60)
+                    out[(proto, name)] = ("OK", MessageToDict(resp,
+                                                              preserving_proto_field_name=True))
+                except grpc.RpcError as e:
+                    out[(proto, name)] = (e.code().name, e.details())
+    return out
+
+
 def grpc_call(stub, rpc: str, req) -> tuple:
     try:
         getattr(stub, rpc)(req, timeout=30)
@@ -119,13 +144,13 @@ def grpc_call(stub, rpc: str, req) -> tuple:
         return e.code().name, e.details()
 
 
-def wait_ready(url: str, deadline_s: float = 120.0) -> None:
+def wait_ready(url: str, path: str, deadline_s: float = 120.0) -> None:
     u = urllib.parse.urlparse(url)
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         try:
             conn = http.client.HTTPConnection(u.hostname, u.port, timeout=2)
-            conn.request("GET", "/v2/models/identity_fp32/ready")
+            conn.request("GET", path)
             if conn.getresponse().status == 200:
                 return
         except OSError:
@@ -158,35 +183,69 @@ def verdict(theirs: tuple, ours: tuple) -> str:
     return "DIFF"
 
 
+def run_both(tools: str, build, flags: list[str], ready_path: str, run) -> tuple:
+    """``run(http_url, grpc_url)`` against Triton, then against shmserve, each serving a fresh
+    copy of the repository ``build(root)`` writes, started with ``flags``."""
+    sys.path.insert(0, os.path.abspath(tools))
+    import sbs_server
+    answers = []
+    with tempfile.TemporaryDirectory() as tmp:
+        repo = os.path.join(tmp, "repo")
+        build(repo)
+        http, grpc_port, metrics = (sbs_server.free_port() for _ in range(3))
+        cmd, env = sbs_server.command_for("triton", repo, http, grpc_port, metrics)
+        with open(os.path.join(tmp, "triton.log"), "wb") as log:
+            tri = subprocess.Popen(cmd + flags, env=env, stdout=log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_ready(f"http://127.0.0.1:{http}", ready_path)
+            answers.append(run(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}"))
+        finally:
+            os.killpg(tri.pid, signal.SIGTERM)
+            tri.wait(timeout=60)
+        ours = Server(repo, *flags, wait_ready=False)
+        try:
+            wait_ready(ours.base, ready_path)
+            answers.append(run(ours.base, ours.grpc_url))
+        finally:
+            ours.stop()
+    return answers[0], answers[1]
+
+
+def _requests(http_url: str, grpc_url: str) -> tuple:
+    return run_cases(http_url, grpc_url), run_good(http_url, grpc_url)
+
+
+def compare_answers(theirs: dict, ours: dict, show_all: bool) -> int:
+    """Print each answer that differs (all with ``show_all``); return how many are alike."""
+    alike = 0
+    for name, (ts, th, tdoc, traw) in theirs.items():
+        os_, oh, odoc, oraw = ours[name]
+        if ts in (200, "OK") and ts == os_:
+            diffs = ([f"headers {th} against {oh}"] if th != oh else []) + \
+                shape_diff(tdoc, odoc) + \
+                ([f"binary part {len(traw)} bytes against {len(oraw)}"] if traw != oraw else [])
+        elif ts not in (200, "OK") and os_ not in (200, "OK") and \
+                verdict((ts, tdoc), (os_, odoc)) != "DIFF":
+            diffs = []
+        else:
+            diffs = [f"{ts} {tdoc!r} against {os_} {odoc!r}"]
+        alike += not diffs
+        if diffs or show_all:
+            print(f"{'same' if not diffs else 'DIFF'} {name[0]} answer: {name[1]}")
+            for d in diffs:
+                print(f"   {d}")
+    return alike
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tools", default=os.path.join(ROOT, "..", "shared", "tools", "triton-bench"))
     ap.add_argument("--all", action="store_true")
     a = ap.parse_args()
-    sys.path.insert(0, os.path.abspath(a.tools))
-    import sbs_server
-    with tempfile.TemporaryDirectory() as tmp:
-        repo = os.path.join(tmp, "repo")
-        build_repo(repo)
-        http, grpc_port, metrics = (sbs_server.free_port() for _ in range(3))
-        cmd, env = sbs_server.command_for("triton", repo, http, grpc_port, metrics)
-        with open(os.path.join(tmp, "triton.log"), "wb") as log:
-            tri = subprocess.Popen(cmd + ["--exit-on-error=false"], env=env, stdout=log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait_ready(f"http://127.0.0.1:{http}")
-            theirs = run_cases(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}")
-            theirs_good = run_good(f"http://127.0.0.1:{http}", f"127.0.0.1:{grpc_port}")
-        finally:
-            os.killpg(tri.pid, signal.SIGTERM)
-            tri.wait(timeout=60)
-        ours_srv = Server(repo, "--exit-on-error=false", wait_ready=False)
-        try:
-            wait_ready(ours_srv.base)
-            ours = run_cases(ours_srv.base, ours_srv.grpc_url)
-            ours_good = run_good(ours_srv.base, ours_srv.grpc_url)
-        finally:
-            ours_srv.stop()
+    (theirs, theirs_good), (ours, ours_good) = run_both(
+        a.tools, build_repo, ["--exit-on-error=false"], "/v2/models/identity_fp32/ready",
+        _requests)
     counts = {"same": 0, "words": 0, "DIFF": 0}
     for key, t in theirs.items():
         o = ours[key]
@@ -195,20 +254,26 @@ def main() -> int:
         if a.all or kind == "DIFF":
             print(f"{kind} {key[0]} {key[1]}\n   triton:   {t[0]} {t[1]!r}\n"
                   f"   shmserve: {o[0]} {o[1]!r}")
-    alike = 0
-    for name, (ts, th, tdoc, traw) in theirs_good.items():
-        os_, oh, odoc, oraw = ours_good[name]
-        diffs = ([f"status {ts} against {os_}"] if ts != os_ else []) + \
-            ([f"headers {th} against {oh}"] if th != oh else []) + shape_diff(tdoc, odoc) + \
-            ([f"binary part {len(traw)} bytes against {len(oraw)}"] if traw != oraw else [])
-        alike += not diffs
-        if diffs or a.all:
-            print(f"{'same' if not diffs else 'DIFF'} {name[0]} answer: {name[1]}")
-            for d in diffs:
-                print(f"   {d}")
-    print(f"{len(theirs_good)} good requests: {alike} answered alike (shape, types, fixed values)")
-    print(f"{len(theirs)} requests: {counts['same']} answered the same, {counts['words']} with "
+    good_alike = compare_answers(theirs_good, ours_good, a.all)
+    segments = [shared_memory.SharedMemory(name, create=True, size=64)
+                 for name in (triton_steps.SHM_IN, triton_steps.SHM_OUT)]
+    try:
+        segments[0].buf[:64] = bytes(range(64))
+        steps_theirs, steps_ours = run_both(
+            a.tools, triton_steps.build_repo, ["--model-control-mode=explicit"],
+            "/v2/health/ready", run_steps)
+    finally:
+        for seg in segments:
+            seg.close()
+            seg.unlink()
+    as_answers = {k: (v[0], {}, v[1], b"") for k, v in steps_theirs.items()}
+    steps_alike = compare_answers(as_answers,
+                                  {k: (v[0], {}, v[1], b"") for k, v in steps_ours.items()}, a.all)
+    print(f"{len(theirs)} bad requests: {counts['same']} answered the same, {counts['words']} with "
           f"Triton's words first (and 400 where Triton says 500), {counts['DIFF']} otherwise")
+    print(f"{len(theirs_good)} good requests: {good_alike} answered alike (shape, types, fixed "
+          f"values)")
+    print(f"{len(steps_theirs)} steps in explicit model control: {steps_alike} answered alike")
     return 0
 
 

@@ -86,6 +86,24 @@ def test_get_unknown(catalog):
     assert e.value.code == ErrorCode.NOT_FOUND
 
 
+def test_a_model_never_loaded_is_unknown_and_an_unloaded_one_has_no_versions():
+    """Explicit mode, as Triton answers it: a model in the repository that was never loaded is
+    not known at all; one that was unloaded has no available versions."""
+    c = ModelCatalog()
+    c.update(ModelTable([ModelInfo("never", config_bytes("never"), []),
+                         ModelInfo("gone", config_bytes("gone"), [VersionInfo(
+                             1, ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)])],
+                        startup_done=True))
+    with pytest.raises(InferError) as e:
+        c.resolve("never", "")
+    assert (e.value.code, e.value.message) == (ErrorCode.NOT_FOUND,
+                                               "Request for unknown model: 'never' is not found")
+    with pytest.raises(InferError) as e:
+        c.resolve("gone", "")
+    assert (e.value.code, e.value.message) == (
+        ErrorCode.NOT_FOUND, "Request for unknown model: 'gone' has no available versions (unloaded)")
+
+
 def test_resolve_empty_version_is_highest_ready(catalog):
     view, v = catalog.resolve("simple", "")
     assert view is catalog.get("simple") and v == 3

@@ -121,6 +121,14 @@ HTTP_CASES = [
      {"inputs": [{"name": "IN", "shape": [2, 3], "datatype": "INT32", "data": [1.5] * 6}]}, b"",
      ErrorCode.INVALID_ARG, "Unable to parse 'data': attempt to access JSON non-signed-integer as "
                             "signed-integer (input 'IN' of datatype INT32 must hold integers)"),
+    ("sequence id a float", "identity_fp32",
+     {"inputs": [fp32()], "parameters": {"sequence_id": 1.5}}, b"", ErrorCode.INVALID_ARG,
+     "Unable to parse 'sequence_id': attempt to access JSON non-string as string (request "
+     "parameter 'sequence_id' is an unsigned 64-bit integer or a string, got 1.5)"),
+    ("sequence flag not a boolean", "identity_fp32",
+     {"inputs": [fp32()], "parameters": {"sequence_start": 1}}, b"", ErrorCode.INVALID_ARG,
+     "Unable to parse 'sequence_start': attempt to access JSON non-boolean as boolean (request "
+     "parameter 'sequence_start' is a boolean, got 1)"),
     ("BYTES given numbers", "text",
      {"inputs": [{"name": "IN", "shape": [2], "datatype": "BYTES", "data": [1, 2]}]}, b"",
      ErrorCode.INVALID_ARG, "Unable to parse JSON bytes array: attempt to access JSON non-string "

@@ -427,7 +427,7 @@ REQUEST_ERRORS = [
      "Unable to parse 'name': attempt to access JSON non-string as string (an entry of 'inputs')"),
     ("binary-output-not-bool", b'{"inputs": [], "parameters": {"binary_data_output": "yes"}}', None,
      "Unable to parse 'binary_data_output': attempt to access JSON non-boolean as boolean"),
-    ("params", b'{"inputs": [], "parameters": [1]}', None, "request 'parameters' must be a JSON object"),
+    ("params", b'{"inputs": [], "parameters": [1]}', None, "failed to get request params.: attempt to get members for non-object"),
     ("id", b'{"inputs": [], "id": 5}', None, "Unable to parse 'id': attempt to access JSON non-string as string"),
     ("header-len", b'{"inputs": []}', 100, "inference header size should be in range (0, 14), got: 100 (Inference-Header-Content-Length is larger than the request body of 14 bytes)"),
     ("header-len-negative", b'{"inputs": []}', -1, "inference header size should be in range (0, 14), got: -1 (Inference-Header-Content-Length is negative)"),

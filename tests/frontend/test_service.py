@@ -331,6 +331,15 @@ def test_a_version_that_is_not_digits(path, rpc_name, message):
     assert aborted == (grpc.StatusCode.INVALID_ARGUMENT, VERSION_WORDS)
 
 
+@pytest.mark.parametrize("action", ["load", "unload"])
+def test_control_parameters_not_an_object_read_as_tritons(action):
+    status, body, _ = http(KServeHttpApp(make_service(), 1 << 20), "POST",
+                           f"/v2/repository/models/simple/{action}", b'{"parameters": 5}')
+    assert (status, json.loads(body)["error"]) == (
+        400, f"attempt to get members for non-object ({action} request 'parameters' must be a JSON "
+             f"object)")
+
+
 def test_unload_dependents_true_unloads_over_both():
     client = FakeClient()
     svc = make_service(client)
