@@ -29,7 +29,8 @@ class TritonPythonModel:
 """
 
 
-def build_repo(root: str) -> None:
+def write_identity(root: str) -> None:
+    """identity_fp32, the model most cases address: FP32 [16] in and out, batches up to 8."""
     write_model(root, "identity_fp32", """
 name: "identity_fp32"
 backend: "python"
@@ -37,6 +38,10 @@ max_batch_size: 8
 input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
 """, IDENTITY)
+
+
+def build_repo(root: str) -> None:
+    write_identity(root)
     write_model(root, "nobatch", """
 name: "nobatch"
 backend: "python"

@@ -11,7 +11,7 @@ from tritonclient.grpc import service_pb2
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from repo_builder import write_model  # noqa: E402
-from triton_cases import IDENTITY, NOBATCH, fp32, g_infer, grpc_tensor, infer_body  # noqa: E402
+from triton_cases import NOBATCH, fp32, g_infer, grpc_tensor, infer_body, write_identity  # noqa: E402
 
 ECHO_DECOUPLED = """
 import triton_python_backend_utils as pb_utils
@@ -27,13 +27,7 @@ class TritonPythonModel:
 
 
 def build_repo(root: str) -> None:
-    write_model(root, "identity_fp32", """
-name: "identity_fp32"
-backend: "python"
-max_batch_size: 8
-input [ { name: "INPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-output [ { name: "OUTPUT0" data_type: TYPE_FP32 dims: [ 16 ] } ]
-""", IDENTITY)
+    write_identity(root)
     write_model(root, "seq", """
 name: "seq"
 backend: "python"
