@@ -26,6 +26,7 @@ from .shm_registry import ShmRegistry
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
 
+
 def unparsable(field: str, problem: str, detail: str = "") -> InferError:
     """A request field of the wrong JSON type, in the words of Triton's JSON reader (which
     clients see and compare), then what shmserve knows about it. Triton answers these with 500;
@@ -56,7 +57,7 @@ def _member(obj: dict, field: str, kind: type, problem: str, detail: str = ""):
     value = obj.get(field)
     if value is None:
         raise unparsable(field, f"{MISSING} '{field}'", detail)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    if not isinstance(value, kind):
         raise unparsable(field, problem, detail)
     return value
 
