@@ -536,9 +536,12 @@ def instances_of(config):
         # a GPU group on a machine without GPUs still gets its workers: the backend then
         # refuses to load with the reason, instead of having no instances
         devices = (list(group.gpus) or [0]) if kind == "GPU" else [0]
+        # as Triton names them: a group's only instance by the group's name, several by
+        # the name and their index (a python model sees it as args["model_instance_name"])
+        alone = group.count == 1 and len(devices) == 1
         for device in devices:
             for i in range(group.count):
-                yield Instance(f"{group.name}_{i}", kind, device)
+                yield Instance(group.name if alone else f"{group.name}_{i}", kind, device)
 
 
 def fingerprint(dirs: list[str]) -> tuple:

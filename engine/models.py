@@ -43,7 +43,8 @@ STOPPED_KILL_S = 3.0
 
 @dataclass(eq=False)
 class Instance:
-    name: str                   # e.g. simple_0_1: group name, then index in the group
+    name: str                   # e.g. simple_0_1: group name, then index in the group (simple_0
+                                # for a group's only instance)
     kind: str                   # "CPU" or "GPU"
     device_id: int
     state: InstanceState = InstanceState.STARTING

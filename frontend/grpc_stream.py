@@ -119,7 +119,10 @@ class StreamSession:
         self.out.put_nowait(_END)
 
     def _failed(self, req: pb.ModelInferRequest, e: InferError) -> tuple:
-        if self.error_mode and not isinstance(e, Refused):
+        if isinstance(e, Refused):      # as Triton: the request's id, to tell which it was
+            return (pb.ModelStreamInferResponse(error_message=e.message, infer_response=pb.
+                                                ModelInferResponse(id=req.id)), True, None)
+        if self.error_mode:
             return None, True, e
         response = pb.ModelInferResponse(id=req.id, model_name=req.model_name,
                                          model_version=req.model_version)

@@ -110,7 +110,7 @@ class PythonBackend:
                 import asyncio
                 responses = asyncio.run(responses)
         except Exception as e:
-            msg = f"Failed to process the request(s) for model '{self.spec.model_name}', " \
+            msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
                   f"message: {type(e).__name__}: {e}"
             return self._fail_open(pb_requests, msg)
         if self.decoupled or responses is None:

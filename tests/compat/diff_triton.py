@@ -126,6 +126,13 @@ def run_steps(http_url: str, grpc_url: str) -> dict:
                 if status != 200:
                     doc = doc.get("error", "") if isinstance(doc, dict) else doc
                 out[(proto, name)] = (status, doc)
+            elif proto == "stream":     # ModelStreamInfer: every response the stream gives
+                try:
+                    out[(proto, name)] = ("OK", [
+                        MessageToDict(r, preserving_proto_field_name=True)
+                        for r in stub.ModelStreamInfer(iter(step), timeout=60)])
+                except grpc.RpcError as e:
+                    out[(proto, name)] = (e.code().name, e.details())
             else:
                 try:
                     resp = getattr(stub, step[0])(step[1], timeout=60)

@@ -26,8 +26,22 @@ class TritonPythonModel:
 """
 
 
+RAISES = """
+class TritonPythonModel:
+    def execute(self, requests):
+        raise RuntimeError("boom")
+"""
+
+
 def build_repo(root: str) -> None:
     write_identity(root)
+    write_model(root, "raises", """
+name: "raises"
+backend: "python"
+max_batch_size: 0
+input [ { name: "IN" data_type: TYPE_FP32 dims: [ 1 ] } ]
+output [ { name: "OUT" data_type: TYPE_FP32 dims: [ 1 ] } ]
+""", RAISES)
     write_model(root, "seq", """
 name: "seq"
 backend: "python"
@@ -70,6 +84,10 @@ def _seq(params=None):
     return ("POST", "/v2/models/seq/infer", json.dumps(doc).encode(), {})
 
 
+def _dec(request_id: int):
+    return g_infer("dec", [grpc_tensor("IN", "FP32", (1,))], [b"\0" * 4], id=str(request_id))[1]
+
+
 def _g_seq(**params):
     rpc, req = g_infer("seq", [grpc_tensor("IN", "FP32", (1,))], [b"\0" * 4])
     for k, v in params.items():
@@ -82,7 +100,8 @@ def _g_seq(**params):
     return rpc, req
 
 
-# (protocol, name, request): HTTP (method, path, body, headers); gRPC (rpc, message)
+# (protocol, name, request): HTTP (method, path, body, headers); gRPC (rpc, message); stream
+# (the messages sent on one ModelStreamInfer call)
 STEPS = [
     ("HTTP", "load an unknown model", _load("nope")),
     ("HTTP", "unload an unknown model", ("POST", "/v2/repository/models/nope/unload", None, {})),
@@ -139,6 +158,17 @@ STEPS = [
     ("gRPC", "sequence without an id", _g_seq()),
     ("gRPC", "sequence not started", _g_seq(sequence_id=8)),
     ("gRPC", "sequence start", _g_seq(sequence_id=9, sequence_start=True)),
+    ("HTTP", "load the model that raises", _load("raises")),
+    ("stream", "a model that raises", [g_infer("raises", [grpc_tensor("IN", "FP32", (1,))],
+                                               [b"\0" * 4], id="r9")[1]]),
+    ("gRPC", "a model that raises", g_infer("raises", [grpc_tensor("IN", "FP32", (1,))],
+                                            [b"\0" * 4])),
+    ("stream", "decoupled model", [_dec(1), _dec(2)]),
+    ("stream", "unknown model", [g_infer("nope")[1]]),
+    ("stream", "a bad request among good ones", [_dec(3), g_infer(
+        "dec", [grpc_tensor("IN", "FP32", (2,))], [b"\0" * 8])[1], _dec(4)]),
+    ("stream", "sequence over a stream", [_g_seq(sequence_id=11, sequence_start=True)[1],
+                                          _g_seq(sequence_id=11, sequence_end=True)[1]]),
     ("gRPC", "unload the sequence model", ("RepositoryModelUnload",
                                            service_pb2.RepositoryModelUnloadRequest(
                                                model_name="seq"))),

@@ -139,6 +139,20 @@ def test_with_the_header_a_refused_request_stays_a_message(server):
         s.close()
 
 
+@pytest.mark.parametrize("metadata", [(), (("triton_grpc_error", "true"),)], ids=["default", "header"])
+def test_a_refused_request_is_answered_with_its_id_only(server, metadata):
+    """As Triton 2.51 answers it: error_message, and an infer_response that holds only the id
+    (no model name, no triton_final_response); a failed execution holds more (above)."""
+    bad = service_pb2.ModelInferRequest(model_name="no_such_model", id="r1")
+    bad.inputs.add(name="INPUT0", datatype="INT32", shape=[1]).contents.int_contents.append(1)
+    with grpc.insecure_channel(server.grpc_url) as ch:
+        responses = list(service_pb2_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(
+            iter([bad]), metadata=metadata, timeout=WAIT_S))
+    assert len(responses) == 1
+    assert responses[0].error_message == "Request for unknown model: 'no_such_model' is not found"
+    assert responses[0].infer_response == service_pb2.ModelInferResponse(id="r1")
+
+
 def test_raw_stream_answers_before_the_error_then_the_status(server):
     """In order: the answers to the requests before the failed one, then the status; what
     the client sent after it is not answered."""
