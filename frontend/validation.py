@@ -41,15 +41,14 @@ def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = ""
     """Raise InferError naming the problem; return the request's batch size (1 without batching).
     The checks come in Triton's order, so that a request with several problems gets the error
     Triton would give: a repeated input, the count of inputs, then each input."""
-    tag = request_tag(request_id)
     seen: set[str] = set()
     for t in inputs:
         if t.name in seen:
-            raise invalid(f"{tag}input '{t.name}' already exists in request")
+            raise invalid(f"{request_tag(request_id)}input '{t.name}' already exists in request")
         seen.add(t.name)
     required = model.required_inputs
     if len(inputs) > len(model.inputs) or len(inputs) < len(required):
-        _count_error(model, tag, seen)
+        _count_error(model, request_id, seen)
     mbs = model.max_batch_size
     batch = None
     for t in inputs:
@@ -57,8 +56,8 @@ def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = ""
         if spec is None:
             raise invalid(f"unexpected inference input '{t.name}' for model '{model.name}'")
         if t.datatype != spec.datatype:
-            raise invalid(f"{tag}inference input '{t.name}' data-type is '{t.datatype}', but "
-                          f"model '{model.name}' expects '{spec.datatype}'")
+            raise invalid(f"{request_tag(request_id)}inference input '{t.name}' data-type is "
+                          f"'{t.datatype}', but model '{model.name}' expects '{spec.datatype}'")
         shape = t.shape
         if mbs > 0:
             if not shape:
@@ -72,17 +71,17 @@ def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = ""
                 raise invalid(f"input '{t.name}' has batch size {b} but other inputs of the "
                               f"request have batch size {batch} for model '{model.name}'")
             if b > mbs:
-                raise invalid(f"{tag}inference request batch-size must be <= {mbs} for "
-                              f"'{model.name}'")
+                raise invalid(f"{request_tag(request_id)}inference request batch-size must be "
+                              f"<= {mbs} for '{model.name}'")
             check_shape(model, t.name, spec.dims, shape[1:], shape, request_id)
         else:
             check_shape(model, t.name, spec.dims, shape, None, request_id)
     if any(n not in seen for n in required):
-        _count_error(model, tag, seen)
+        _count_error(model, request_id, seen)
     return batch if batch is not None else 1
 
 
-def _count_error(model: ModelView, tag: str, given: set[str]) -> None:
+def _count_error(model: ModelView, request_id: str, given: set[str]) -> None:
     required, total = model.required_inputs, len(model.inputs)
     expected = f"expected {len(required)} inputs" if len(required) == total else \
         f"expected number of inputs between {len(required)} and {total}"
@@ -90,9 +89,9 @@ def _count_error(model: ModelView, tag: str, given: set[str]) -> None:
     # Triton writes an empty list of missing inputs as "]" (its list loses its opening
     # bracket); clients compare these texts, so the quirk is kept
     missing_text = _names(missing) if missing else "]"
-    raise invalid(f"{tag}{expected} but got {len(given)} inputs for model '{model.name}'. Got "
-                  f"input(s) {_names(sorted(given))}, but missing required input(s) "
-                  f"{missing_text}. Please provide all required input(s).")
+    raise invalid(f"{request_tag(request_id)}{expected} but got {len(given)} inputs for model "
+                  f"'{model.name}'. Got input(s) {_names(sorted(given))}, but missing required "
+                  f"input(s) {missing_text}. Please provide all required input(s).")
 
 
 def _names(names) -> str:
