@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import sys
+import traceback
 from functools import partial
 
 import numpy as np
@@ -24,6 +25,17 @@ from .gpu import DeviceTensor
 from .pb_errors import TO_ERROR_CODE
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
+
+
+def raised_at(e: BaseException) -> str:
+    """Where a model's code raised, as Triton's stub appends it to the message: the Python
+    frames below this module's call, innermost first ("\n\nAt:\n  file(line): function\n")."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)[1:]
+              if os.sep + "asyncio" + os.sep not in f.filename]   # an async execute's runner
+    if not frames:
+        return ""
+    return "\n\nAt:\n" + "".join(f"  {f.filename}({f.lineno}): {f.name}\n"
+                                  for f in reversed(frames))
 
 
 def gpu_inputs(cfg: dict) -> bool:
@@ -111,7 +123,7 @@ class PythonBackend:
                 responses = asyncio.run(responses)
         except Exception as e:
             msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
-                  f"message: {type(e).__name__}: {e}"
+                  f"message: {type(e).__name__}: {e}{raised_at(e)}"
             return self._fail_open(pb_requests, msg)
         if self.decoupled or responses is None:
             if responses is not None:
