@@ -74,7 +74,7 @@ def _flatten(data: Any) -> list:
 
 
 def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], data: Any,
-                 count: int) -> bytes:
+                 count: int, request_id: str) -> bytes:
     """The bytes of an input sent as JSON ``data``; ``count`` is its shape's element count,
     already within the request's limits."""
     if datatype in ("FP16", "BF16"):
@@ -83,11 +83,12 @@ def _json_tensor(model: ModelView, name: str, datatype: str, shape: list[int], d
     _check_depth(name, data)
     flat = _flatten(data)
     if datatype == "BYTES":
-        # Triton reads strings whatever their number; its core then counts them (the
-        # caller's check_byte_size, in its words)
+        # Triton reads strings whatever their number; its core then counts them
         if not all(isinstance(x, str) for x in flat):
             raise invalid(f"Unable to parse JSON bytes array: {NOT_STRING} (input '{name}' of "
                           f"datatype BYTES must hold JSON strings)")
+        if len(flat) != count:
+            raise validation.string_count_error(model, name, count, len(flat), request_id)
         return dtypes.serialize_bytes(np.array(flat, dtype=object)).tobytes()
     if len(flat) != count:
         raise unparsable("data", "Shape does not match true shape of 'data' field",
@@ -185,7 +186,8 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
                       "(the request 'parameters' must be a JSON object)")
     if not isinstance(params.get("binary_data_output", False), bool):
         raise unparsable("binary_data_output", NOT_BOOL, "a request parameter")
-    _sequence_types(params)
+    if params:
+        _sequence_types(params)
     scratch: list[ShmRef] = []
     try:
         return _parse(model, mv, header_len, body_ref, arena, registry, doc, inputs, params,
@@ -244,9 +246,7 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
             cursor += bsize
         else:
             budget.json(name, count)
-            data = _json_tensor(model, name, datatype, shape, item["data"], count)
-            if datatype == "BYTES":
-                validation.check_byte_size(model, t, len(data), data, request_id)
+            data = _json_tensor(model, name, datatype, shape, item["data"], count, request_id)
             budget.data(t, len(data))
             request.place_data(t, data, arena, scratch)
         tensors.append(t)

@@ -108,6 +108,17 @@ def check_load_name(name: str) -> None:
         raise invalid(f"model name must not contain path traversal characters (got '{name}')")
 
 
+def string_count_error(model: ModelView, name: str, expected: int, got: int,
+                       request_id: str = ""):
+    """BYTES data with other than ``expected`` elements, in the words of Triton's core."""
+    where = f"for inference input '{name}' for model '{model.name}'"
+    if got > expected:
+        return invalid(f"{request_tag(request_id)}unexpected number of string elements {got} "
+                       f"{where}, expecting {expected}")
+    return invalid(f"{request_tag(request_id)}expected {expected} string elements {where}, "
+                   f"got {got}")
+
+
 def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None,
                     request_id: str = "") -> None:
     """The bytes given for a tensor must be exactly what its shape and datatype need."""
@@ -122,12 +133,7 @@ def check_byte_size(model: ModelView, t: Tensor, nbytes: int, data=None,
         try:
             dtypes.count_bytes_elements(data, count)
         except dtypes.BytesCountError as e:
-            where = f"for inference input '{t.name}' for model '{model.name}'"
-            tag = request_tag(request_id)
-            if e.count > count:
-                raise invalid(f"{tag}unexpected number of string elements {e.count} {where}, "
-                              f"expecting {count}") from None
-            raise invalid(f"{tag}expected {count} string elements {where}, got {e.count}") from None
+            raise string_count_error(model, t.name, count, e.count, request_id) from None
         except dtypes.BytesCutError as e:
             if e.prefix:
                 raise invalid(f"{request_tag(request_id)}incomplete string length indicator for "
