@@ -29,6 +29,7 @@ class QueuedRequest:
     alone: bool = False         # its worker died: it runs again once, in a batch of its own
     sequence_id: int | str = 0  # the sequence batcher's correlation id (0: none)
     flags: int = 0              # SEQUENCE_START 1 | SEQUENCE_END 2
+    trace: bool = False         # traced: its worker reports the execution's times
 
 
 def shape_key(tensors, variable_inputs: frozenset, has_optional: bool,

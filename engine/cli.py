@@ -166,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 sends them through host memory); repeatable")
     p.add_argument("--version", action="version", version=f"shmserve {VERSION}")
     compat_flags.add(p)
+    compat_flags.add_trace(p)
     return p
 
 
@@ -291,7 +292,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
         frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
-        grpc_options=compat_flags.grpc_options(a))
+        grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a))
     return settings, a
 
 

@@ -9,7 +9,7 @@ Three kinds, one table each:
   values are checked as Triton checks them and the launcher logs, for each one given, that it
   has no effect here and why.
 - ``OFF_ONLY``: switches for features shmserve does not have (response cache, rate limiter,
-  tracing, TLS, SageMaker/Vertex AI endpoints, model namespacing, header forwarding). Their
+  TLS, SageMaker/Vertex AI endpoints, model namespacing, header forwarding). Their
   default or "off" values are accepted; anything that turns the feature on stops the start with
   a message that says so, rather than a server that silently does less than asked.
 """
@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from shmserve.ipc.messages import TraceConfig
 
 
 def triton_bool(text: str) -> bool:
@@ -105,10 +107,6 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
     "--grpc-server-cert": (str, False, "TLS is not supported"),
     "--grpc-server-key": (str, False, "TLS is not supported"),
     "--grpc-root-cert": (str, False, "TLS is not supported"),
-    "--trace-file": (str, False, "tracing is not supported"),
-    "--trace-rate": (_non_negative, False, "tracing is not supported"),
-    "--trace-count": (_int, False, "tracing is not supported"),
-    "--trace-log-frequency": (_non_negative, False, "tracing is not supported"),
 }
 
 
@@ -120,14 +118,6 @@ class OffOnly:
     refusal: str                    # the message when it would not
 
 
-def _trace_off(text: str) -> bool:
-    """A ``--trace-config [<mode>,]<setting>=<value>`` that leaves tracing off: any setting but
-    a level other than OFF."""
-    setting = text.split(",", 1)[1] if "," in text.split("=", 1)[0] else text
-    key, _, value = setting.partition("=")
-    return key.strip() != "level" or value.strip().upper() == "OFF"
-
-
 OFF_ONLY: dict[str, OffOnly] = {
     "--rate-limit": OffOnly(str.lower, False, lambda v: v == "off",
                             "rate limiting (execution_count) is not supported; use --rate-limit off"),
@@ -135,11 +125,6 @@ OFF_ONLY: dict[str, OffOnly] = {
                               "the response cache is not supported"),
     "--response-cache-byte-size": OffOnly(_non_negative, False, lambda v: v == 0,
                                           "the response cache is not supported"),
-    "--trace-config": OffOnly(_setting, True, _trace_off,
-                              "tracing is not supported (the trace extension is not built): "
-                              "only level=OFF is accepted"),
-    "--trace-level": OffOnly(str.upper, True, lambda v: v == "OFF",
-                             "tracing is not supported (the trace extension is not built)"),
     "--grpc-use-ssl": OffOnly(triton_bool, False, lambda v: not v,
                               "TLS is not supported: terminate TLS in front of shmserve"),
     "--grpc-use-ssl-mutual": OffOnly(triton_bool, False, lambda v: not v,
@@ -201,3 +186,69 @@ def grpc_options(args: argparse.Namespace) -> dict[str, int]:
         if value is not None:
             out[option] = int(value)
     return out
+
+
+TRACE_LEVELS = ("OFF", "TIMESTAMPS", "TENSORS")
+
+
+def add_trace(parser: argparse.ArgumentParser) -> None:
+    """Triton's trace flags: ``--trace-config [<mode>,]<setting>=<value>`` and the older
+    ``--trace-file``, ``--trace-level``, ``--trace-rate``, ``--trace-count`` and
+    ``--trace-log-frequency`` (frontend/trace.py writes the traces)."""
+    g = parser.add_argument_group("tracing (the trace extension, frontend/trace.py)")
+    g.add_argument("--trace-config", action="append", type=_setting, default=[],
+                   help="level=OFF|TIMESTAMPS|TENSORS, rate=N, count=N, mode=triton, "
+                        "triton,file=PATH, triton,log-frequency=N (repeatable)")
+    g.add_argument("--trace-file", default=None, help="same as --trace-config triton,file=")
+    g.add_argument("--trace-level", action="append", default=[], type=str.upper,
+                   help="same as --trace-config level=")
+    g.add_argument("--trace-rate", type=_int, default=None, help="same as --trace-config rate=")
+    g.add_argument("--trace-count", type=_int, default=None, help="same as --trace-config count=")
+    g.add_argument("--trace-log-frequency", type=_int, default=None,
+                   help="same as --trace-config triton,log-frequency=")
+
+
+def trace_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> TraceConfig:
+    """The trace settings at start; a bad one stops the start (``parser.error``)."""
+    pairs = [("file", args.trace_file), ("rate", args.trace_rate), ("count", args.trace_count),
+             ("log-frequency", args.trace_log_frequency)]
+    pairs = [(k, str(v)) for k, v in pairs if v is not None]
+    pairs += [("level", v) for v in args.trace_level]
+    for text in args.trace_config:
+        head, _, value = text.partition("=")
+        mode, _, key = head.rpartition(",")
+        if mode.strip() == "opentelemetry":
+            continue        # settings of a mode that is not in use, as Triton ignores them
+        if mode.strip() not in ("", "triton"):
+            parser.error(f"--trace-config {text}: unknown trace mode '{mode}' (triton)")
+        pairs.append((key.strip().lower().replace("_", "-"), value.strip()))
+    fields: dict[str, Any] = {}
+    levels: list[str] = []
+    for key, value in pairs:
+        try:
+            if key == "level":
+                if value.upper() not in TRACE_LEVELS:
+                    raise ValueError(f"expected one of {', '.join(TRACE_LEVELS)}")
+                levels = [] if value.upper() == "OFF" else levels + [value.upper()]
+            elif key == "mode":
+                if value != "triton":
+                    raise ValueError("only trace mode 'triton' is supported (traces are written "
+                                     "in Triton's own format; OpenTelemetry export is not built)")
+            elif key == "file":
+                fields["file"] = value
+            elif key in ("rate", "count", "log-frequency"):
+                n = int(value)
+                least = {"rate": 1, "count": -1, "log-frequency": 0}[key]
+                if n < least:
+                    raise ValueError(f"expected an integer >= {least}")
+                fields[key.replace("-", "_")] = n
+            else:
+                raise ValueError("the settings are level, rate, count, mode, file and "
+                                 "log-frequency")
+        except ValueError as e:
+            parser.error(f"trace setting {key}={value}: {e}")
+    fields["level"] = sorted(set(levels), key=TRACE_LEVELS.index) or ["OFF"]
+    if fields["level"] != ["OFF"] and not fields.get("file"):
+        parser.error("tracing is on (--trace-config level=...) but no trace file is given: add "
+                     "--trace-config triton,file=<path>")
+    return TraceConfig(**fields)

@@ -42,6 +42,7 @@ from shmserve.ipc.messages import (
     RequestRoute,
     ServerSettings,
     SetLogSettings,
+    SetTraceSettings,
     ShmRef,
     StateCause,
     StatsQuery,
@@ -111,6 +112,7 @@ class SchedulerCore:
             CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
             LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
             SetLogSettings: self.set_log_settings,
+            SetTraceSettings: self.set_trace_settings,
             ReleaseOutputs: self.release_handed,
         }
         # --model-control-mode=on_demand (engine/on_demand.py): requests hold loads
@@ -240,6 +242,16 @@ class SchedulerCore:
         if msg.query_id:
             self.port.send_frontend(msg.frontend, ControlReply(msg.query_id))
 
+    def set_trace_settings(self, msg: SetTraceSettings) -> None:
+        """A client changed trace settings at a frontend: every other frontend takes them
+        (each samples and writes its own traces), then that frontend hears it is done."""
+        out = SetTraceSettings(msg.changes, msg.model)
+        for fid in self.frontends:
+            if fid != msg.frontend:
+                self.port.send_frontend(fid, out)
+        if msg.query_id:
+            self.port.send_frontend(msg.frontend, ControlReply(msg.query_id))
+
     def custom_metrics_in(self, msg: CustomMetrics) -> None:
         if msg.spawn_id in self.supervisor.by_spawn:
             self.accounting.custom_metrics_in(msg)
@@ -282,7 +294,8 @@ class SchedulerCore:
         req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
                             priority=msg.priority, timeout_us=msg.timeout_us,
                             shape_key=msg.shape_key, received_ns=msg.received_ns,
-                            sequence_id=msg.sequence_id, flags=msg.sequence_flags)
+                            sequence_id=msg.sequence_id, flags=msg.sequence_flags,
+                            trace=msg.trace)
         if msg.lost:        # it went to a leased worker that died: retried alone, or failed
             if not (msg.lost_retry and ver.retry_on_death and not self.stopping):
                 ver.stats.failed("BACKEND", self.clock() - msg.received_ns)
@@ -370,7 +383,7 @@ class SchedulerCore:
                 due = now_s + ver.execution_timeout_s
                 if due < self.housekeeping_at:
                     self.housekeeping_at = due
-            routes = [RequestRoute(r.req_id, r.frontend) for r in reqs]
+            routes = [RequestRoute(r.req_id, r.frontend, r.trace) for r in reqs]
             self.port.send_worker(inst.spawn_id, ExecuteBatch(self.batch_counter, routes),
                                   [r.payload for r in reqs])
 

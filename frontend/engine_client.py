@@ -50,10 +50,12 @@ from shmserve.ipc.messages import (
     ModelTable,
     ReleaseOutputs,
     SetLogSettings,
+    SetTraceSettings,
     ShmRef,
     StatsQuery,
     StatsReply,
     SubmitRequest,
+    TraceChanges,
     WorkerGone,
 )
 from shmserve.ipc.messages import encode as encode_message
@@ -110,6 +112,8 @@ class EngineClient:
         self.ordered_key: dict[int, tuple[str, int]] = {}
         self.held: dict[int, InferResult] = {}
         self.queries: dict[int, asyncio.Future] = {}
+        # trace settings another frontend's client changed: (changes, model) -> None
+        self.on_trace_settings: Callable[[TraceChanges, str], None] | None = None
         # (model, version) -> its leases: one, or (no depth limit) one per idle instance
         self.leases: dict[tuple[str, int], list[Lease]] = {}
         self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
@@ -130,6 +134,7 @@ class EngineClient:
             ControlReply: self._answer_query, LeaseGranted: self._lease_granted,
             LeaseRevoked: self._lease_revoked, LeaseBounced: self._lease_bounced,
             LeaseLost: self._lease_lost, SetLogSettings: self._log_settings,
+            SetTraceSettings: self._trace_settings,
         }
         loop.add_reader(self.inbox.fileno(), self._drain)
         loop.call_soon(self._drain)     # collect anything that came before the reader
@@ -149,7 +154,7 @@ class EngineClient:
         head = SubmitRequest(req_id, self.frontend_id, model, version, prepared.batch_size,
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
                              prepared.shape_key, sequence_id=p.correlation_id,
-                             sequence_flags=p.flags)
+                             sequence_flags=p.flags, trace=prepared.trace is not None)
         payload = encode_message(prepared.payload)
         lease = _least_busy(self.leases.get((model, version))) if self.leases else None
         if lease is not None and (ordered or (lease.depth and lease.inflight >= lease.depth)):
@@ -492,6 +497,23 @@ class EngineClient:
     def _log_settings(self, msg: SetLogSettings) -> None:
         """Another frontend's client changed them."""
         logs.apply(msg.settings)
+
+    async def trace_settings(self, changes: TraceChanges, model: str,
+                             timeout: float = 5.0) -> None:
+        """Tell the scheduler, which passes them on to every other frontend; answers once it
+        has (frontend/trace.py)."""
+        qid = next(self.ids)
+        fut = self.loop.create_future()
+        self.queries[qid] = fut
+        self.scheduler.send(SetTraceSettings(changes, model, self.frontend_id, qid))
+        try:
+            await asyncio.wait_for(fut, timeout)
+        finally:
+            self.queries.pop(qid, None)
+
+    def _trace_settings(self, msg: SetTraceSettings) -> None:
+        if self.on_trace_settings is not None:
+            self.on_trace_settings(msg.changes, msg.model)
 
     async def statistics(self, model: str = "", version: int = -1,
                          timeout: float = 5.0) -> StatsReply:

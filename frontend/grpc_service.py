@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
-from . import grpc_codec, grpc_loop, log_settings, restricted, statistics  # noqa: E402
+from . import grpc_codec, grpc_loop, log_settings, restricted, statistics, trace  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
 from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
 from .service import FrontendService  # noqa: E402
@@ -145,17 +145,42 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                      unary: str = "") -> pb.ModelInferResponse:
         """One request through the service; raises InferError. ``unary``: see infer_target."""
         svc = self.service
+        traced = None
         try:
             view, v = svc.infer_target(req.model_name, req.model_version, unary)
+            if svc.tracer.active:
+                traced = svc.tracer.sample(view.name, v)
+                if traced is not None:
+                    traced.stamps += [("GRPC_WAITREAD_START", traced.created_ns),
+                                      ("GRPC_WAITREAD_END", traced.created_ns)]
+                    traced.stamp("REQUEST_START")
             prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
         except InferError as e:
             raise Refused(e.code, e.message) from None
+        if traced is not None:
+            traced.request_id = prepared.request_id
+            traced.stamp("QUEUE_START")
+            for t in prepared.payload.inputs:
+                traced.tensor("TENSOR_QUEUE_INPUT", t, svc.maps)
+            prepared.trace = traced
         result = await svc.infer(view, v, prepared)
         refs = svc.release_inputs(prepared, result)
+        if traced is not None:
+            traced.stamp("INFER_RESPONSE_COMPLETE")
+            traced.compute(result.compute_ns)
+            traced.stamp("REQUEST_END")
+            if not result.error:
+                for t in result.outputs:
+                    traced.tensor("TENSOR_BACKEND_OUTPUT", t, svc.maps)
+            traced.stamp("GRPC_SEND_START")
         try:
-            return build_response(svc, result, prepared, self.max_message)
+            response = build_response(svc, result, prepared, self.max_message)
         finally:
             svc.release_outputs(result, refs)       # build_response copied the bytes out
+        if traced is not None:      # handed to the connection, which writes it next
+            traced.stamp("GRPC_SEND_END")
+            svc.tracer.finish(traced)
+        return response
 
     async def ModelInfer(self, request, context):
         # written out rather than @translated: this is the hot path
@@ -232,9 +257,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- trace and logging ----------------------------------------------------------------------
+    @translated
     async def TraceSetting(self, request, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED,
-                            "the trace extension is not available on this server yet")
+        control = self.service.tracing
+        now = await control.update(trace.parse_changes(trace.from_grpc(request.settings)),
+                                   request.model_name) if request.settings \
+            else control.get(request.model_name)
+        resp = pb.TraceSettingResponse()
+        for key, value in now.items():
+            resp.settings[key].value.extend(value if isinstance(value, list) else [value])
+        return resp
 
     @translated
     async def LogSettings(self, request, context):

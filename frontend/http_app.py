@@ -19,7 +19,7 @@ from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult, ShmRef
 from shmserve.ipc.shm import ShmError
 
-from . import http_codec, log_settings, restricted, statistics
+from . import http_codec, log_settings, restricted, statistics, trace
 from .errors import InferError, http_status, invalid, shm_error
 from .generate import GenerateEndpoints
 from .http_server import HttpApp, HttpConnection, HttpRequest
@@ -53,6 +53,8 @@ def api_group(pattern: str) -> str:
         return "model-repository"
     if pattern == "/v2/logging":
         return "logging"
+    if pattern.endswith("/trace/setting"):
+        return "trace"
     if "sharedmemory" in pattern:
         return "shared-memory"
     for suffix, group in (("/stats", "statistics"), ("/config", "model-config"),
@@ -138,6 +140,10 @@ class KServeHttpApp(HttpApp):
             ("GET", "/v2/models/stats", self.statistics),
             ("GET", "/v2/logging", self.get_logging),
             ("POST", "/v2/logging", self.update_logging),
+            ("GET", "/v2/trace/setting", self.get_trace),
+            ("POST", "/v2/trace/setting", self.update_trace),
+            ("GET", _MODEL + "/trace/setting", self.get_trace),    # no version: as Triton
+            ("POST", _MODEL + "/trace/setting", self.update_trace),
         ]
         for base in (_MODEL, _VERSION):
             table += [("GET", base, self.model_metadata),
@@ -325,6 +331,20 @@ class KServeHttpApp(HttpApp):
         self.later(conn, req, self.service.logging.update(changes),
                    lambda now: http_codec.encode_json(log_settings.render(*now)))
 
+    # ---- trace ----------------------------------------------------------------------------------
+    def get_trace(self, conn, req, model: str = ""):
+        conn.respond(req, 200, http_codec.encode_json(self.service.tracing.get(model)))
+
+    def update_trace(self, conn, req, model: str = ""):
+        doc: Any = {}
+        if req.body:                # an empty body changes nothing
+            try:
+                doc = http_codec.decode_json(req.body)
+            except Exception:
+                raise invalid("failed to parse the trace settings request JSON") from None
+        self.later(conn, req, self.service.tracing.update(trace.parse_changes(doc), model),
+                   http_codec.encode_json)
+
     # ---- shared memory --------------------------------------------------------------------------
     def shm_status(self, system: bool, conn, req, region: str = ""):
         svc = self.service
@@ -363,6 +383,8 @@ class KServeHttpApp(HttpApp):
     # ---- inference ------------------------------------------------------------------------------
     def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str = "") -> None:
         view, v = self.service.infer_target(model, version, "HTTP end point")
+        tracer = self.service.tracer
+        traced = tracer.sample(view.name, v) if tracer.active else None
         if isinstance(req.body_slot, _DroppedBody):
             raise req.body_slot.error
         body = req.body
@@ -403,10 +425,23 @@ class KServeHttpApp(HttpApp):
             req.body_slot = slot
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
+        if traced is not None:
+            traced.stamps += [("HTTP_RECV_START", int(req.started * 1e9)),
+                              ("HTTP_RECV_END", traced.created_ns)]
+            traced.stamp("REQUEST_START")
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena,
                                         self.service.registry, self.service.limits)
+        if traced is not None:
+            self._trace_queued(traced, parsed)
         conn.inflight = self.service.submit(
             view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
+
+    def _trace_queued(self, traced: trace.Trace, parsed: PreparedRequest) -> None:
+        traced.request_id = parsed.request_id
+        traced.stamp("QUEUE_START")
+        for t in parsed.payload.inputs:
+            traced.tensor("TENSOR_QUEUE_INPUT", t, self.service.maps)
+        parsed.trace = traced
 
     def generate(self, conn, req, model: str, version: str = "") -> None:
         self.generating.start(conn, req, model, version, stream=False)
@@ -439,6 +474,11 @@ class KServeHttpApp(HttpApp):
     def infer_done(self, conn: HttpConnection, req: HttpRequest, parsed: PreparedRequest,
                    result: InferResult) -> None:
         svc = self.service
+        traced = parsed.trace
+        if traced is not None:
+            traced.stamp("INFER_RESPONSE_COMPLETE")
+            traced.compute(result.compute_ns)
+            traced.stamp("REQUEST_END")
         # the worker has finished reading the inputs: their memory can be reused now
         self.release_body(req)
         refs = svc.release_inputs(parsed, result)
@@ -449,11 +489,18 @@ class KServeHttpApp(HttpApp):
         except InferError as e:
             self.error(conn, req, http_status(e.code), e.message)
         else:
+            if traced is not None:
+                for t in result.outputs:
+                    traced.tensor("TENSOR_BACKEND_OUTPUT", t, svc.maps)
+                traced.stamp("HTTP_SEND_START")
             if parts:
                 conn.respond(req, 200, header, "application/octet-stream",
                              (("Inference-Header-Content-Length", hlen),), tuple(parts))
             else:
                 conn.respond(req, 200, header)
+            if traced is not None:
+                traced.stamp("HTTP_SEND_END")
+                svc.tracer.finish(traced)
         finally:
             if refs:
                 # the response was written from the worker's slots (registered after the write,

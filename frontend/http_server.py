@@ -62,7 +62,7 @@ class HttpApp:
 
 class HttpRequest:
     __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive",
-                 "http10", "chunked")
+                 "http10", "chunked", "started")
 
     def __init__(self, method: str, url: bytes, headers: dict[str, str]):
         self.method = method
@@ -75,6 +75,7 @@ class HttpRequest:
         self.keep_alive = True
         self.http10 = False         # an HTTP/1.0 client: a streamed answer cannot be chunked
         self.chunked = False        # its streamed answer is being written chunk by chunk
+        self.started = 0.0          # time.monotonic() at its first byte
 
 
 class HttpConnection(asyncio.Protocol):
@@ -181,6 +182,7 @@ class HttpConnection(asyncio.Protocol):
         req = HttpRequest(self.parser.get_method().decode(), self.url, self.headers)
         req.keep_alive = self.parser.should_keep_alive()
         req.http10 = self.parser.get_http_version() == "1.0"
+        req.started = self.started
         length = self.headers.get("content-length")
         if length is not None:
             try:

@@ -30,6 +30,7 @@ from .service import FrontendService
 from .shm_regions import RegionTable
 from .shm_registry import ShmRegistry
 from .system_metrics import SystemSampler
+from .trace import TraceCore
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -58,9 +59,12 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                            max_json_elements=settings.http_max_json_elements)
     uploads = (ModelUploads(settings.model_upload_dir, settings.model_upload_max_bytes)
                if settings.model_upload_dir else None)
+    # several frontends sample and write traces each on their own, to files of their own
+    tracer = TraceCore(settings.trace,
+                       f".frontend{frontend_id}" if settings.frontends > 1 else "")
     service = FrontendService(client, arena, maps, registry, settings.server_id,
                               settings.server_version, settings.strict_readiness, limits,
-                              uploads)
+                              uploads, tracer)
     servers, ports = [], {}
     grpc_server = sampler_task = None
     try:
@@ -120,6 +124,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         if grpc_server is not None:
             await grpc_server.stop(grace=1.0)
     finally:
+        tracer.flush()          # log_frequency 0: every trace is written now, at the stop
         shm_timer.cancel()
         client.close()
         arena.close()

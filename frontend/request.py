@@ -147,6 +147,7 @@ class PreparedRequest:
     priority: int = 0
     timeout_us: int = 0
     shape_key: str = ""
+    trace: Any = None           # a Trace (frontend/trace.py) when this request is traced
 
 
 def place_data(t: Tensor, data: bytes, arena: ShmArena, scratch: list[ShmRef]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator, Callable
 
-from shmserve.ipc.messages import ControlAction, ErrorCode, InferResult, ModelStatistics, ShmRef
+from shmserve.ipc.messages import ControlAction, ErrorCode, InferResult, ModelStatistics, ShmRef, TraceConfig
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
 from . import request, validation
@@ -23,10 +23,11 @@ from .log_settings import LogControl
 from .model_upload import FILE_PREFIX, ModelUploads
 from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits
 from .shm_registry import ShmRegistry
+from .trace import TraceControl, TraceCore
 
 EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
-              "statistics", "logging"]
+              "statistics", "trace", "logging"]
 
 FIRST_TABLE_WAIT_S = 30.0
 
@@ -35,7 +36,7 @@ class FrontendService:
     def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
                  registry: ShmRegistry, server_id: str, server_version: str,
                  strict_readiness: bool, limits: RequestLimits = DEFAULT_LIMITS,
-                 uploads: ModelUploads | None = None):
+                 uploads: ModelUploads | None = None, trace: TraceCore | None = None):
         self.client = client
         self.uploads = uploads          # where 'file:' load parameters go; None: refused
         self.limits = limits            # per-request tensor bounds both codecs apply
@@ -47,6 +48,10 @@ class FrontendService:
         self.strict_readiness = strict_readiness
         self.accepting = True           # False once shutdown begins: not ready, no new requests
         self.logging = LogControl(client)   # the logging extension (frontend/log_settings.py)
+        # the trace extension (frontend/trace.py); ``tracer.active`` is all a request checks
+        self.tracer = trace or TraceCore(TraceConfig())
+        self.tracing = TraceControl(self.tracer, client, lambda name: name in self.catalog.models)
+        client.on_trace_settings = self.tracing.apply
 
     @property
     def catalog(self) -> ModelCatalog:

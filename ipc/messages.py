@@ -159,6 +159,7 @@ class SubmitRequest(msgspec.Struct, array_like=True, tag=2):
     # the sequence batcher routes by these (they are in the payload too, for the model)
     sequence_id: int | str = 0
     sequence_flags: int = 0
+    trace: bool = False         # traced (frontend/trace.py): the worker reports its times
 
 
 class LeasedDone(msgspec.Struct, array_like=True, tag=6):
@@ -212,6 +213,42 @@ class LogSettings(msgspec.Struct, array_like=True, frozen=True):
     error: bool = True
     verbose: int = 0
     format: LogFormat = LogFormat.DEFAULT
+
+
+class TraceConfig(msgspec.Struct, array_like=True, frozen=True):
+    """Trace settings (--trace-config at start, the trace extension after it;
+    frontend/trace.py)."""
+    level: list[str] = msgspec.field(default_factory=lambda: ["OFF"])   # or TIMESTAMPS, TENSORS
+    rate: int = 1000                # one request traced in this many
+    count: int = -1                 # traces left to take; -1: no limit
+    log_frequency: int = 0          # write every this many traces; 0: when the server stops
+    file: str = ""
+    mode: str = "triton"
+
+
+class TraceChanges(msgspec.Struct, omit_defaults=True):
+    """What a trace settings update asks for (checked): a field left UNSET is not changed,
+    None sets it back (frontend/trace.py)."""
+    level: list[str] | None | msgspec.UnsetType = msgspec.UNSET
+    rate: int | None | msgspec.UnsetType = msgspec.UNSET
+    count: int | None | msgspec.UnsetType = msgspec.UNSET
+    log_frequency: int | None | msgspec.UnsetType = msgspec.UNSET
+    mode: str | None | msgspec.UnsetType = msgspec.UNSET
+
+    def given(self) -> dict[str, Any]:
+        """The fields the update names (TraceConfig's field names) and their values."""
+        return {f: v for f in self.__struct_fields__
+                if (v := getattr(self, f)) is not msgspec.UNSET}
+
+
+class SetTraceSettings(msgspec.Struct, array_like=True, tag=8):
+    """A client changed trace settings at one frontend (``model`` "" for the global ones): the
+    scheduler passes it on to every other frontend and answers the first with a ControlReply,
+    as for SetLogSettings."""
+    changes: TraceChanges
+    model: str = ""
+    frontend: int = -1
+    query_id: int = 0
 
 
 class SetLogSettings(msgspec.Struct, array_like=True, tag=7):
@@ -334,6 +371,7 @@ class OnDemandStats(msgspec.Struct, array_like=True):
 class RequestRoute(msgspec.Struct, array_like=True):
     req_id: int
     frontend: int
+    trace: bool = False         # answer with the execution's times (InferResult.compute_ns)
 
 
 class ExecuteBatch(msgspec.Struct, array_like=True, tag=20):
@@ -496,6 +534,9 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     final: bool = True
     no_response: bool = False
     spawn_id: int = 0           # decoupled: the worker still answering (ends the stream if it dies)
+    # a traced request (RequestRoute.trace): its execution's start, inputs read, outputs
+    # start and end, in ns of CLOCK_MONOTONIC (frontend/trace.py)
+    compute_ns: list[int] = []
 
 
 class InferResults(msgspec.Struct, array_like=True, tag=41):
@@ -545,7 +586,7 @@ Message = Union[
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
     BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
     RevokeLease, LeasedExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted, LeaseRevoked, LeaseLost,
-    SetLogSettings,
+    SetLogSettings, SetTraceSettings,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -631,6 +672,7 @@ class ServerSettings(msgspec.Struct):
     # compression flags (engine/compat_flags.py)
     grpc_options: dict[str, int] = {}
     grpc_server: str = "loop"              # loop (frontend/grpc_loop.py) | aio (grpc.aio)
+    trace: TraceConfig = TraceConfig()     # --trace-config and the older --trace-* flags
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

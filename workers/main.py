@@ -274,7 +274,7 @@ class Worker:
             batch = self.lease_batcher.gather(msg, frames, self.inbox, self.backlog,
                                               self.revoked_upto)
         heads = [m.head for m, _ in batch]
-        self.execute(ExecuteBatch(0, [RequestRoute(h.req_id, h.frontend) for h in heads]),
+        self.execute(ExecuteBatch(0, [RequestRoute(h.req_id, h.frontend, h.trace) for h in heads]),
                      [f for _, fs in batch for f in fs], heads)
 
     def revoke_lease(self, msg: RevokeLease) -> None:
@@ -391,6 +391,7 @@ class Worker:
         t0 = clock()
         work, ready, targets, classes, devices = [], [], [], [], []
         chains: list[str] = []
+        traced: list[int] = []
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
             try:
@@ -403,6 +404,8 @@ class Worker:
                     types[t.name] = t.datatype
                 route = batch.routes[i]
                 key = (route.frontend, route.req_id)
+                if route.trace:
+                    traced.append(i)
                 if p.chain:
                     chains.extend(m for m in p.chain if m not in chains)
                 target = {o.name: o.shm or o.cuda for o in p.outputs
@@ -462,6 +465,9 @@ class Worker:
                         results[i] = self.result(batch.routes[i].req_id, resp, target, top,
                                                  device)
         t3 = clock()
+        for i in traced:
+            if results[i] is not None:
+                results[i].compute_ns = [t0, t1, t2, t3]
         if leased is not None:
             # their statistics ride with the answers; the frontend passes them on in bulk. The
             # first record counts the execution (the inferences of the requests that did not

@@ -5,6 +5,7 @@ import pytest
 from triton_line import TRITON_LINE
 
 from shmserve.engine.cli import parse_settings
+from shmserve.ipc.messages import TraceConfig
 
 
 def test_a_triton_command_line_parses(tmp_path):
@@ -18,6 +19,7 @@ def test_a_triton_command_line_parses(tmp_path):
                      "--backend-directory", "--backend-config", "--http-thread-count",
                      "--reuse-grpc-port", "--host-policy", "--rate-limit-resource"}
     assert all("has no effect: " in note for note in a.compat_notes)
+    assert settings.trace == TraceConfig(["OFF"], 100, -1, 0, "/tmp/trace.json", "triton")
 
 
 def test_without_them_nothing_changes(tmp_path):
@@ -29,9 +31,6 @@ def test_without_them_nothing_changes(tmp_path):
     ("--rate-limit", "execution_count", "rate limiting (execution_count) is not supported"),
     ("--cache-config", "local,size=1048576", "the response cache is not supported"),
     ("--response-cache-byte-size", "1024", "the response cache is not supported"),
-    ("--trace-config", "triton,level=TIMESTAMPS", "tracing is not supported"),
-    ("--trace-config", "level=TENSORS", "tracing is not supported"),
-    ("--trace-level", "TIMESTAMPS", "tracing is not supported"),
     ("--grpc-use-ssl", "true", "TLS is not supported"),
     ("--grpc-use-ssl-mutual", "1", "TLS is not supported"),
     ("--model-namespacing", "true", "model namespacing is not supported"),
@@ -55,3 +54,37 @@ def test_bad_values_are_refused_naming_the_flag(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit):
         parse_settings(["--model-repository", str(tmp_path), flag, value])
     assert f"argument {flag}: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--trace-config", "triton,file=/tmp/t.json", "--trace-config", "level=TIMESTAMPS",
+      "--trace-config", "rate=1", "--trace-config", "count=5",
+      "--trace-config", "triton,log-frequency=2", "--trace-config", "mode=triton"],
+     TraceConfig(["TIMESTAMPS"], 1, 5, 2, "/tmp/t.json", "triton")),
+    # the older flags, and levels that add up
+    (["--trace-file", "/tmp/t.json", "--trace-level", "TENSORS", "--trace-level", "timestamps",
+      "--trace-rate", "10", "--trace-count", "-1", "--trace-log-frequency", "0"],
+     TraceConfig(["TIMESTAMPS", "TENSORS"], 10, -1, 0, "/tmp/t.json", "triton")),
+    # OFF clears the levels before it; another mode's settings are ignored, as Triton does
+    (["--trace-config", "level=TIMESTAMPS", "--trace-config", "level=OFF",
+      "--trace-config", "opentelemetry,url=localhost:4318"], TraceConfig()),
+])
+def test_trace_flags_set_the_trace_settings(tmp_path, flags, expected):
+    settings, _ = parse_settings(["--model-repository", str(tmp_path), *flags])
+    assert settings.trace == expected
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--trace-config", "level=TIMESTAMPS"], "no trace file is given"),
+    (["--trace-config", "level=LOUD"], "trace setting level=LOUD: expected one of OFF"),
+    (["--trace-config", "rate=0"], "trace setting rate=0: expected an integer >= 1"),
+    (["--trace-config", "count=-2"], "trace setting count=-2: expected an integer >= -1"),
+    (["--trace-config", "mode=opentelemetry"], "only trace mode 'triton' is supported"),
+    (["--trace-config", "jaeger,file=/x"], "unknown trace mode 'jaeger'"),
+    (["--trace-config", "volume=3"], "the settings are level, rate, count"),
+])
+def test_bad_trace_flags_stop_the_start(tmp_path, capsys, flags, says):
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--model-repository", str(tmp_path), *flags])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err

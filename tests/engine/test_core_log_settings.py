@@ -1,4 +1,4 @@
-"""SchedulerCore and the logging extension: a change a client made at a frontend reaches the
+"""SchedulerCore and the logging (and trace) extensions: a change a client made at a frontend reaches the
 scheduler itself, every connected worker, the other frontends and workers that connect later;
 the frontend that sent it hears it is done."""
 import pytest
@@ -10,6 +10,8 @@ from shmserve.ipc.messages import (
     LogFormat,
     LogSettings,
     SetLogSettings,
+    SetTraceSettings,
+    TraceChanges,
 )
 
 FRONTEND = 0
@@ -52,3 +54,17 @@ def test_a_worker_that_connects_later_gets_the_change(repo):
 def test_no_change_no_message(repo):
     h = Harness(repo).start()
     assert not h.to_worker(SetLogSettings) and h.port.log_settings is None
+
+
+def test_a_trace_change_reaches_the_other_frontends_only(repo):
+    """Trace settings live in the frontends (frontend/trace.py): workers are not told."""
+    h = Harness(repo).start()
+    h.core.handle(FrontendHello(1, "inproc://frontend-1"))
+    h.core.handle(FrontendHello(2, "inproc://frontend-2"))
+    changes = TraceChanges(level=["TIMESTAMPS"], rate=5)
+    h.core.handle(SetTraceSettings(changes, "plain", FRONTEND, 9))
+    to_frontends = [(f, m) for f, m in h.port.to_frontend
+                    if isinstance(m, (SetTraceSettings, ControlReply))]
+    assert to_frontends == [(1, SetTraceSettings(changes, "plain")),
+                            (2, SetTraceSettings(changes, "plain")), (FRONTEND, ControlReply(9))]
+    assert not h.to_worker(SetTraceSettings)

@@ -120,6 +120,10 @@ EVERY_ROUTE = [
     ("GET", "/v2/models/stats", "statistics", (), []),
     ("GET", "/v2/logging", "get_logging", (), []),
     ("POST", "/v2/logging", "update_logging", (), []),
+    ("GET", "/v2/trace/setting", "get_trace", (), []),
+    ("POST", "/v2/trace/setting", "update_trace", (), []),
+    ("GET", "/v2/models/m/trace/setting", "get_trace", (), ["m"]),
+    ("POST", "/v2/models/m/trace/setting", "update_trace", (), ["m"]),
     *_model_routes("/v2/models/my%20model", ["my model"]),
     *_model_routes("/v2/models/m/versions/2", ["m", "2"]),
     *_shm_routes("systemsharedmemory", True),
@@ -157,6 +161,7 @@ def test_every_route_resolves(app, route):
     ("GET", "/v2/systemsharedmemoryX/status", 404),
     ("GET", "/v2/systemsharedmemory/region/r/bogus", 404),
     ("POST", "/v2/repository/models/m/reload", 404),
+    ("GET", "/v2/models/m/versions/1/trace/setting", 404),     # no version here, as Triton
     ("GET", "/v2/models/simple/infer", 405),
     ("POST", "/v2/health/live", 405),
     ("DELETE", "/v2/models/simple", 405),
