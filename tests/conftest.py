@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 
 import pytest
@@ -44,3 +45,14 @@ def server(test_repo, example_repo):
     srv = Server([example_repo, test_repo], "--id", "shmserve-test")
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def perf_analyzer():
+    """The real perf_analyzer (from the tritonclient 2.51.0 wheel), installed once into the
+    cache by bench/install-perf-analyzer.sh; a failed install fails the tests that use it."""
+    cache = os.path.expanduser("~/.cache/shmserve-tools")
+    script = os.path.join(REPO_ROOT, "bench", "install-perf-analyzer.sh")
+    out = subprocess.run(["bash", script, cache], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, f"installing perf_analyzer failed:\n{out.stdout}\n{out.stderr}"
+    return out.stdout.strip().splitlines()[-1]

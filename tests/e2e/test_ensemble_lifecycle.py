@@ -550,24 +550,6 @@ def test_a_dying_step_fails_the_request_after_its_one_retry_and_the_server_serve
 
 # ---- 6. perf_analyzer -----------------------------------------------------------------------------
 
-CACHE = os.path.expanduser("~/.cache/shmserve-tools")
-
-
-@pytest.fixture(scope="module")
-def perf_analyzer():
-    binary = os.path.join(CACHE, "perf_analyzer")
-    if not os.access(binary, os.X_OK):
-        script = os.path.join(REPO_ROOT, "bench", "install-perf-analyzer.sh")
-        try:
-            out = subprocess.run(["bash", script, CACHE], capture_output=True, text=True,
-                                 timeout=600)
-        except subprocess.TimeoutExpired:
-            pytest.skip("installing perf_analyzer timed out")
-        if out.returncode != 0:
-            pytest.skip(f"perf_analyzer is not available:\n{out.stderr[-2000:]}")
-        binary = out.stdout.strip().splitlines()[-1]
-    return binary
-
 
 def _perf(perf_analyzer, tmp_path, model, port, *args):
     report = tmp_path / f"{model}-{port}.csv"

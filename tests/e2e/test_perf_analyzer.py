@@ -1,21 +1,8 @@
 """The real perf_analyzer (from the tritonclient 2.51.0 wheel) runs unmodified against shmserve."""
 import csv
-import os
 import subprocess
 
 import pytest
-from serverproc import REPO_ROOT
-
-CACHE = os.path.expanduser("~/.cache/shmserve-tools")
-
-
-@pytest.fixture(scope="session")
-def perf_analyzer():
-    script = os.path.join(REPO_ROOT, "bench", "install-perf-analyzer.sh")
-    out = subprocess.run(["bash", script, CACHE], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, f"installing perf_analyzer failed:\n{out.stdout}\n{out.stderr}"
-    return out.stdout.strip().splitlines()[-1]
-
 
 CASES = {
     "http": ["-i", "http"],

@@ -24,11 +24,10 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import REPO_ROOT, Server, wait_for
+from serverproc import Server, wait_for
 from tritonclient.utils import InferenceServerException
 
 EXAMPLES = ("sequence_accumulator", "onnx_accumulator", "simple_dyna_sequence")
-CACHE = os.path.expanduser("~/.cache/shmserve-tools")
 _ids = itertools.count(10_000)     # perf_analyzer gets 500000 and up
 
 
@@ -626,22 +625,6 @@ def test_implicit_state_from_a_data_file(http, grpc):
 
 
 # ---- 8. perf_analyzer ----------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def perf_analyzer():
-    installed = os.path.join(CACHE, "perf_analyzer")
-    if os.path.exists(os.path.join(CACHE, "perf_analyzer.bin")) and os.access(installed, os.X_OK):
-        return installed
-    script = os.path.join(REPO_ROOT, "bench", "install-perf-analyzer.sh")
-    try:
-        done = subprocess.run(["bash", script, CACHE], capture_output=True, text=True,
-                              timeout=600)
-    except subprocess.TimeoutExpired:
-        pytest.skip("installing perf_analyzer timed out")
-    if done.returncode != 0:
-        pytest.skip(f"perf_analyzer is not available:\n{done.stderr[-2000:]}")
-    return done.stdout.strip().splitlines()[-1]
-
-
 PERF_CASES = {"http": ["-i", "http"], "grpc-streaming": ["-i", "grpc", "--streaming"]}
 
 

@@ -5,6 +5,7 @@ with each request's times in order, for requests sent under a lease and through 
 import json
 import os
 import queue
+import subprocess
 
 import numpy as np
 import pytest
@@ -222,3 +223,28 @@ def test_the_tensors_level_writes_inputs_and_outputs(repo, tmp_path):
                                    "dtype": "FP32"}),
         (2, "TENSOR_BACKEND_OUTPUT", {"name": "OUTPUT0", "data": "1,1,1,1", "shape": "1,4",
                                       "dtype": "FP32"})]
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_perf_analyzers_trace_flags(repo, tmp_path, perf_analyzer, protocol):
+    """perf_analyzer --trace-level/-rate/-count --log-frequency set the server's settings over
+    the protocol it tests; the server writes the numbered files they ask for."""
+    server, path = start(repo, tmp_path)
+    try:
+        port = server.grpc_port if protocol == "grpc" else server.http_port
+        cmd = [perf_analyzer, "-m", "ident", "-u", f"127.0.0.1:{port}", "-i", protocol,
+               "--shape", "INPUT0:4", "--trace-level", "TIMESTAMPS", "--trace-rate", "2",
+               "--trace-count", "6", "--log-frequency", "3", "--measurement-interval", "500",
+               "--max-trials", "4", "--stability-percentage", "999"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+        settings = requests.get(f"{server.base}/v2/trace/setting", timeout=10).json()
+        assert settings["trace_rate"] == "2" and settings["trace_count"] == "0"
+        files = [f"{path}.0", f"{path}.1"]
+        wait_for(lambda: all(os.path.exists(f) for f in files), 10, "the trace files")
+        for f in files:
+            with open(f) as fh:
+                assert len(traces(json.load(fh))) == 3
+        assert not os.path.exists(f"{path}.2")
+    finally:
+        server.stop()
