@@ -248,3 +248,35 @@ def test_perf_analyzers_trace_flags(repo, tmp_path, perf_analyzer, protocol):
         assert not os.path.exists(f"{path}.2")
     finally:
         server.stop()
+
+
+def test_several_frontends_share_the_settings_and_write_files_of_their_own(repo, tmp_path):
+    """A change made at one frontend reaches the other (its traces prove it); each writes its
+    own numbered files (log_frequency 1: one per trace)."""
+    server, path = start(repo, tmp_path, "--frontends", "2")
+    sent = []
+
+    def one_more() -> bool:
+        rid = f"r{len(sent)}"
+        sent.append(rid)
+        r = requests.post(f"{server.base}/v2/models/ident/infer", timeout=30,
+                          headers={"Connection": "close"},    # a new connection each time
+                          json={"id": rid, "inputs": [{"name": "INPUT0", "shape": [1, 4],
+                                                        "datatype": "FP32", "data": [1, 2, 3, 4]}]})
+        assert r.status_code == 200, r.text
+        names = os.listdir(tmp_path)
+        return len(sent) >= 4 and all(any(n.startswith(f"trace.json.frontend{k}.") for n in names)
+                                      for k in (0, 1))
+    try:
+        requests.post(f"{server.base}/v2/trace/setting", timeout=10, json={
+            "trace_level": ["TIMESTAMPS"], "trace_rate": "1", "log_frequency": "1"}
+        ).raise_for_status()
+        wait_for(one_more, 60, "traces from both frontends")
+    finally:
+        assert server.stop() == 0
+    seen = []
+    for f in os.listdir(tmp_path):
+        assert f.startswith(("trace.json.frontend0.", "trace.json.frontend1.")), f
+        seen += list(by_request(str(tmp_path / f)))
+    # each traced once; the other frontend may read the change just after a first request
+    assert len(seen) == len(set(seen)) and set(seen) <= set(sent) and len(seen) >= len(sent) - 1
