@@ -13,7 +13,6 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from repo_builder import write_model
 from serverproc import Server, descendants, segments_of, wait_for
-from test_perf_analyzer import perf_analyzer  # noqa: F401  (the session fixture)
 
 ONE_INSTANCE = '''
 import json
