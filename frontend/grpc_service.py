@@ -150,28 +150,17 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             view, v = svc.infer_target(req.model_name, req.model_version, unary)
             if svc.tracer.active:
                 traced = svc.tracer.sample(view.name, v)
-                if traced is not None:
-                    traced.stamps += [("GRPC_WAITREAD_START", traced.created_ns),
-                                      ("GRPC_WAITREAD_END", traced.created_ns)]
-                    traced.stamp("REQUEST_START")
+                if traced is not None:     # the call's message is read whole before this
+                    traced.started("GRPC_WAITREAD", traced.created_ns)
             prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
         except InferError as e:
             raise Refused(e.code, e.message) from None
         if traced is not None:
-            traced.request_id = prepared.request_id
-            traced.stamp("QUEUE_START")
-            for t in prepared.payload.inputs:
-                traced.tensor("TENSOR_QUEUE_INPUT", t, svc.maps)
-            prepared.trace = traced
+            traced.queued(prepared, svc.maps)
         result = await svc.infer(view, v, prepared)
         refs = svc.release_inputs(prepared, result)
         if traced is not None:
-            traced.stamp("INFER_RESPONSE_COMPLETE")
-            traced.compute(result.compute_ns)
-            traced.stamp("REQUEST_END")
-            if not result.error:
-                for t in result.outputs:
-                    traced.tensor("TENSOR_BACKEND_OUTPUT", t, svc.maps)
+            traced.answered(result, svc.maps)
             traced.stamp("GRPC_SEND_START")
         try:
             response = build_response(svc, result, prepared, self.max_message)

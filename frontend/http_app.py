@@ -426,22 +426,13 @@ class KServeHttpApp(HttpApp):
             body = slot.view
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
         if traced is not None:
-            traced.stamps += [("HTTP_RECV_START", int(req.started * 1e9)),
-                              ("HTTP_RECV_END", traced.created_ns)]
-            traced.stamp("REQUEST_START")
+            traced.started("HTTP_RECV", int(req.started * 1e9))
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena,
                                         self.service.registry, self.service.limits)
         if traced is not None:
-            self._trace_queued(traced, parsed)
+            traced.queued(parsed, self.service.maps)
         conn.inflight = self.service.submit(
             view, v, parsed, lambda result: self.infer_done(conn, req, parsed, result))
-
-    def _trace_queued(self, traced: trace.Trace, parsed: PreparedRequest) -> None:
-        traced.request_id = parsed.request_id
-        traced.stamp("QUEUE_START")
-        for t in parsed.payload.inputs:
-            traced.tensor("TENSOR_QUEUE_INPUT", t, self.service.maps)
-        parsed.trace = traced
 
     def generate(self, conn, req, model: str, version: str = "") -> None:
         self.generating.start(conn, req, model, version, stream=False)
@@ -476,9 +467,7 @@ class KServeHttpApp(HttpApp):
         svc = self.service
         traced = parsed.trace
         if traced is not None:
-            traced.stamp("INFER_RESPONSE_COMPLETE")
-            traced.compute(result.compute_ns)
-            traced.stamp("REQUEST_END")
+            traced.answered(result, svc.maps)
         # the worker has finished reading the inputs: their memory can be reused now
         self.release_body(req)
         refs = svc.release_inputs(parsed, result)
@@ -490,8 +479,6 @@ class KServeHttpApp(HttpApp):
             self.error(conn, req, http_status(e.code), e.message)
         else:
             if traced is not None:
-                for t in result.outputs:
-                    traced.tensor("TENSOR_BACKEND_OUTPUT", t, svc.maps)
                 traced.stamp("HTTP_SEND_START")
             if parts:
                 conn.respond(req, 200, header, "application/octet-stream",

@@ -36,7 +36,7 @@ import msgspec
 import numpy as np
 
 from shmserve.ipc import dtypes
-from shmserve.ipc.messages import ErrorCode, Tensor, TraceChanges, TraceConfig
+from shmserve.ipc.messages import ErrorCode, InferResult, Tensor, TraceChanges, TraceConfig
 from shmserve.ipc.shm import ShmError, ShmMapCache
 
 from .errors import InferError, invalid
@@ -172,6 +172,30 @@ class Trace:
             "name": t.name, "data": data,
             "shape": ",".join(map(str, t.shape)), "dtype": t.datatype}})
 
+    # ---- the steps both protocols stamp, in order ----
+    def started(self, read: str, first_ns: int) -> None:
+        """The request was read (``read``: HTTP_RECV or GRPC_WAITREAD, from ``first_ns`` to the
+        sampling) and its parse begins."""
+        self.stamps += [(f"{read}_START", first_ns), (f"{read}_END", self.created_ns)]
+        self.stamp("REQUEST_START")
+
+    def queued(self, prepared, maps: ShmMapCache) -> None:
+        """``prepared`` (a PreparedRequest) is about to be submitted: it carries the trace."""
+        self.request_id = prepared.request_id
+        self.stamp("QUEUE_START")
+        for t in prepared.payload.inputs:
+            self.tensor("TENSOR_QUEUE_INPUT", t, maps)
+        prepared.trace = self
+
+    def answered(self, result: InferResult, maps: ShmMapCache) -> None:
+        """Its answer came (before its outputs are given back to the worker)."""
+        self.stamp("INFER_RESPONSE_COMPLETE")
+        self.compute(result.compute_ns)
+        self.stamp("REQUEST_END")
+        if not result.error:
+            for t in result.outputs:
+                self.tensor("TENSOR_BACKEND_OUTPUT", t, maps)
+
     def stamp(self, name: str, ns: int | None = None) -> None:
         self.stamps.append((name, time.monotonic_ns() if ns is None else ns))
 
@@ -285,11 +309,10 @@ class TraceCore:
     # ---- sampling and writing --------------------------------------------------------------------
     def sample(self, model: str, version: int, request_id: str = "") -> Trace | None:
         """The trace of this request if it is one to trace (call only while ``active``)."""
-        own = self.overrides.get(model)
-        cfg = msgspec.structs.replace(self.glob, **own) if own else self.glob
+        cfg = self.effective(model)
         if cfg.level == ["OFF"]:
             return None
-        owner = self.owners[model] if own else self.glob_owner
+        owner = self.owners[model] if model in self.overrides else self.glob_owner
         owner.seen += 1
         if owner.seen % cfg.rate or owner.left == 0:
             return None
