@@ -19,6 +19,8 @@ import logging
 import time
 from typing import Callable
 
+import msgspec
+
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (
     ENSEMBLE_FRONTEND,
@@ -48,6 +50,7 @@ from shmserve.ipc.messages import (
     StatsQuery,
     StatsReply,
     SubmitRequest,
+    TraceChanges,
     Wake,
     WorkerGone,
     WorkerLoadFailed,
@@ -98,6 +101,7 @@ class SchedulerCore:
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
         self.accounting = Accounting(clock, self.ensembles.timings)
         self.log_settings: LogSettings | None = None    # set by a client (SetLogSettings)
+        self.trace_changes: dict[str, TraceChanges] = {}   # likewise (SetTraceSettings)
         self.batch_counter = 0
         self.next_poll = 0.0
         self.table_dirty = False        # on demand: a model table is due (publish)
@@ -160,6 +164,11 @@ class SchedulerCore:
             self.lease_takers.add(msg.frontend)
         self.port.connect_frontend(msg.frontend, msg.address)
         self.port.send_frontend(msg.frontend, self.lifecycle.model_table())
+        # settings clients changed before it came (a frontend started late, or restarted)
+        if self.log_settings is not None:
+            self.port.send_frontend(msg.frontend, SetLogSettings(self.log_settings))
+        for model, changes in sorted(self.trace_changes.items()):     # the global ones first
+            self.port.send_frontend(msg.frontend, SetTraceSettings(changes, model))
 
     def publish(self) -> None:
         if self.on_demand is not None:
@@ -246,6 +255,11 @@ class SchedulerCore:
         """A client changed trace settings at a frontend: every other frontend takes them
         (each samples and writes its own traces), then that frontend hears it is done."""
         out = SetTraceSettings(msg.changes, msg.model)
+        # per model ("" global), the last value each setting was given: replaying that to a
+        # frontend that comes later leaves it where the others are
+        done = self.trace_changes.get(msg.model)
+        self.trace_changes[msg.model] = msg.changes if done is None else \
+            msgspec.structs.replace(done, **msg.changes.given())
         for fid in self.frontends:
             if fid != msg.frontend:
                 self.port.send_frontend(fid, out)

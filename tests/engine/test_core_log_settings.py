@@ -68,3 +68,18 @@ def test_a_trace_change_reaches_the_other_frontends_only(repo):
     assert to_frontends == [(1, SetTraceSettings(changes, "plain")),
                             (2, SetTraceSettings(changes, "plain")), (FRONTEND, ControlReply(9))]
     assert not h.to_worker(SetTraceSettings)
+
+
+def test_a_frontend_that_comes_later_gets_what_clients_changed_before(repo):
+    h = Harness(repo).start()
+    new = LogSettings(verbose=1)
+    h.core.handle(SetLogSettings(new, FRONTEND, 1))
+    h.core.handle(SetTraceSettings(TraceChanges(rate=5, count=3), "", FRONTEND, 2))
+    h.core.handle(SetTraceSettings(TraceChanges(level=["TIMESTAMPS"]), "plain", FRONTEND, 3))
+    h.core.handle(SetTraceSettings(TraceChanges(rate=None), "", FRONTEND, 4))
+    h.core.handle(FrontendHello(1, "inproc://frontend-1"))
+    late = [m for f, m in h.port.to_frontend
+            if f == 1 and isinstance(m, (SetLogSettings, SetTraceSettings))]
+    # per model, the last value each setting was given (None: set back), the global ones first
+    assert late == [SetLogSettings(new), SetTraceSettings(TraceChanges(rate=None, count=3), ""),
+                    SetTraceSettings(TraceChanges(level=["TIMESTAMPS"]), "plain")]
