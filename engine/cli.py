@@ -167,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"shmserve {VERSION}")
     compat_flags.add(p)
     compat_flags.add_trace(p)
+    compat_flags.add_cache(p)
     return p
 
 
@@ -292,7 +293,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
         frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
-        grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a))
+        grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a),
+        response_cache_bytes=compat_flags.cache_bytes(parser, a))
     return settings, a
 
 

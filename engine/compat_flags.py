@@ -8,10 +8,12 @@ Three kinds, one table each:
   repository-agent directories, thread pools of a threaded server, NUMA host policies). Their
   values are checked as Triton checks them and the launcher logs, for each one given, that it
   has no effect here and why.
-- ``OFF_ONLY``: switches for features shmserve does not have (response cache, rate limiter,
-  TLS, SageMaker/Vertex AI endpoints, model namespacing, header forwarding). Their
-  default or "off" values are accepted; anything that turns the feature on stops the start with
-  a message that says so, rather than a server that silently does less than asked.
+- ``OFF_ONLY``: switches for features shmserve does not have (rate limiter, TLS,
+  SageMaker/Vertex AI endpoints, model namespacing, header forwarding). Their default or "off"
+  values are accepted; anything that turns the feature on stops the start with a message that
+  says so, rather than a server that silently does less than asked.
+
+The trace and response cache flags are Triton's too, and work (``add_trace``, ``add_cache``).
 """
 from __future__ import annotations
 
@@ -102,7 +104,8 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
     "--model-load-gpu-limit": (str, True, "GPU memory per load is not limited"),
     "--model-load-retry-count": (_non_negative, False, "a failed load is not retried; load it "
                                                        "again through the repository API"),
-    "--cache-directory": (str, False, "there is no response cache"),
+    "--cache-directory": (str, False, "the response cache is built in (local); no cache "
+                                      "libraries are loaded"),
     "--rate-limit-resource": (str, True, "there is no rate limiter"),
     "--grpc-server-cert": (str, False, "TLS is not supported"),
     "--grpc-server-key": (str, False, "TLS is not supported"),
@@ -121,10 +124,6 @@ class OffOnly:
 OFF_ONLY: dict[str, OffOnly] = {
     "--rate-limit": OffOnly(str.lower, False, lambda v: v == "off",
                             "rate limiting (execution_count) is not supported; use --rate-limit off"),
-    "--cache-config": OffOnly(_setting, True, lambda v: False,
-                              "the response cache is not supported"),
-    "--response-cache-byte-size": OffOnly(_non_negative, False, lambda v: v == 0,
-                                          "the response cache is not supported"),
     "--grpc-use-ssl": OffOnly(triton_bool, False, lambda v: not v,
                               "TLS is not supported: terminate TLS in front of shmserve"),
     "--grpc-use-ssl-mutual": OffOnly(triton_bool, False, lambda v: not v,
@@ -252,3 +251,54 @@ def trace_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> T
         parser.error("tracing is on (--trace-config level=...) but no trace file is given: add "
                      "--trace-config triton,file=<path>")
     return TraceConfig(**fields)
+
+
+def add_cache(parser: argparse.ArgumentParser) -> None:
+    """Triton's response cache flags (frontend/response_cache.py keeps the answers)."""
+    g = parser.add_argument_group("response cache (frontend/response_cache.py)")
+    g.add_argument("--cache-config", action="append", type=_setting, default=[],
+                   metavar="local,size=<BYTES>",
+                   help="turn the response cache on, that many bytes (shared out between the "
+                        "frontends); models opt in with response_cache { enable: true }")
+    g.add_argument("--response-cache-byte-size", type=_non_negative, default=None,
+                   metavar="BYTES", help="deprecated: same as --cache-config local,size=BYTES")
+
+
+def cache_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The response cache's size in bytes (0: no cache); a bad setting stops the start."""
+    if args.response_cache_byte_size is not None:
+        if args.cache_config:
+            parser.error("--response-cache-byte-size and --cache-config are incompatible flags: "
+                         "give --cache-config local,size=<bytes> alone")
+        return args.response_cache_byte_size
+    kinds: list[str] = []
+    size = None
+    for text in args.cache_config:
+        head, _, value = text.partition("=")
+        kind, _, key = head.rpartition(",")
+        kind, key = kind.strip(), key.strip()
+        if not kind:
+            parser.error(f"--cache-config {text}: expected <cache>,<setting>=<value>, e.g. "
+                         f"local,size=1048576")
+        if kind not in kinds:
+            kinds.append(kind)
+        if kind != "local":
+            continue
+        if key != "size":
+            parser.error(f"--cache-config {text}: the local cache has one setting, "
+                         f"size=<bytes>")
+        try:
+            size = int(value)
+            if size < 0:
+                raise ValueError
+        except ValueError:
+            parser.error(f"--cache-config {text}: size must be an integer >= 0 (bytes)")
+    if len(kinds) > 1:
+        parser.error(f"--cache-config: multiple cache configurations are not supported "
+                     f"({', '.join(kinds)}): configure one cache")
+    if kinds and kinds[0] != "local":
+        parser.error(f"--cache-config: the '{kinds[0]}' cache is not supported; the response "
+                     f"cache is 'local' (local,size=<bytes>)")
+    if kinds and size is None:
+        parser.error("--cache-config local: give its size, local,size=<bytes>")
+    return size or 0

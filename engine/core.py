@@ -436,6 +436,12 @@ class SchedulerCore:
             # its worker may have ended since
             ver = found[0] if found is not None else versions.get((model, version))
             self.accounting.leased(ver, model, records)
+        for c in msg.cache:
+            ver = versions.get((c.model, c.version))
+            if ver is not None:
+                if c.hit and self.on_demand is not None:
+                    self.on_demand.used(c.model)
+                ver.stats.cached(c.hit, c.cache_ns, c.total_ns, c.count)
 
     def batch_done(self, msg: BatchDone) -> None:
         self.finish_batch(msg)

@@ -184,6 +184,11 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
         step.input_dims = {t.name: list(t.dims) for t in sub.input}
         step.device_inputs = takes_device_inputs(sub)
     p.decoupled = any(s.decoupled for s in p.steps)
+    streaming = [s.label for s in p.steps if s.decoupled]
+    if cfg.response_cache.enable and streaming:
+        raise ConfigError(f"Response Cache does not currently support model '{name}' with "
+                          f"'decoupled' transaction policy: its {streaming[0]} is decoupled "
+                          f"(the ensemble's answers would be a stream)")
     p.device_tensors = frozenset(
         tensor for tensor, users in p.consumers.items()
         if tensor in p.producer and all(p.steps[u].device_inputs for u in users))

@@ -208,6 +208,7 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         raise ConfigError(f"model '{name}': the {cfg.backend} backend cannot serve a decoupled "
                           f"model (model_transaction_policy {{ decoupled: true }}); the python "
                           f"backend can")
+    _check_response_cache(cfg)
     if not cfg.optimization.HasField("input_pinned_memory"):
         cfg.optimization.input_pinned_memory.enable = True
     if not cfg.optimization.HasField("output_pinned_memory"):
@@ -235,7 +236,16 @@ def _normalize_ensemble(cfg: mc.ModelConfig, name: str) -> mc.ModelConfig:
                           f"'ensemble'; its composing models have backends)")
     _check_io_and_versions(cfg)
     cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
+    _check_response_cache(cfg)
     return cfg
+
+
+def _check_response_cache(cfg: mc.ModelConfig) -> None:
+    """The response cache keeps one answer per request: a decoupled model gives any number
+    (Triton's words; it refuses the load, with or without a server-side cache)."""
+    if cfg.response_cache.enable and cfg.model_transaction_policy.decoupled:
+        raise ConfigError(f"Response Cache does not currently support model '{cfg.name}' with "
+                          f"'decoupled' transaction policy")
 
 
 def select_versions(cfg: mc.ModelConfig, available: list[int]) -> tuple[list[int], list[int]]:

@@ -40,8 +40,8 @@ class VersionStats:
     def __init__(self, name: str, version: int, buckets_ms=DEFAULT_LATENCY_BUCKETS_MS,
                  wall_clock=time.time, summaries: bool = False):
         self.record = ModelStatistics(name, version, failures={r: 0 for r in FAILURE_REASONS})
-        self.windows = {k: deque(maxlen=SUMMARY_WINDOW) for k in SUMMARY_KINDS} if summaries \
-            else None
+        self.windows: dict[str, deque[float]] | None = \
+            {k: deque(maxlen=SUMMARY_WINDOW) for k in SUMMARY_KINDS} if summaries else None
         self.buckets_ms = tuple(buckets_ms)
         # the bucket bounds in ns: a request's duration finds its bucket without a division
         self.buckets_ns = tuple(ms * 1e6 for ms in self.buckets_ms)
@@ -95,6 +95,24 @@ class VersionStats:
         if self.windows is not None:
             for kind, col in zip(SUMMARY_KINDS, (totals, queues, inputs, infers, outputs)):
                 self.windows[kind].extend(ns / 1e3 for ns in col)
+
+    def cached(self, hit: bool, cache_ns: int, total_ns: int, count: int) -> None:
+        """A response cache lookup (``count`` 1) or insert (0). A hit is a success that ran
+        nothing: it counts in success and queue (no time queued), not in the inference and
+        execution counts or the compute times, as in Triton."""
+        r = self.record
+        d = r.cache_hit if hit else r.cache_miss
+        d.count += count
+        d.ns += max(0, cache_ns)
+        if hit:
+            total_ns = max(0, total_ns)
+            _add(r.success, total_ns)
+            r.queue.count += 1
+            r.latency_buckets[bisect.bisect_left(self.buckets_ns, total_ns)] += 1
+            r.latency_sum_ms += total_ns / 1e6
+            r.last_inference = int(self.wall_clock() * 1000)
+            if self.windows is not None:
+                self.windows["request"].append(total_ns / 1e3)
 
     def failed(self, reason: str, total_ns: int) -> None:
         r = self.record

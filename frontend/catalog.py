@@ -46,6 +46,9 @@ class ModelView:
     # --model-control-mode=on_demand: a request for a version that is not loaded is sent all
     # the same, and the scheduler holds it while the model loads
     on_demand: bool = False
+    # response_cache { enable: true }: answers may come from the frontend's response cache
+    # (when the server has one; not for a sequence model, whose answers depend on its state)
+    response_cache: bool = False
     raw_config: bytes = b""             # as the table carried it (unchanged: the view is reused)
     raw_versions: list = field(default_factory=list)    # the table's VersionInfos, likewise
 
@@ -103,6 +106,7 @@ def _view(info, old: ModelView | None = None) -> ModelView:
     view.has_optional = any(t.optional for t in cfg.input)
     view.decoupled = cfg.model_transaction_policy.decoupled
     view.sequence = cfg.HasField("sequence_batching")
+    view.response_cache = cfg.response_cache.enable and not view.sequence and not view.decoupled
     for ci in cfg.sequence_batching.control_input:
         for ctl in ci.control:
             if ctl.kind == ctl.CONTROL_SEQUENCE_CORRID and ctl.data_type != DataType.TYPE_STRING:

@@ -30,6 +30,7 @@ import zmq
 
 from shmserve.ipc import channel, logs, packets
 from shmserve.ipc.messages import (
+    CacheRecord,
     CancelRequest,
     ControlAction,
     ControlReply,
@@ -121,6 +122,8 @@ class EngineClient:
         self.corked: dict[packets.PacketOutbox, list[tuple[Lease, SubmitRequest, bytes]]] = {}
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
         self.done: list[LeasedRecord] = []      # leased completion records not yet sent
+        self.cache_done: list[CacheRecord] = []  # response cache records not yet sent
+        self.on_table: Callable[[], None] | None = None     # after each new model table
         self.flusher: asyncio.TimerHandle | None = None
         self.ids = itertools.count(1)
         # requests of decoupled models that have answered and go on answering:
@@ -322,17 +325,29 @@ class EngineClient:
         if req_id in self.pending:
             self.pending[req_id] = handler
 
+    def new_id(self) -> int:
+        """An id for a request answered without the scheduler (a response cache hit)."""
+        return next(self.ids)
+
+    def cache_record(self, record: CacheRecord) -> None:
+        """A response cache lookup or insert, sent with the leased records (statistics)."""
+        self.cache_done.append(record)
+        if self.flusher is None:
+            self.flusher = self.loop.call_later(LEASED_FLUSH_S, self.flush_done)
+
     def flush_done(self) -> None:
-        """Send the scheduler the completion records of leased requests (statistics)."""
+        """Send the scheduler the completion records of leased requests and the response
+        cache's records (statistics)."""
         self.flusher = None
-        if not self.done:
+        if not self.done and not self.cache_done:
             return
         try:
-            self.scheduler.send(LeasedDone(self.done), flags=channel.NOBLOCK)
+            self.scheduler.send(LeasedDone(self.done, self.cache_done), flags=channel.NOBLOCK)
         except zmq.Again:           # the scheduler is behind: keep them for the next flush
             self.flusher = self.loop.call_later(LEASED_FLUSH_S, self.flush_done)
             return
         self.done = []
+        self.cache_done = []
 
     # ---- leases -----------------------------------------------------------------------------------
     def _worker_box(self, address: str):
@@ -560,6 +575,8 @@ class EngineClient:
     def _update_table(self, msg: ModelTable) -> None:
         self.catalog.update(msg)
         self.table_event.set()
+        if self.on_table is not None:
+            self.on_table()
 
     def _answer_query(self, msg: StatsReply | ControlReply) -> None:
         fut = self.queries.get(msg.query_id)

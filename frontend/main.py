@@ -26,6 +26,7 @@ from .http_app import KServeHttpApp
 from .metrics import MetricsApp
 from .model_upload import ModelUploads
 from .request import RequestLimits
+from .response_cache import ResponseCache
 from .service import FrontendService
 from .shm_regions import RegionTable
 from .shm_registry import ShmRegistry
@@ -62,9 +63,12 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     # several frontends sample and write traces each on their own, to files of their own
     tracer = TraceCore(settings.trace,
                        f".frontend{frontend_id}" if settings.frontends > 1 else "")
+    # each frontend caches the answers it gives: the size is shared out between them
+    cache = ResponseCache(settings.response_cache_bytes // settings.frontends) \
+        if settings.response_cache_bytes > 0 else None
     service = FrontendService(client, arena, maps, registry, settings.server_id,
                               settings.server_version, settings.strict_readiness, limits,
-                              uploads, tracer)
+                              uploads, tracer, cache)
     servers, ports = [], {}
     grpc_server = sampler_task = None
     try:
@@ -97,7 +101,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                                         settings.allow_cpu_metrics, settings.allow_gpu_metrics)
                 sampler_task = loop.create_task(sampler.run())
             metrics_app = MetricsApp(client, sampler, settings.counter_latencies,
-                                     settings.histogram_latencies)
+                                     settings.histogram_latencies,
+                                     cache=settings.response_cache_bytes > 0)
             srv = await http_server.serve(metrics_app,
                                           settings.metrics_address or settings.http_address,
                                           settings.metrics_port)

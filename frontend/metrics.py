@@ -52,8 +52,10 @@ def exposition(registry, custom: "CustomCollector | None" = None) -> bytes:
 
 
 class InferenceCollector:
-    def __init__(self, counter_latencies: bool = True, histogram_latencies: bool = False):
+    def __init__(self, counter_latencies: bool = True, histogram_latencies: bool = False,
+                 cache: bool = False):
         self.models: list[ModelStatistics] = []
+        self.cache = cache          # the server has a response cache: its counters are shown
         self.ipc: dict[str, int] = {}
         self.leased: dict[str, int] = {}        # model -> requests sent under a lease
         self.on_demand: OnDemandStats | None = None     # --model-control-mode=on_demand
@@ -115,6 +117,8 @@ class InferenceCollector:
                 hist.add_metric([m.name, str(m.version)], buckets, m.latency_sum_ms)
         yield from fams.values()
         yield from lat.values()
+        if self.cache:
+            yield from self._cache()
         yield pending
         yield load
         if self.histogram_latencies:
@@ -123,6 +127,26 @@ class InferenceCollector:
         yield from self._ipc()
         if self.on_demand is not None:
             yield from self._on_demand(self.on_demand)
+
+    def _cache(self):
+        """Triton's response cache counters, per model version."""
+        fams = [(_counter("nv_cache_num_hits_per_model", "Number of cache hits per model"),
+                 "cache_hit", False),
+                (_counter("nv_cache_num_misses_per_model", "Number of cache misses per model"),
+                 "cache_miss", False),
+                (_counter("nv_cache_hit_duration_per_model",
+                          "Total cache hit duration per model, in microseconds"),
+                 "cache_hit", True),
+                (_counter("nv_cache_miss_duration_per_model",
+                          "Total cache miss (insert+lookup) duration per model, in "
+                          "microseconds"), "cache_miss", True)]
+        for m in self.models:
+            labels = {"model": m.name, "version": str(m.version)}
+            for fam, field, duration in fams:
+                d = getattr(m, field)
+                fam.add_sample(fam.name, labels, d.ns // 1000 if duration else d.count)
+        for fam, _, _ in fams:
+            yield fam
 
     def _summaries(self):
         """Quantiles over each model's latest observations (--metrics-config summary_latencies)."""
@@ -356,10 +380,11 @@ class _Page:
 
 class MetricsApp(HttpApp):
     def __init__(self, client: EngineClient, sampler: SystemSampler | None,
-                 counter_latencies: bool = True, histogram_latencies: bool = False):
+                 counter_latencies: bool = True, histogram_latencies: bool = False,
+                 cache: bool = False):
         self.client = client
         self.registry = CollectorRegistry(auto_describe=False)
-        self.inference = InferenceCollector(counter_latencies, histogram_latencies)
+        self.inference = InferenceCollector(counter_latencies, histogram_latencies, cache)
         self.custom = CustomCollector()
         builtin = [self.inference] if sampler is None else [self.inference, sampler]
         self.registry.register(_Page(builtin, self.custom))

@@ -10,18 +10,29 @@ in what they accept or how they fail.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, AsyncIterator, Callable
 
-from shmserve.ipc.messages import ControlAction, ErrorCode, InferResult, ModelStatistics, ShmRef, TraceConfig
+from shmserve.ipc.messages import (
+    CacheRecord,
+    ControlAction,
+    ErrorCode,
+    InferResult,
+    ModelState,
+    ModelStatistics,
+    ShmRef,
+    TraceConfig,
+)
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import request, validation
+from . import request, response_cache, validation
 from .catalog import ModelCatalog, ModelView, version_number
 from .engine_client import EngineClient
 from .errors import InferError, invalid
 from .log_settings import LogControl
 from .model_upload import FILE_PREFIX, ModelUploads
 from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits
+from .response_cache import CacheEntry, ResponseCache
 from .shm_registry import ShmRegistry
 from .trace import TraceControl, TraceCore
 
@@ -36,7 +47,8 @@ class FrontendService:
     def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
                  registry: ShmRegistry, server_id: str, server_version: str,
                  strict_readiness: bool, limits: RequestLimits = DEFAULT_LIMITS,
-                 uploads: ModelUploads | None = None, trace: TraceCore | None = None):
+                 uploads: ModelUploads | None = None, trace: TraceCore | None = None,
+                 cache: ResponseCache | None = None):
         self.client = client
         self.uploads = uploads          # where 'file:' load parameters go; None: refused
         self.limits = limits            # per-request tensor bounds both codecs apply
@@ -52,6 +64,10 @@ class FrontendService:
         self.tracer = trace or TraceCore(TraceConfig())
         self.tracing = TraceControl(self.tracer, client, lambda name: name in self.catalog.models)
         client.on_trace_settings = self.tracing.apply
+        # the response cache (frontend/response_cache.py); None: --cache-config not given
+        self.cache = cache
+        if cache is not None:
+            client.on_table = self._forget_unloaded
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -212,8 +228,62 @@ class FrontendService:
     def submit(self, view: ModelView, version: int, prepared: PreparedRequest,
                on_result: Callable[[InferResult], None]) -> int:
         """Send a prepared request; ``on_result`` gets its answer. Returns the request id."""
+        if self.cache is not None and view.response_cache:
+            return self._submit_cached(view, version, prepared, on_result)
         return self.client.submit(view.name, version, prepared, on_result,
                                   view.preserve_ordering)
+
+    def _submit_cached(self, view: ModelView, version: int, prepared: PreparedRequest,
+                       on_result: Callable[[InferResult], None]) -> int:
+        """Answer from the response cache, or send the request and keep its answer."""
+        cache, client, clock = self.cache, self.client, time.monotonic_ns
+        assert cache is not None
+        name = view.name
+        t0 = clock()
+        try:
+            key = cache.key(name, version, prepared.payload, self.maps.view)
+        except ShmError:
+            key = None          # an input's region is gone: the worker says so, as always
+        if key is None:
+            return client.submit(name, version, prepared, on_result, view.preserve_ordering)
+        entry = cache.get(key)
+        if entry is not None:
+            req_id = client.new_id()
+            regions = {n: w.ref for n, w in prepared.outputs.items()
+                       if w.region and type(w.ref) is ShmRef}
+            result = response_cache.answer(entry, req_id, regions, self.maps.view)
+            t1 = clock()
+            client.cache_record(CacheRecord(name, version, True, t1 - t0, t1 - t0))
+            # answered after this call returns, as any other request is (callers keep its id)
+            asyncio.get_running_loop().call_soon(on_result, result)
+            return req_id
+        client.cache_record(CacheRecord(name, version, False, clock() - t0))
+        config = view.raw_config
+
+        def answered(result: InferResult) -> None:
+            if not result.error:
+                t = clock()
+                try:
+                    outs = response_cache.outputs_of(result, self.maps.view)
+                except ShmError:
+                    outs = None
+                if outs is not None:
+                    cache.put(key, name, version, config, outs, result.parameters)
+                client.cache_record(CacheRecord(name, version, False, clock() - t, count=0))
+            on_result(result)
+        return client.submit(name, version, prepared, answered, view.preserve_ordering)
+
+    def _forget_unloaded(self) -> None:
+        """A new model table: answers of versions that are no longer ready, or of a model
+        whose config changed, must not be served again."""
+        models = self.catalog.models
+
+        def keep(e: CacheEntry) -> bool:
+            view = models.get(e.model)
+            return view is not None and view.raw_config is e.config and \
+                view.states.get(e.version, (None,))[0] == ModelState.READY
+        assert self.cache is not None
+        self.cache.retain(keep)
 
     async def infer(self, view: ModelView, version: int,
                     prepared: PreparedRequest) -> InferResult:

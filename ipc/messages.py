@@ -168,6 +168,7 @@ class LeasedDone(msgspec.Struct, array_like=True, tag=6):
     statistics query or control request, which travel the same socket: a query never misses a
     request its client already has the answer of."""
     records: list["LeasedRecord"]
+    cache: list["CacheRecord"] = []     # response cache lookups and inserts (frontend)
 
 
 class CancelRequest(msgspec.Struct, array_like=True, tag=5):
@@ -499,6 +500,18 @@ class LeasedRecord(msgspec.Struct, array_like=True):
     executed: int = -1
 
 
+class CacheRecord(msgspec.Struct, array_like=True):
+    """What a frontend's response cache adds to a model version's statistics: a hit (answered
+    from the cache: a success, not an inference), a miss (its lookup), or an insert after a
+    miss (``count`` 0: its time joins the misses' duration, as in Triton)."""
+    model: str
+    version: int
+    hit: bool
+    cache_ns: int               # the lookup, or the insert
+    total_ns: int = 0           # a hit: the request's duration, submit to answer
+    count: int = 1
+
+
 class LeaseEnded(msgspec.Struct, array_like=True, tag=35):
     """The worker read RevokeLease(lease_id): every leased request it accepted is done, and
     the scheduler may dispatch to it again."""
@@ -673,6 +686,9 @@ class ServerSettings(msgspec.Struct):
     grpc_options: dict[str, int] = {}
     grpc_server: str = "loop"              # loop (frontend/grpc_loop.py) | aio (grpc.aio)
     trace: TraceConfig = TraceConfig()     # --trace-config and the older --trace-* flags
+    # --cache-config local,size=N (or --response-cache-byte-size N): the response cache's bytes,
+    # shared out between the frontends (frontend/response_cache.py); 0: no cache
+    response_cache_bytes: int = 0
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

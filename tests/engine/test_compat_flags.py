@@ -20,6 +20,7 @@ def test_a_triton_command_line_parses(tmp_path):
                      "--reuse-grpc-port", "--host-policy", "--rate-limit-resource"}
     assert all("has no effect: " in note for note in a.compat_notes)
     assert settings.trace == TraceConfig(["OFF"], 100, -1, 0, "/tmp/trace.json", "triton")
+    assert settings.response_cache_bytes == 0       # --response-cache-byte-size 0: no cache
 
 
 def test_without_them_nothing_changes(tmp_path):
@@ -29,8 +30,6 @@ def test_without_them_nothing_changes(tmp_path):
 
 @pytest.mark.parametrize("flag, value, says", [
     ("--rate-limit", "execution_count", "rate limiting (execution_count) is not supported"),
-    ("--cache-config", "local,size=1048576", "the response cache is not supported"),
-    ("--response-cache-byte-size", "1024", "the response cache is not supported"),
     ("--grpc-use-ssl", "true", "TLS is not supported"),
     ("--grpc-use-ssl-mutual", "1", "TLS is not supported"),
     ("--model-namespacing", "true", "model namespacing is not supported"),
@@ -88,3 +87,36 @@ def test_bad_trace_flags_stop_the_start(tmp_path, capsys, flags, says):
         parse_settings(["--model-repository", str(tmp_path), *flags])
     assert e.value.code == 2
     assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, size", [
+    ([], 0),
+    (["--cache-config", "local,size=1048576"], 1048576),
+    (["--cache-config=local,size=0"], 0),
+    (["--response-cache-byte-size", "8192"], 8192),      # the deprecated form
+])
+def test_cache_flags_set_the_response_cache_size(tmp_path, flags, size):
+    settings, _ = parse_settings(["--model-repository", str(tmp_path), *flags])
+    assert settings.response_cache_bytes == size
+
+
+@pytest.mark.parametrize("flags, says", [
+    # both of Triton's refusals, in its words
+    (["--cache-config", "local,size=8192", "--cache-config", "redis,host=localhost"],
+     "multiple cache configurations are not supported (local, redis)"),
+    (["--response-cache-byte-size", "12345", "--cache-config", "local,size=67890"],
+     "--response-cache-byte-size and --cache-config are incompatible flags"),
+    (["--cache-config", "redis,host=localhost"], "the 'redis' cache is not supported"),
+    (["--cache-config", "size=100"], "expected <cache>,<setting>=<value>"),
+    (["--cache-config", "local,bytes=100"], "the local cache has one setting, size=<bytes>"),
+    (["--cache-config", "local,size=lots"], "size must be an integer >= 0"),
+    (["--cache-config", "local,size=-1"], "size must be an integer >= 0"),
+    (["--cache-config", "local"], "expected [<name>,]<setting>=<value>"),
+    (["--response-cache-byte-size", "-5"], "expected an integer >= 0"),
+])
+def test_bad_cache_flags_stop_the_start(tmp_path, capsys, flags, says):
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--model-repository", str(tmp_path), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err, err

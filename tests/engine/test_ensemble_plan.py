@@ -295,3 +295,14 @@ def test_repository_reads_an_ensemble_without_model_files(tmp_path):
     assert entry.error == "" and [v.version for v in entry.versions] == [2]
     assert [v.error for v in entry.versions] == [""] and not entry.auto_complete
     assert entry.config.platform == "ensemble" and len(entry.config.instance_group) == 0
+
+
+def test_a_cached_ensemble_with_a_decoupled_step_does_not_load():
+    cached = ensemble(CHAIN, extra="max_batch_size: 8\nresponse_cache { enable: true }")
+    streaming = model("b", extra="max_batch_size: 8\nmodel_transaction_policy { decoupled: true }")
+    assert bind_error(cached, model("a"), streaming) == (
+        "Response Cache does not currently support model 'E' with 'decoupled' transaction "
+        "policy: its step 1 (model 'b') is decoupled (the ensemble's answers would be a stream)")
+    bind(plan(cached), cached, configs(model("a"), model("b")))      # plain steps: it loads
+    plain = ensemble(CHAIN)
+    bind(plan(plain), plain, configs(model("a"), streaming))        # no cache: it loads

@@ -9,6 +9,7 @@ from shmserve.engine.leases import COOLDOWN_NS, TERM_NS
 from shmserve.engine.models import PING_TIMEOUT_S
 from shmserve.engine.states import InstanceState
 from shmserve.ipc.messages import (
+    CacheRecord,
     ControlAction,
     ControlRequest,
     ErrorCode,
@@ -456,3 +457,18 @@ def test_a_bls_request_that_would_wait_for_its_own_chain_is_refused(repo):
     h.finish(sid)                                # idle now: the same request runs
     h.core.handle(SubmitRequest(801, BLS, "plain", 1, 1, h.clock(), chain=["plain"]), [b"p"])
     assert 801 not in h.results() and len(h.batches()) == 2
+
+
+def test_response_cache_records_reach_the_statistics(repo):
+    """A frontend's cache records ride with its leased records: a hit counts as a success
+    that ran nothing, a miss as its lookup plus its insert; a version that is gone is skipped."""
+    h = leased_harness(repo)
+    h.core.handle(LeasedDone([], [CacheRecord("plain", 1, True, 2_000, 9_000),
+                                  CacheRecord("plain", 1, False, 3_000),
+                                  CacheRecord("plain", 1, False, 4_000, count=0),
+                                  CacheRecord("plain", 7, True, 1, 1)]))
+    st = h.core.statistics(StatsQuery(0, 1, "plain")).models[0]
+    assert (st.cache_hit.count, st.cache_hit.ns) == (1, 2_000)
+    assert (st.cache_miss.count, st.cache_miss.ns) == (1, 7_000)
+    assert (st.success.count, st.success.ns) == (1, 9_000)
+    assert st.inference_count == 0 and st.execution_count == 0

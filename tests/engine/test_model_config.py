@@ -188,6 +188,8 @@ def test_normalize_is_idempotent():
     (BASIC + "sequence_batching { oldest { } }", "max_candidate_sequences must be > 0"),
     (BASIC.replace('"python"', '"onnxruntime"') + "model_transaction_policy { decoupled: true }",
      "the onnxruntime backend cannot serve a decoupled model"),
+    (BASIC + "model_transaction_policy { decoupled: true } response_cache { enable: true }",
+     "Response Cache does not currently support model 'm' with 'decoupled' transaction policy"),
     (BASIC + "instance_group [ { count: -1 } ]", "instance_group 'm_0' of model 'm' has a negative count"),
     (BASIC + "instance_group [ { count: 100 }, { count: 29 } ]",
      r"model 'm': instance_group asks for 129 instances, more than the limit of 128"),
@@ -202,7 +204,7 @@ def test_normalize_is_idempotent():
      r"model_warmup 'w' input 'IN' input_data_file '../../secret' must be a file name"),
 ], ids=["name", "no-backend", "backend", "platform", "ensemble", "max-batch", "no-dtype", "dup-input",
         "no-name", "dim-0", "dim-neg", "no-dims", "reshape", "out-dtype", "out-dim", "sequence",
-        "decoupled", "count", "too-many-instances", "count-huge", "filename-dotdot",
+        "decoupled", "decoupled-cached", "count", "too-many-instances", "count-huge", "filename-dotdot",
         "filename-absolute", "filename-parent", "warmup-file-path"])
 def test_normalize_errors(text, match):
     with pytest.raises(ConfigError, match=match):

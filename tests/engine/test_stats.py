@@ -180,3 +180,24 @@ def test_versions_do_not_share_counters(wall):
     assert rb.failures["REJECTED"] == 0
     assert rb.latency_buckets == [0] * 5
     assert rb.success == Duration(0, 0) and rb.batch_stats == []
+
+
+def test_cache_hits_are_successes_that_ran_nothing(stats, wall):
+    stats.cached(True, 20_000, 50_000, 1)
+    stats.cached(True, 30_000, 3 * 1000 * MS, 1)      # a 3 s hit: the (2 s, 5 s] bucket
+    r = stats.snapshot(0)
+    assert r.cache_hit == Duration(2, 50_000)
+    assert r.success == Duration(2, 50_000 + 3000 * MS)
+    assert r.queue.count == 2 and r.queue.ns == 0      # success and queue include hits
+    assert r.inference_count == 0 and r.execution_count == 0     # inferences do not
+    assert r.compute_infer == Duration(0, 0) and r.batch_stats == []
+    assert r.latency_buckets[0] == 1 and r.latency_buckets[3] == 1
+    assert r.last_inference == int(wall.t * 1000)
+
+
+def test_cache_misses_count_lookups_and_add_insert_times(stats):
+    stats.cached(False, 5_000, 0, 1)        # the lookup
+    stats.cached(False, 7_000, 0, 0)        # its insert, once the answer came
+    r = stats.snapshot(0)
+    assert r.cache_miss == Duration(1, 12_000)
+    assert r.success == Duration(0, 0) and r.cache_hit == Duration(0, 0)

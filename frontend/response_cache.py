@@ -1,0 +1,181 @@
+"""The response cache (Triton's ``--cache-config local,size=N`` with ``response_cache { enable:
+true }`` in a model's config): answers of earlier requests, by a hash of what decides them.
+
+It lives in the frontend, so that a hit is answered where the request was parsed: no message
+to the scheduler or a worker, no shared memory touched but the client's. Each frontend process
+keeps its own cache (with ``--frontends N`` each gets 1/N of the size).
+
+The key is a 128-bit BLAKE2b digest of the model name and version and of every input (name,
+datatype, shape and bytes, wherever they are: inline, in the frontend's arena or in a client's
+region), as Triton's is, plus two things Triton leaves out, because they change the answer:
+the outputs asked for (with their classification counts) and the request's custom parameters.
+How the outputs travel back (JSON, binary, a client's region) is not in the key: an entry holds
+the outputs' bytes and each hit writes them the way its request asks.
+
+Bounded by bytes (the outputs' bytes plus a fixed cost per entry and per output); the least
+recently used entries go first. An answer larger than the whole cache is not kept (Triton's
+"Failed to insert key"). ``ResponseCache`` is pure: no sockets, no clock.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import msgspec
+
+from shmserve.ipc.messages import ErrorCode, InferPayload, InferResult, ShmRef, Tensor
+from shmserve.ipc.shm import ShmError
+
+# what an entry costs beyond its bytes (the record, its dict slot, the key), and each output
+ENTRY_OVERHEAD = 200
+OUTPUT_OVERHEAD = 100
+
+_encode_params = msgspec.json.Encoder(order="sorted").encode
+
+
+@dataclass(slots=True, frozen=True)
+class CachedOutput:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+@dataclass(slots=True)
+class CacheEntry:
+    model: str
+    version: int
+    config: bytes           # the model's config when it was kept (the catalog's bytes object)
+    outputs: tuple[CachedOutput, ...]
+    parameters: dict[str, Any]
+    size: int
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    hits: int = 0
+    misses: int = 0
+    inserted: int = 0
+    evicted: int = 0
+    too_large: int = 0
+
+
+class ResponseCache:
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self.entries: OrderedDict[bytes, CacheEntry] = OrderedDict()
+        self.counters = CacheCounters()
+
+    # ---- keys ------------------------------------------------------------------------------
+    @staticmethod
+    def key(model: str, version: int, payload: InferPayload,
+            read: Callable[[ShmRef], memoryview]) -> bytes | None:
+        """The request's digest; None when it cannot be cached (an input in GPU memory).
+        ``read`` gives the bytes of an input that lives in shared memory."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(b"%d:%s\0%d\0" % (len(model), model.encode(), version))
+        for t in sorted(payload.inputs, key=_name):
+            if t.cuda is not None:
+                return None
+            data = t.data if t.shm is None else read(t.shm)
+            assert data is not None
+            h.update(b"I%d:%s\0%s\0%s\0%d\0" % (len(t.name), t.name.encode(), t.datatype.encode(),
+                                               ",".join(map(str, t.shape)).encode(), len(data)))
+            h.update(data)
+        for o in payload.outputs:
+            if o.cuda is not None:
+                return None     # written into a client's GPU memory: not kept (CPU only)
+            h.update(b"O%d:%s\0%d\0" % (len(o.name), o.name.encode(), o.classification))
+        if payload.parameters:
+            h.update(b"P")
+            h.update(_encode_params(payload.parameters))
+        return h.digest()
+
+    # ---- lookups and inserts ---------------------------------------------------------------------
+    def get(self, key: bytes) -> CacheEntry | None:
+        entry = self.entries.get(key)
+        if entry is None:
+            self.counters.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.counters.hits += 1
+        return entry
+
+    def put(self, key: bytes, model: str, version: int, config: bytes,
+            outputs: Iterable[CachedOutput], parameters: dict[str, Any]) -> bool:
+        """Keep an answer; False when it is larger than the whole cache (nothing is evicted
+        for it then)."""
+        outs = tuple(outputs)
+        size = ENTRY_OVERHEAD + len(key) + sum(OUTPUT_OVERHEAD + len(o.data) for o in outs)
+        if size > self.capacity:
+            self.counters.too_large += 1
+            return False
+        old = self.entries.pop(key, None)
+        if old is not None:         # two misses of the same request raced: keep the later
+            self.used -= old.size
+        while self.used + size > self.capacity:
+            _, gone = self.entries.popitem(last=False)
+            self.used -= gone.size
+            self.counters.evicted += 1
+        self.entries[key] = CacheEntry(model, version, config, outs, dict(parameters), size)
+        self.used += size
+        self.counters.inserted += 1
+        return True
+
+    def retain(self, keep: Callable[[CacheEntry], bool]) -> int:
+        """Drop the entries ``keep`` refuses (a model unloaded or reloaded); returns how many."""
+        gone = [k for k, e in self.entries.items() if not keep(e)]
+        for k in gone:
+            self.used -= self.entries.pop(k).size
+        return len(gone)
+
+
+def _name(t: Tensor) -> str:
+    return t.name
+
+
+def outputs_of(result: InferResult,
+               read: Callable[[ShmRef], memoryview]) -> list[CachedOutput] | None:
+    """The outputs of a successful answer as an entry keeps them (copied out of shared memory:
+    the worker's slots, or the client's region it wrote); None when one of them cannot be kept
+    (left in GPU memory)."""
+    outs = []
+    for t in result.outputs:
+        if t.cuda is not None:
+            return None
+        data = bytes(read(t.shm)) if t.shm is not None else (t.data or b"")
+        outs.append(CachedOutput(t.name, t.datatype, tuple(t.shape), data))
+    return outs
+
+
+def answer(entry: CacheEntry, req_id: int, regions: dict[str, ShmRef],
+           view: Callable[[ShmRef], memoryview]) -> InferResult:
+    """A hit's answer: the entry's outputs, inline, except those the request wants in a
+    client's region (``regions``), which are written there now, as a worker would have."""
+    outs = []
+    for o in entry.outputs:
+        ref = regions.get(o.name)
+        if ref is None:
+            outs.append(Tensor(o.name, o.datatype, list(o.shape), o.data))
+            continue
+        n = len(o.data)
+        if n > ref.nbytes:
+            return _failed(entry, req_id, f"shared memory size specified with the request for "
+                                          f"output '{o.name}' ({ref.nbytes} bytes) should be at "
+                                          f"least {n} bytes to hold the results")
+        placed = ShmRef(ref.segment, ref.offset, n)
+        try:
+            view(placed)[:] = o.data
+        except ShmError as e:
+            return _failed(entry, req_id, f"failed to write output '{o.name}' into its shared "
+                                          f"memory region: {e}")
+        outs.append(Tensor(o.name, o.datatype, list(o.shape), None, placed))
+    return InferResult(req_id, entry.model, entry.version, outs, parameters=dict(entry.parameters))
+
+
+def _failed(entry: CacheEntry, req_id: int, message: str) -> InferResult:
+    return InferResult(req_id, entry.model, entry.version, error=message,
+                       code=ErrorCode.INVALID_ARG)
