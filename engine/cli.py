@@ -168,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     compat_flags.add(p)
     compat_flags.add_trace(p)
     compat_flags.add_cache(p)
+    compat_flags.add_grpc_tls(p)
     return p
 
 
@@ -294,7 +295,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         worker_start=a.worker_start,
         frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
         grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a),
-        response_cache_bytes=compat_flags.cache_bytes(parser, a))
+        response_cache_bytes=compat_flags.cache_bytes(parser, a),
+        grpc_tls=compat_flags.grpc_tls(parser, a))
     return settings, a
 
 

@@ -8,20 +8,22 @@ Three kinds, one table each:
   repository-agent directories, thread pools of a threaded server, NUMA host policies). Their
   values are checked as Triton checks them and the launcher logs, for each one given, that it
   has no effect here and why.
-- ``OFF_ONLY``: switches for features shmserve does not have (rate limiter, TLS,
-  SageMaker/Vertex AI endpoints, model namespacing, header forwarding). Their default or "off"
+- ``OFF_ONLY``: switches for features shmserve does not have (rate limiter, SageMaker/Vertex
+  AI endpoints, model namespacing, header forwarding). Their default or "off"
   values are accepted; anything that turns the feature on stops the start with a message that
   says so, rather than a server that silently does less than asked.
 
-The trace and response cache flags are Triton's too, and work (``add_trace``, ``add_cache``).
+The trace, response cache and gRPC TLS flags are Triton's too, and work (``add_trace``,
+``add_cache``, ``add_grpc_tls``).
 """
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shmserve.ipc.messages import TraceConfig
+from shmserve.ipc.messages import GrpcTls, TraceConfig
 
 
 def triton_bool(text: str) -> bool:
@@ -107,9 +109,6 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
     "--cache-directory": (str, False, "the response cache is built in (local); no cache "
                                       "libraries are loaded"),
     "--rate-limit-resource": (str, True, "there is no rate limiter"),
-    "--grpc-server-cert": (str, False, "TLS is not supported"),
-    "--grpc-server-key": (str, False, "TLS is not supported"),
-    "--grpc-root-cert": (str, False, "TLS is not supported"),
 }
 
 
@@ -124,10 +123,6 @@ class OffOnly:
 OFF_ONLY: dict[str, OffOnly] = {
     "--rate-limit": OffOnly(str.lower, False, lambda v: v == "off",
                             "rate limiting (execution_count) is not supported; use --rate-limit off"),
-    "--grpc-use-ssl": OffOnly(triton_bool, False, lambda v: not v,
-                              "TLS is not supported: terminate TLS in front of shmserve"),
-    "--grpc-use-ssl-mutual": OffOnly(triton_bool, False, lambda v: not v,
-                                     "TLS is not supported: terminate TLS in front of shmserve"),
     "--model-namespacing": OffOnly(triton_bool, False, lambda v: not v,
                                    "model namespacing is not supported"),
     "--allow-sagemaker": OffOnly(triton_bool, False, lambda v: not v,
@@ -302,3 +297,48 @@ def cache_bytes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
     if kinds and size is None:
         parser.error("--cache-config local: give its size, local,size=<bytes>")
     return size or 0
+
+
+def add_grpc_tls(parser: argparse.ArgumentParser) -> None:
+    """Triton's gRPC TLS flags (frontend/grpc_service.py serves TLS through grpc.aio)."""
+    g = parser.add_argument_group("gRPC over TLS")
+    g.add_argument("--grpc-use-ssl", type=triton_bool, default=False,
+                   help="serve gRPC over TLS (needs --grpc-server-cert and --grpc-server-key)")
+    g.add_argument("--grpc-use-ssl-mutual", type=triton_bool, default=False,
+                   help="TLS with client certificates signed by --grpc-root-cert (implies "
+                        "--grpc-use-ssl)")
+    g.add_argument("--grpc-server-cert", default="", metavar="PEM",
+                   help="the server's certificate (chain), a PEM file")
+    g.add_argument("--grpc-server-key", default="", metavar="PEM",
+                   help="the server's private key, a PEM file")
+    g.add_argument("--grpc-root-cert", default="", metavar="PEM",
+                   help="the CA certificates client certificates must chain to, a PEM file")
+
+
+def grpc_tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GrpcTls | None:
+    """The gRPC TLS settings (None: plain gRPC). Each file must be readable now: a typo stops
+    the start (exit 2), not the first handshake. The paths travel to the frontends, which read
+    them; a private key never appears on a command line."""
+    if not (args.grpc_use_ssl or args.grpc_use_ssl_mutual):
+        return None
+    needed = [("--grpc-server-cert", args.grpc_server_cert),
+              ("--grpc-server-key", args.grpc_server_key)]
+    if args.grpc_use_ssl_mutual:
+        needed.append(("--grpc-root-cert", args.grpc_root_cert))
+    elif args.grpc_root_cert:
+        needed.append(("--grpc-root-cert", args.grpc_root_cert))
+    for flag, path in needed:
+        if not path:
+            why = "client certificates are checked against it" if flag == "--grpc-root-cert" \
+                else "gRPC over TLS needs it"
+            parser.error(f"{flag} is not given: {why}")
+        try:
+            with open(path, "rb") as f:
+                text = f.read()
+        except OSError as e:
+            parser.error(f"{flag} {path}: {e.strerror}")
+        if b"-----BEGIN " not in text:
+            parser.error(f"{flag} {path}: not a PEM file (no '-----BEGIN' line)")
+    return GrpcTls(os.path.abspath(args.grpc_server_cert), os.path.abspath(args.grpc_server_key),
+                   os.path.abspath(args.grpc_root_cert) if args.grpc_root_cert else "",
+                   bool(args.grpc_use_ssl_mutual))

@@ -25,6 +25,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from tritonclient.grpc import service_pb2 as pb  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as pb_grpc  # noqa: E402
 
+from shmserve.ipc.messages import GrpcTls  # noqa: E402
+
 from . import grpc_codec, grpc_loop, log_settings, restricted, statistics, trace  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
 from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
@@ -299,19 +301,21 @@ async def serve(service: FrontendService, address: str, port: int,
                 restrictions: dict[str, tuple[str, str]] | None = None,
                 max_message: int = MAX_MESSAGE,
                 options: dict[str, int] | None = None, kind: str = "loop",
-                reuse_port: bool = False) -> tuple[grpc_loop.GrpcLoopServer | grpc.aio.Server, int]:
+                reuse_port: bool = False, tls: GrpcTls | None = None,
+                ) -> tuple[grpc_loop.GrpcLoopServer | grpc.aio.Server, int]:
     """``max_message`` (--grpc-max-message-size) bounds each message, either way: a larger
     request is answered RESOURCE_EXHAUSTED before it reaches a handler, and so is a larger
     answer. ``kind`` (--grpc-server): ``loop`` serves on this event loop (grpc_loop), ``aio``
     with grpc.aio; ``options`` (keep-alive, connection age, compression flags) are grpc.aio
     channel options: given one the loop server does not implement (ping policing, response
-    compression), grpc.aio serves."""
+    compression), grpc.aio serves. ``tls`` (--grpc-use-ssl): grpc.aio serves, with the PEM
+    files it names (read here, at start)."""
     handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceService(service, restrictions, max_message), handlers)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
     unsupported = sorted(set(options or {}) - grpc_loop.OPTIONS)
-    if kind == "loop" and not unsupported:
+    if kind == "loop" and not unsupported and tls is None:
         loop_server = grpc_loop.GrpcLoopServer(handlers.handlers, max_message, options)
         try:
             bound = await loop_server.start(address.strip("[]"), port, reuse_port)
@@ -320,14 +324,27 @@ async def serve(service: FrontendService, address: str, port: int,
         return loop_server, bound
     if kind == "loop":
         log.info("gRPC served by grpc.aio: the loop server does not implement %s",
-                 ", ".join(unsupported))
+                 ", ".join(unsupported + ["TLS"] * (tls is not None)))
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
                                       ("grpc.max_receive_message_length", max_message),
                                       ("grpc.so_reuseport", int(reuse_port)),
                                       *(options or {}).items()])
     server.add_generic_rpc_handlers(handlers.handlers)
-    bound = server.add_insecure_port(f"{address}:{port}")
+    if tls is None:
+        bound = server.add_insecure_port(f"{address}:{port}")
+    else:
+        bound = server.add_secure_port(f"{address}:{port}", _credentials(tls))
     if bound == 0:
         raise OSError(f"cannot listen for gRPC on {address}:{port}")
     await server.start()
     return server, bound
+
+
+def _credentials(tls: GrpcTls) -> grpc.ServerCredentials:
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_server_credentials(
+        [(read(tls.server_key), read(tls.server_cert))],
+        root_certificates=read(tls.root_cert) if tls.root_cert else None,
+        require_client_auth=tls.mutual)

@@ -91,7 +91,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                 service, settings.grpc_address, settings.grpc_port,
                 restricted.parse(settings.grpc_restricted_protocol),
                 settings.grpc_max_message_size, settings.grpc_options, settings.grpc_server,
-                reuse_port=settings.frontends > 1)
+                reuse_port=settings.frontends > 1, tls=settings.grpc_tls)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         # one page for the server: its numbers come from the scheduler, not from this process
         if settings.allow_metrics and frontend_id == 0:

@@ -618,6 +618,15 @@ def decode_payload(frame) -> InferPayload:
 
 
 # ---- launcher -> scheduler and frontend, at spawn (JSON on the command line) ------------------
+class GrpcTls(msgspec.Struct):
+    """--grpc-use-ssl[-mutual]: the PEM files each frontend reads (paths, never the key
+    itself: settings travel on command lines)."""
+    server_cert: str
+    server_key: str
+    root_cert: str = ""         # CA certificates for client certificates (and mutual)
+    mutual: bool = False        # clients must present a certificate that chains to root_cert
+
+
 class ServerSettings(msgspec.Struct):
     model_repositories: list[str]
     run_dir: str
@@ -689,6 +698,7 @@ class ServerSettings(msgspec.Struct):
     # --cache-config local,size=N (or --response-cache-byte-size N): the response cache's bytes,
     # shared out between the frontends (frontend/response_cache.py); 0: no cache
     response_cache_bytes: int = 0
+    grpc_tls: GrpcTls | None = None        # --grpc-use-ssl and its certificate flags
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

@@ -5,7 +5,7 @@ import pytest
 from triton_line import TRITON_LINE
 
 from shmserve.engine.cli import parse_settings
-from shmserve.ipc.messages import TraceConfig
+from shmserve.ipc.messages import GrpcTls, TraceConfig
 
 
 def test_a_triton_command_line_parses(tmp_path):
@@ -30,8 +30,6 @@ def test_without_them_nothing_changes(tmp_path):
 
 @pytest.mark.parametrize("flag, value, says", [
     ("--rate-limit", "execution_count", "rate limiting (execution_count) is not supported"),
-    ("--grpc-use-ssl", "true", "TLS is not supported"),
-    ("--grpc-use-ssl-mutual", "1", "TLS is not supported"),
     ("--model-namespacing", "true", "model namespacing is not supported"),
     ("--allow-vertex-ai", "true", "the Vertex AI endpoint is not supported"),
     ("--http-header-forward-pattern", "x-.*", "forwarding HTTP headers to models is not supported"),
@@ -117,6 +115,51 @@ def test_cache_flags_set_the_response_cache_size(tmp_path, flags, size):
 def test_bad_cache_flags_stop_the_start(tmp_path, capsys, flags, says):
     with pytest.raises(SystemExit) as e:
         parse_settings(["--model-repository", str(tmp_path), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err, err
+
+
+@pytest.fixture
+def pems(tmp_path):
+    paths = {}
+    for name in ("cert", "key", "ca"):
+        p = tmp_path / f"{name}.pem"
+        p.write_text(f"-----BEGIN {name.upper()}-----\nAAAA\n-----END {name.upper()}-----\n")
+        paths[name] = str(p)
+    (tmp_path / "plain.txt").write_text("not a certificate\n")
+    paths["plain"] = str(tmp_path / "plain.txt")
+    return paths
+
+
+def test_grpc_tls_flags(tmp_path, pems):
+    base = ["--model-repository", str(tmp_path), "--grpc-server-cert", pems["cert"],
+            "--grpc-server-key", pems["key"]]
+    settings, _ = parse_settings(base)
+    assert settings.grpc_tls is None            # certificates alone do not turn TLS on
+    settings, _ = parse_settings([*base, "--grpc-use-ssl", "true"])
+    assert settings.grpc_tls == GrpcTls(pems["cert"], pems["key"], "", False)
+    # mutual implies TLS, as in Triton
+    settings, _ = parse_settings([*base, "--grpc-use-ssl-mutual", "1", "--grpc-root-cert",
+                                  pems["ca"]])
+    assert settings.grpc_tls == GrpcTls(pems["cert"], pems["key"], pems["ca"], True)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--grpc-use-ssl", "true"], "--grpc-server-cert is not given: gRPC over TLS needs it"),
+    (["--grpc-use-ssl", "true", "--grpc-server-cert", "{cert}"], "--grpc-server-key is not given"),
+    (["--grpc-use-ssl-mutual", "true", "--grpc-server-cert", "{cert}", "--grpc-server-key",
+      "{key}"], "--grpc-root-cert is not given: client certificates are checked against it"),
+    (["--grpc-use-ssl", "true", "--grpc-server-cert", "/nonexistent/cert.pem",
+      "--grpc-server-key", "{key}"], "--grpc-server-cert /nonexistent/cert.pem: No such file"),
+    (["--grpc-use-ssl", "true", "--grpc-server-cert", "{cert}", "--grpc-server-key",
+      "{plain}"], "not a PEM file (no '-----BEGIN' line)"),
+    (["--grpc-use-ssl", "maybe"], "argument --grpc-use-ssl: expected a boolean"),
+])
+def test_bad_grpc_tls_flags_stop_the_start(tmp_path, capsys, pems, flags, says):
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--model-repository", str(tmp_path),
+                        *[f.format(**pems) for f in flags]])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert says in err, err
