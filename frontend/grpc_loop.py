@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl
 import time
 from types import SimpleNamespace
 
@@ -84,10 +85,12 @@ class GrpcLoopServer:
                     break
         return handler
 
-    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+    async def start(self, host: str, port: int, reuse_port: bool = False,
+                    tls: ssl.SSLContext | None = None) -> int:
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: Connection(self), host or None, port,
-                                               reuse_port=reuse_port or None, backlog=1024)
+                                               reuse_port=reuse_port or None, backlog=1024,
+                                               ssl=tls)
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float | None = None) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import ssl
 
 # gRPC's EventEngine listener (its default) reads each request on an event-engine thread that
 # hands it to another, which completes it to the completion-queue thread, which wakes the event
@@ -308,23 +309,24 @@ async def serve(service: FrontendService, address: str, port: int,
     answer. ``kind`` (--grpc-server): ``loop`` serves on this event loop (grpc_loop), ``aio``
     with grpc.aio; ``options`` (keep-alive, connection age, compression flags) are grpc.aio
     channel options: given one the loop server does not implement (ping policing, response
-    compression), grpc.aio serves. ``tls`` (--grpc-use-ssl): grpc.aio serves, with the PEM
-    files it names (read here, at start)."""
+    compression), grpc.aio serves. ``tls`` (--grpc-use-ssl): either serves over TLS, with the
+    PEM files it names (read here, at start)."""
     handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
         InferenceService(service, restrictions, max_message), handlers)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
     unsupported = sorted(set(options or {}) - grpc_loop.OPTIONS)
-    if kind == "loop" and not unsupported and tls is None:
+    if kind == "loop" and not unsupported:
         loop_server = grpc_loop.GrpcLoopServer(handlers.handlers, max_message, options)
         try:
-            bound = await loop_server.start(address.strip("[]"), port, reuse_port)
+            bound = await loop_server.start(address.strip("[]"), port, reuse_port,
+                                            _ssl_context(tls) if tls is not None else None)
         except OSError as e:
             raise OSError(f"cannot listen for gRPC on {address}:{port}: {e}") from None
         return loop_server, bound
     if kind == "loop":
         log.info("gRPC served by grpc.aio: the loop server does not implement %s",
-                 ", ".join(unsupported + ["TLS"] * (tls is not None)))
+                 ", ".join(unsupported))
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
                                       ("grpc.max_receive_message_length", max_message),
                                       ("grpc.so_reuseport", int(reuse_port)),
@@ -348,3 +350,16 @@ def _credentials(tls: GrpcTls) -> grpc.ServerCredentials:
         [(read(tls.server_key), read(tls.server_cert))],
         root_certificates=read(tls.root_cert) if tls.root_cert else None,
         require_client_auth=tls.mutual)
+
+
+def _ssl_context(tls: GrpcTls) -> ssl.SSLContext:
+    """TLS for the loop server: HTTP/2 needs TLS 1.2 or later and ALPN "h2"."""
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.server_cert, tls.server_key)
+    ctx.set_alpn_protocols(["h2"])
+    if tls.root_cert:
+        ctx.load_verify_locations(tls.root_cert)
+    if tls.mutual:
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx

@@ -48,9 +48,10 @@ def refused(client):
         client.is_server_live(client_timeout=5)
 
 
-@pytest.fixture(scope="module")
-def tls_server(example_repo, certs):
-    s = Server(example_repo, *tls_flags(certs))
+@pytest.fixture(scope="module", params=["loop", "aio"])
+def tls_server(request, example_repo, certs):
+    """Both gRPC servers do TLS: the loop server through the event loop's, grpc.aio its own."""
+    s = Server(example_repo, *tls_flags(certs), "--grpc-server", request.param)
     yield s
     s.stop()
 
@@ -79,8 +80,9 @@ def test_plain_and_untrusting_clients_are_refused_and_http_is_unchanged(tls_serv
                                               root_certificates=certs.ca))
 
 
-def test_mutual_tls_needs_a_client_certificate(example_repo, certs):
-    s = Server(example_repo, *tls_flags(certs, mutual=True))
+@pytest.mark.parametrize("kind", ["loop", "aio"])
+def test_mutual_tls_needs_a_client_certificate(example_repo, certs, kind):
+    s = Server(example_repo, *tls_flags(certs, mutual=True), "--grpc-server", kind)
     try:
         refused(grpcclient.InferenceServerClient(s.grpc_url, ssl=True,
                                                  root_certificates=certs.ca))
