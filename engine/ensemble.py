@@ -88,14 +88,34 @@ class EnsembleRunner:
                  clock: Callable[[], int], release_address: str):
         self.submit_step = submit           # the core's submit, for a step's request
         self.cancel_step = cancel           # cancel a step's request (id, spawn id if it streams)
-        self.answer = answer                # to a client's frontend
-        self.book = SlotBook(release)       # who owns each slot, and when it goes back
+        self.to_frontend = answer           # to a client's frontend
+        self.release_worker = release       # ReleaseOutputs to a worker
+        self.book = SlotBook(self.release)  # who owns each slot, and when it goes back
         self.resolve = resolve              # (model, version or -1) -> a ready version
         self.clock = clock
         self.release_address = release_address  # where frontends return handed slots
         self.runs: dict[tuple[int, int], Run] = {}     # (frontend, req_id) -> run
         self.steps: dict[int, Run] = {}     # step request id -> its run (until its final answer)
         self.counter = 0
+
+    # ---- nested ensembles ---------------------------------------------------------------------
+    def answer(self, frontend: int, res: InferResult) -> None:
+        """An answer goes to its client's frontend, or, when the request is a step of another
+        ensemble (a nested one), to that ensemble's run here."""
+        if frontend == ENSEMBLE_FRONTEND:
+            self.result(res)
+        else:
+            self.to_frontend(frontend, res)
+
+    def release(self, address: str, refs: list[ShmRef | CudaRef]) -> None:
+        """Slots go back to their worker. Those a nested ensemble answered a step with were
+        handed to this runner (their answer names it as the worker): one reference less on
+        each, and those nobody holds go back to the workers that own them."""
+        if address != self.release_address:
+            self.release_worker(address, refs)
+            return
+        for owner, owned in self.book.released([r for r in refs if type(r) is ShmRef]).items():
+            self.release(owner, owned)
 
     # ---- start --------------------------------------------------------------------------------
     def start(self, ver: ModelVersion, plan: EnsemblePlan, head: SubmitRequest,
@@ -280,7 +300,11 @@ class EnsembleRunner:
                 continue
             if ref in run.slots:
                 shared = self.shared(run, branch, spec.name, ref)
-                self.book.hand(ref, run.slots.pop(ref), 2 if shared else 1)
+                owner = run.slots.pop(ref)
+                if owner != self.release_address:
+                    self.book.hand(ref, owner, 2 if shared else 1)
+                elif shared:        # a nested ensemble handed it to us: it is handed already,
+                    self.book.hold(ref)     # and our reference passes to the client
                 if shared:
                     run.held.append(ref)
             elif ref in run.held:
@@ -316,6 +340,8 @@ class EnsembleRunner:
             return
         ver, head = run.version, run.head
         now = self.clock()
+        if head.frontend == ENSEMBLE_FRONTEND:      # a nested ensemble: its steps' times are
+            self.timings(head.req_id, *run.timings)     # the outer one's too (before it hears)
         if run.plan.decoupled:
             self.close(run)
             self.answer(head.frontend, InferResult(head.req_id, ver.name, ver.version,

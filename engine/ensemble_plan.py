@@ -149,9 +149,6 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
             version = "" if step.version < 0 else f" version {step.version}"
             raise ConfigError(f"ensemble '{name}' depends on '{step.model}'{version}, which has "
                               f"no ready version")
-        if sub.platform == "ensemble":
-            raise ConfigError(f"ensemble '{name}': {step.label} is an ensemble; nested "
-                              f"ensembles are not supported")
         if mbs > 0 and (sub.max_batch_size == 0 or sub.max_batch_size < mbs):
             raise ConfigError(f"ensemble '{name}' has max_batch_size {mbs}, but {step.label} "
                               f"has max_batch_size {sub.max_batch_size}: a composing model "

@@ -250,6 +250,11 @@ class ModelLifecycle:
                      ld.versions[0].ensemble is not None]:
             plan = load.versions[0].ensemble
             assert plan is not None
+            cycle = self.ensemble_cycle(load.name) if load.name in self.loads else None
+            if cycle:       # nested ensembles that wait for each other would wait for ever
+                self.finish_load(load, f"ensemble '{load.name}' has a cycle of nested "
+                                       f"ensembles: {' -> '.join(cycle)}")
+                continue
             if load.name not in self.loads or any(
                     m in self.loads or (self.on_demand is not None and self.on_demand.pending(m))
                     for m in plan.composing()):
@@ -381,16 +386,34 @@ class ModelLifecycle:
         self.publish()
         self.reply(waiter, None, "")
 
+    def ensemble_cycle(self, name: str) -> list[str] | None:
+        """The path by which the ensemble load ``name`` waits for itself through loading
+        nested ensembles, if it does."""
+        def visit(path: list[str]) -> list[str] | None:
+            load = self.loads.get(path[-1])
+            plan = load.versions[0].ensemble if load is not None and load.versions else None
+            for m in plan.composing() if plan is not None else ():
+                if m == name:
+                    return path + [m]
+                if m not in path:
+                    found = visit(path + [m])
+                    if found:
+                        return found
+            return None
+        return visit([name])
+
     def unload_ensembles_of(self, name: str) -> None:
         """As Triton does, an ensemble whose composing model is unloaded is unloaded too (its
         requests could only fail); the index says why. Loading the model again does not bring
         it back: load the ensemble."""
         for (n, v), ver in list(self.versions.items()):
-            if ver.ensemble is not None and name in ver.ensemble.composing():
+            if ver.ensemble is not None and name in ver.ensemble.composing() and \
+                    (n, v) in self.versions:
                 del self.versions[(n, v)]
                 self.begin_drain(ver)
                 self.retired[(n, v)] = (f"ensemble '{n}' contains models that are not "
                                         f"available: {name}")
+                self.unload_ensembles_of(n)     # and an ensemble whose step it is (nested)
 
     def begin_drain(self, ver: ModelVersion) -> None:
         """No new requests reach ``ver``; those it holds finish, then its workers stop."""

@@ -212,12 +212,25 @@ def test_composing_model_version_not_ready():
     assert "ensemble 'E' depends on 'a' version 3, which has no ready version" in str(e.value)
 
 
-def test_nested_ensemble():
-    inner = ensemble([step("x", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})])
+def test_a_nested_ensemble_binds_like_a_model():
+    inner = ensemble([step("x", {"INPUT0": "INPUT0"}, {"OUTPUT0": "OUTPUT0"})],
+                     inputs=(("INPUT0", FP32),), outputs=(("OUTPUT0", FP32),))
     inner.name = "b"
-    err = bind_error(ensemble(CHAIN), model("a"), inner)
-    assert "ensemble 'E': step 1 (model 'b') is an ensemble; nested ensembles are not supported" \
-        in err
+    cfg = ensemble(CHAIN)
+    p = plan(cfg)
+    bind(p, cfg, configs(model("a"), inner))
+    assert p.steps[1].max_batch_size == 8 and not p.steps[1].decoupled and not p.decoupled
+    assert not p.steps[1].device_inputs         # an ensemble reads inputs in host memory
+    # one that streams (its loader marks its config decoupled) makes the outer one stream
+    inner.model_transaction_policy.decoupled = True
+    p = plan(cfg)
+    bind(p, cfg, configs(model("a"), inner))
+    assert p.steps[1].decoupled and p.decoupled
+    # and its tensors must still agree
+    wrong = ensemble([step("x", {"INPUT0": "IN"}, {"OUTPUT0": "OUT"})])
+    wrong.name = "b"
+    assert "maps 'mid' to input 'INPUT0', which the model does not have (it has IN)" in \
+        bind_error(ensemble(CHAIN), model("a"), wrong)
 
 
 @pytest.mark.parametrize("sub_mbs", [4, 0])
