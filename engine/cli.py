@@ -169,6 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     compat_flags.add_trace(p)
     compat_flags.add_cache(p)
     compat_flags.add_grpc_tls(p)
+    compat_flags.add_header_forward(p)
     return p
 
 
@@ -297,6 +298,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a),
         response_cache_bytes=compat_flags.cache_bytes(parser, a),
         grpc_tls=compat_flags.grpc_tls(parser, a))
+    settings.http_header_forward_pattern, settings.grpc_header_forward_pattern = \
+        compat_flags.header_forward_patterns(parser, a)
     return settings, a
 
 

@@ -9,17 +9,18 @@ Three kinds, one table each:
   values are checked as Triton checks them and the launcher logs, for each one given, that it
   has no effect here and why.
 - ``OFF_ONLY``: switches for features shmserve does not have (rate limiter, SageMaker/Vertex
-  AI endpoints, model namespacing, header forwarding). Their default or "off"
+  AI endpoints, model namespacing). Their default or "off"
   values are accepted; anything that turns the feature on stops the start with a message that
   says so, rather than a server that silently does less than asked.
 
-The trace, response cache and gRPC TLS flags are Triton's too, and work (``add_trace``,
-``add_cache``, ``add_grpc_tls``).
+The trace, response cache, gRPC TLS and header forwarding flags are Triton's too, and work
+(``add_trace``, ``add_cache``, ``add_grpc_tls``, ``add_header_forward``).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -129,10 +130,6 @@ OFF_ONLY: dict[str, OffOnly] = {
                                  "the SageMaker endpoint is not supported"),
     "--allow-vertex-ai": OffOnly(triton_bool, False, lambda v: not v,
                                  "the Vertex AI endpoint is not supported"),
-    "--http-header-forward-pattern": OffOnly(str, False, lambda v: v == "",
-                                             "forwarding HTTP headers to models is not supported"),
-    "--grpc-header-forward-pattern": OffOnly(str, False, lambda v: v == "",
-                                             "forwarding gRPC metadata to models is not supported"),
 }
 
 
@@ -342,3 +339,26 @@ def grpc_tls(parser: argparse.ArgumentParser, args: argparse.Namespace) -> GrpcT
     return GrpcTls(os.path.abspath(args.grpc_server_cert), os.path.abspath(args.grpc_server_key),
                    os.path.abspath(args.grpc_root_cert) if args.grpc_root_cert else "",
                    bool(args.grpc_use_ssl_mutual))
+
+
+def add_header_forward(parser: argparse.ArgumentParser) -> None:
+    """Triton's header forwarding flags (frontend/header_forward.py)."""
+    g = parser.add_argument_group("forwarding headers to models as request parameters")
+    g.add_argument("--http-header-forward-pattern", default="", metavar="REGEX",
+                   help="HTTP headers whose names match (a search, case-insensitive unless it "
+                        "starts with (?-i)) reach the model as string parameters")
+    g.add_argument("--grpc-header-forward-pattern", default="", metavar="REGEX",
+                   help="the same for gRPC metadata")
+
+
+def header_forward_patterns(parser: argparse.ArgumentParser,
+                            args: argparse.Namespace) -> tuple[str, str]:
+    """Both patterns, each compiled once here: a bad one stops the start (exit 2)."""
+    from shmserve.frontend.header_forward import compile_pattern
+    for flag, pattern in (("--http-header-forward-pattern", args.http_header_forward_pattern),
+                          ("--grpc-header-forward-pattern", args.grpc_header_forward_pattern)):
+        try:
+            compile_pattern(pattern)
+        except re.error as e:
+            parser.error(f"{flag} {pattern}: not a regular expression: {e}")
+    return args.http_header_forward_pattern, args.grpc_header_forward_pattern

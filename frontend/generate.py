@@ -35,6 +35,7 @@ from shmserve.ipc.shm import ShmArena
 from . import http_codec, request, validation
 from .catalog import ModelView
 from .errors import InferError, http_status, invalid
+from .header_forward import HeaderForward
 from .http_server import HttpConnection, HttpRequest
 from .request import PreparedRequest, RequestLimits, TensorBudget
 from .service import FrontendService
@@ -303,9 +304,11 @@ def error_json(message: str) -> bytes:
 class GenerateEndpoints:
     """The two routes' work (``KServeHttpApp.generate`` and ``generate_stream`` call in)."""
 
-    def __init__(self, service: FrontendService, max_input_size: int):
+    def __init__(self, service: FrontendService, max_input_size: int,
+                 forward: HeaderForward | None = None):
         self.service = service
         self.max_input_size = max_input_size
+        self.forward = forward          # --http-header-forward-pattern
         self.running: dict[HttpConnection, asyncio.Task] = {}
 
     def connection_lost(self, conn: HttpConnection) -> None:
@@ -322,6 +325,8 @@ class GenerateEndpoints:
         if req.headers.get("content-encoding", "identity").lower() != "identity":
             raise invalid("Unsupported content-encoding, only 'identity' is supported.")
         mapped = map_request(view, parse_json(req.body), self.max_input_size)
+        if self.forward is not None and self.forward.regex is not None:
+            mapped.parameters = {**mapped.parameters, **self.forward.params(req.raw_headers)}
         prepared = prepare(view, mapped, svc.arena, svc.limits)
         run = self._stream if stream else self._one
         task = asyncio.get_running_loop().create_task(run(conn, req, view, v, prepared))

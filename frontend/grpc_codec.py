@@ -84,10 +84,12 @@ def _has_contents(contents) -> bool:
 
 
 def parse_infer(model: ModelView, req: pb.ModelInferRequest, arena: ShmArena,
-                registry: ShmRegistry, limits: RequestLimits = DEFAULT_LIMITS) -> PreparedRequest:
+                registry: ShmRegistry, limits: RequestLimits = DEFAULT_LIMITS,
+                forwarded: dict[str, str] | None = None) -> PreparedRequest:
+    """``forwarded``: metadata that becomes parameters (--grpc-header-forward-pattern)."""
     scratch: list[ShmRef] = []
     try:
-        return _parse(model, req, arena, registry, scratch, TensorBudget(limits))
+        return _parse(model, req, arena, registry, scratch, TensorBudget(limits), forwarded)
     except BaseException:
         for ref in scratch:
             arena.free(ref)
@@ -95,7 +97,8 @@ def parse_infer(model: ModelView, req: pb.ModelInferRequest, arena: ShmArena,
 
 
 def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
-           scratch: list[ShmRef], budget: TensorBudget) -> PreparedRequest:
+           scratch: list[ShmRef], budget: TensorBudget,
+           forwarded: dict[str, str] | None = None) -> PreparedRequest:
     raw = req.raw_input_contents
     next_raw = 0
     tensors, regions = [], []
@@ -146,7 +149,8 @@ def _parse(model: ModelView, req, arena: ShmArena, registry: ShmRegistry,
         wanted = [request.output_wanted(registry, o.name, parameters_to_dict(o.parameters),
                                         True, regions) for o in req.outputs]
     return request.prepare(model, tensors, wanted, parameters_to_dict(req.parameters), req.id,
-                           scratch, regions, True, budget.limits, json_outputs=False)
+                           scratch, regions, True, budget.limits, json_outputs=False,
+                           forwarded=forwarded)
 
 
 def build_response(result: InferResult, prepared: PreparedRequest, views: list) -> pb.ModelInferResponse:

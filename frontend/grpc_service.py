@@ -31,6 +31,7 @@ from shmserve.ipc.messages import GrpcTls  # noqa: E402
 from . import grpc_codec, grpc_loop, log_settings, restricted, statistics, trace  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
 from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
+from .header_forward import HeaderForward  # noqa: E402
 from .service import FrontendService  # noqa: E402
 
 log = logging.getLogger("shmserve.grpc")
@@ -98,9 +99,11 @@ def _guard_stream(rpc, group: str, restrictions):
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, service: FrontendService,
                  restrictions: dict[str, tuple[str, str]] | None = None,
-                 max_message: int = MAX_MESSAGE):
+                 max_message: int = MAX_MESSAGE, header_forward: str = ""):
         self.service = service
         self.max_message = max_message
+        # --grpc-header-forward-pattern: matching metadata becomes the request's parameters
+        self.forward = HeaderForward(header_forward)
         # restricted RPCs are replaced on the instance before the server registers them
         for name, group in RPC_GROUPS.items():
             if restrictions and group in restrictions:
@@ -144,9 +147,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return statistics.to_proto(await self.service.statistics(request.name, request.version))
 
     # ---- inference ------------------------------------------------------------------------------
-    async def _infer(self, req: pb.ModelInferRequest,
-                     unary: str = "") -> pb.ModelInferResponse:
-        """One request through the service; raises InferError. ``unary``: see infer_target."""
+    def forwarded(self, context) -> dict[str, str] | None:
+        """The call's metadata that becomes parameters; raises InferError for a reserved one."""
+        if self.forward.regex is None or context is None:
+            return None
+        return self.forward.params(context.invocation_metadata() or ())
+
+    async def _infer(self, req: pb.ModelInferRequest, unary: str = "",
+                     forwarded: dict[str, str] | None = None) -> pb.ModelInferResponse:
+        """One request through the service; raises InferError. ``unary``: see infer_target;
+        ``forwarded``: metadata that becomes parameters (``forwarded()``)."""
         svc = self.service
         traced = None
         try:
@@ -155,7 +165,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 traced = svc.tracer.sample(view.name, v)
                 if traced is not None:     # the call's message is read whole before this
                     traced.started("GRPC_WAITREAD", traced.created_ns)
-            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
+            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits,
+                                              forwarded)
         except InferError as e:
             raise Refused(e.code, e.message) from None
         if traced is not None:
@@ -177,15 +188,21 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         # written out rather than @translated: this is the hot path
         try:
-            return await self._infer(request, "ModelInfer RPC")
+            forwarded = self.forwarded(context) if self.forward.regex is not None else None
+            return await self._infer(request, "ModelInfer RPC", forwarded)
         except InferError as e:
             await context.abort(grpc_status(e.code), e.message)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Many requests on one stream (frontend/grpc_stream.py: order, decoupled answers,
         errors and the ``triton_grpc_error`` header, back-pressure)."""
+        try:
+            forwarded = self.forwarded(context)     # the stream's metadata, for its requests
+        except InferError as e:
+            await context.abort(grpc_status(e.code), e.message)
+        infer = functools.partial(self._infer, forwarded=forwarded) if forwarded else self._infer
         session = StreamSession(self.service, context, stream_error_mode(context),
-                                STREAM_MAX_INFLIGHT, self._infer, self.max_message)
+                                STREAM_MAX_INFLIGHT, infer, self.max_message, forwarded)
         async for response in session.run(request_iterator):
             yield response
 
@@ -303,6 +320,7 @@ async def serve(service: FrontendService, address: str, port: int,
                 max_message: int = MAX_MESSAGE,
                 options: dict[str, int] | None = None, kind: str = "loop",
                 reuse_port: bool = False, tls: GrpcTls | None = None,
+                header_forward: str = "",
                 ) -> tuple[grpc_loop.GrpcLoopServer | grpc.aio.Server, int]:
     """``max_message`` (--grpc-max-message-size) bounds each message, either way: a larger
     request is answered RESOURCE_EXHAUSTED before it reaches a handler, and so is a larger
@@ -313,7 +331,7 @@ async def serve(service: FrontendService, address: str, port: int,
     PEM files it names (read here, at start)."""
     handlers = _GenericHandlers()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceService(service, restrictions, max_message), handlers)
+        InferenceService(service, restrictions, max_message, header_forward), handlers)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
     unsupported = sorted(set(options or {}) - grpc_loop.OPTIONS)
     if kind == "loop" and not unsupported:

@@ -61,8 +61,9 @@ def _final_param(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferR
 class StreamSession:
     def __init__(self, service: FrontendService, context, error_mode: bool, max_inflight: int,
                  infer: Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
-                 max_message: int):
+                 max_message: int, forwarded: dict[str, str] | None = None):
         self.service = service
+        self.forwarded = forwarded      # the stream's metadata that becomes parameters
         self.context = context
         self.error_mode = error_mode
         self.slots = asyncio.Semaphore(max_inflight)
@@ -152,7 +153,8 @@ class StreamSession:
         """A decoupled model's request: each answer goes out as it comes."""
         svc = self.service
         try:
-            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits)
+            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits,
+                                              self.forwarded)
         except InferError as e:
             self.out.put_nowait(self._failed(req, Refused(e.code, e.message)))
             return

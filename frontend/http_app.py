@@ -22,6 +22,7 @@ from shmserve.ipc.shm import ShmError
 from . import http_codec, log_settings, restricted, statistics, trace
 from .errors import InferError, http_status, invalid, shm_error
 from .generate import GenerateEndpoints
+from .header_forward import HeaderForward
 from .http_server import HttpApp, HttpConnection, HttpRequest
 from .request import PreparedRequest
 from .routes import Router
@@ -97,14 +98,18 @@ class _Void:
 
 class KServeHttpApp(HttpApp):
     def __init__(self, service: FrontendService, max_input_size: int,
-                 restrictions: dict[str, tuple[str, str]] | None = None):
+                 restrictions: dict[str, tuple[str, str]] | None = None,
+                 header_forward: str = ""):
         self.service = service
+        # --http-header-forward-pattern: matching headers become the request's parameters
+        self.forward = HeaderForward(header_forward)
+        self.raw_headers = self.forward.regex is not None
         self.arena = service.arena
         self.max_input_size = max_input_size
         self.server_metadata = http_codec.encode_json(service.metadata())
         self.tasks: set[asyncio.Task] = set()     # answers in progress (the loop keeps weak refs)
         self.restrictions = restrictions or {}
-        self.generating = GenerateEndpoints(service, max_input_size)
+        self.generating = GenerateEndpoints(service, max_input_size, self.forward)
         self.router = Router([(m, p, self.guarded(h, p)) for m, p, h in self.routes()])
 
     def guarded(self, handler, pattern: str):
@@ -427,8 +432,9 @@ class KServeHttpApp(HttpApp):
         slot_ref = req.body_slot.ref if req.body_slot is not None else None
         if traced is not None:
             traced.started("HTTP_RECV", int(req.started * 1e9))
+        forwarded = self.forward.params(req.raw_headers) if self.raw_headers else None
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena,
-                                        self.service.registry, self.service.limits)
+                                        self.service.registry, self.service.limits, forwarded)
         if traced is not None:
             traced.queued(parsed, self.service.maps)
         conn.inflight = self.service.submit(

@@ -157,12 +157,14 @@ def _sequence_types(params: dict) -> None:
 
 def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef | None,
                 arena: ShmArena, registry: ShmRegistry,
-                limits: RequestLimits = DEFAULT_LIMITS) -> PreparedRequest:
-    """Parse and validate; raises InferError with a message that names the problem."""
+                limits: RequestLimits = DEFAULT_LIMITS,
+                forwarded: dict[str, str] | None = None) -> PreparedRequest:
+    """Parse and validate; raises InferError with a message that names the problem.
+    ``forwarded``: headers that become parameters (--http-header-forward-pattern)."""
     mv = memoryview(body)
     budget = TensorBudget(limits)
     if header_len == 0:
-        return _parse_raw(model, mv, body_ref, budget)
+        return _parse_raw(model, mv, body_ref, budget, forwarded)
     if header_len is None:
         header_len = len(mv)
     elif header_len < 0 or header_len > len(mv):
@@ -191,7 +193,7 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
     scratch: list[ShmRef] = []
     try:
         return _parse(model, mv, header_len, body_ref, arena, registry, doc, inputs, params,
-                      request_id, scratch, budget)
+                      request_id, scratch, budget, forwarded)
     except BaseException:
         for ref in scratch:     # the request fails: nobody else will free what it copied in
             arena.free(ref)
@@ -200,7 +202,8 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
 
 def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef | None,
            arena: ShmArena, registry: ShmRegistry, doc: dict, inputs: list, params: dict,
-           request_id: str, scratch: list[ShmRef], budget: TensorBudget) -> PreparedRequest:
+           request_id: str, scratch: list[ShmRef], budget: TensorBudget,
+           forwarded: dict[str, str] | None = None) -> PreparedRequest:
     cursor = header_len
     tensors, regions = [], []
     for item in inputs:
@@ -273,11 +276,11 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
             wanted.append(request.output_wanted(registry, o["name"], oparams, binary_default,
                                                 regions))
     return request.prepare(model, tensors, wanted, params, request_id, scratch, regions,
-                           binary_default, budget.limits)
+                           binary_default, budget.limits, forwarded=forwarded)
 
 
 def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,
-               budget: TensorBudget) -> PreparedRequest:
+               budget: TensorBudget, forwarded: dict[str, str] | None = None) -> PreparedRequest:
     """Inference-Header-Content-Length: 0 — the whole body is the data of the only input."""
     if len(model.inputs) != 1:
         raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got "
@@ -314,7 +317,8 @@ def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,
         t.shm = body_ref
     else:
         t.data = bytes(mv)
-    return request.prepare(model, [t], None, {}, "", [], [], True, budget.limits)
+    return request.prepare(model, [t], None, {}, "", [], [], True, budget.limits,
+                           forwarded=forwarded)
 
 
 def _as_json(wanted) -> bool:

@@ -42,6 +42,10 @@ class HttpApp:
     """What HttpConnection asks of the application behind it. The defaults suit an app that
     takes small bodies in memory; KServeHttpApp overrides them to receive into shared memory."""
 
+    # keep each request's header names as sent (HttpRequest.raw_headers), for an app that
+    # forwards headers to models (--http-header-forward-pattern); ``headers`` are lower-case
+    raw_headers = False
+
     def check_body_size(self, req: "HttpRequest", n: int) -> str:
         """Why a body of ``n`` bytes is refused (a 413), or "" to accept it."""
         return ""
@@ -62,7 +66,7 @@ class HttpApp:
 
 class HttpRequest:
     __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive",
-                 "http10", "chunked", "started")
+                 "http10", "chunked", "started", "raw_headers")
 
     def __init__(self, method: str, url: bytes, headers: dict[str, str]):
         self.method = method
@@ -76,6 +80,7 @@ class HttpRequest:
         self.http10 = False         # an HTTP/1.0 client: a streamed answer cannot be chunked
         self.chunked = False        # its streamed answer is being written chunk by chunk
         self.started = 0.0          # time.monotonic() at its first byte
+        self.raw_headers: list[tuple[str, str]] = []    # as sent, when the app asks for them
 
 
 class HttpConnection(asyncio.Protocol):
@@ -154,6 +159,7 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self):
         self.url = b""
         self.headers = {}
+        self.raw: list[tuple[str, str]] | None = [] if self.app.raw_headers else None
         self.chunks = []
         self.received = 0
         self.header_bytes = self.header_count = 0
@@ -170,6 +176,8 @@ class HttpConnection(asyncio.Protocol):
                                   f"fields")
         self._count_header_bytes(len(name) + len(value))
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if self.raw is not None:
+            self.raw.append((name.decode("latin-1"), value.decode("latin-1")))
 
     def _count_header_bytes(self, n: int) -> None:
         self.header_bytes += n
@@ -180,6 +188,8 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self):
         req = HttpRequest(self.parser.get_method().decode(), self.url, self.headers)
+        if self.raw is not None:
+            req.raw_headers = self.raw
         req.keep_alive = self.parser.should_keep_alive()
         req.http10 = self.parser.get_http_version() == "1.0"
         req.started = self.started

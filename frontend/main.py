@@ -74,7 +74,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     try:
         if settings.allow_http:
             app = KServeHttpApp(service, settings.http_max_input_size,
-                                restricted.parse(settings.http_restricted_api))
+                                restricted.parse(settings.http_restricted_api),
+                                settings.http_header_forward_pattern)
             _allow_fds(settings.http_max_connections + 1024)
             http_limits = http_server.Limits(
                 max_header_bytes=settings.http_max_header_size,
@@ -91,7 +92,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                 service, settings.grpc_address, settings.grpc_port,
                 restricted.parse(settings.grpc_restricted_protocol),
                 settings.grpc_max_message_size, settings.grpc_options, settings.grpc_server,
-                reuse_port=settings.frontends > 1, tls=settings.grpc_tls)
+                reuse_port=settings.frontends > 1, tls=settings.grpc_tls,
+                header_forward=settings.grpc_header_forward_pattern)
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         # one page for the server: its numbers come from the scheduler, not from this process
         if settings.allow_metrics and frontend_id == 0:

@@ -208,8 +208,13 @@ def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default
 def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted] | None,
             params: dict[str, Any], request_id: str, scratch: list[ShmRef],
             regions: list[Region], binary_default: bool = False,
-            limits: RequestLimits = DEFAULT_LIMITS, json_outputs: bool = True) -> PreparedRequest:
-    """``json_outputs``: whether outputs not asked for as binary come back as JSON (HTTP)."""
+            limits: RequestLimits = DEFAULT_LIMITS, json_outputs: bool = True,
+            forwarded: dict[str, str] | None = None) -> PreparedRequest:
+    """``json_outputs``: whether outputs not asked for as binary come back as JSON (HTTP);
+    ``forwarded``: headers that become string parameters (frontend/header_forward.py; a
+    header overrides a request parameter of the same name)."""
+    if forwarded:
+        params = {**params, **forwarded}
     batch = validation.validate_inputs(model, tensors, request_id)
     if outputs is None:
         outputs = [OutputWanted(n, binary_default) for n in model.output_names]

@@ -699,6 +699,9 @@ class ServerSettings(msgspec.Struct):
     # shared out between the frontends (frontend/response_cache.py); 0: no cache
     response_cache_bytes: int = 0
     grpc_tls: GrpcTls | None = None        # --grpc-use-ssl and its certificate flags
+    # headers / metadata whose names match become request parameters (frontend/header_forward.py)
+    http_header_forward_pattern: str = ""
+    grpc_header_forward_pattern: str = ""
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

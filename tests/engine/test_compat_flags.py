@@ -32,7 +32,6 @@ def test_without_them_nothing_changes(tmp_path):
     ("--rate-limit", "execution_count", "rate limiting (execution_count) is not supported"),
     ("--model-namespacing", "true", "model namespacing is not supported"),
     ("--allow-vertex-ai", "true", "the Vertex AI endpoint is not supported"),
-    ("--http-header-forward-pattern", "x-.*", "forwarding HTTP headers to models is not supported"),
 ])
 def test_turning_on_a_missing_feature_stops_the_start(tmp_path, capsys, flag, value, says):
     with pytest.raises(SystemExit) as e:
@@ -163,3 +162,17 @@ def test_bad_grpc_tls_flags_stop_the_start(tmp_path, capsys, pems, flags, says):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert says in err, err
+
+
+def test_header_forward_patterns(tmp_path, capsys):
+    settings, _ = parse_settings(["--model-repository", str(tmp_path),
+                                  "--http-header-forward-pattern", "x-.*",
+                                  "--grpc-header-forward-pattern", "(?-i)PREFIX_.*"])
+    assert settings.http_header_forward_pattern == "x-.*"
+    assert settings.grpc_header_forward_pattern == "(?-i)PREFIX_.*"
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--model-repository", str(tmp_path),
+                        "--grpc-header-forward-pattern", "x-(["])
+    assert e.value.code == 2
+    assert "--grpc-header-forward-pattern x-([: not a regular expression" in \
+        capsys.readouterr().err
