@@ -170,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     compat_flags.add_cache(p)
     compat_flags.add_grpc_tls(p)
     compat_flags.add_header_forward(p)
+    compat_flags.add_rate_limit(p)
     return p
 
 
@@ -300,6 +301,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         grpc_tls=compat_flags.grpc_tls(parser, a))
     settings.http_header_forward_pattern, settings.grpc_header_forward_pattern = \
         compat_flags.header_forward_patterns(parser, a)
+    settings.rate_limit = a.rate_limit == "execution_count"
+    settings.rate_limit_resources = list(a.rate_limit_resource)
     return settings, a
 
 

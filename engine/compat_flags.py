@@ -8,13 +8,14 @@ Three kinds, one table each:
   repository-agent directories, thread pools of a threaded server, NUMA host policies). Their
   values are checked as Triton checks them and the launcher logs, for each one given, that it
   has no effect here and why.
-- ``OFF_ONLY``: switches for features shmserve does not have (rate limiter, SageMaker/Vertex
-  AI endpoints, model namespacing). Their default or "off"
+- ``OFF_ONLY``: switches for features shmserve does not have (SageMaker/Vertex AI endpoints,
+  model namespacing). Their default or "off"
   values are accepted; anything that turns the feature on stops the start with a message that
   says so, rather than a server that silently does less than asked.
 
-The trace, response cache, gRPC TLS and header forwarding flags are Triton's too, and work
-(``add_trace``, ``add_cache``, ``add_grpc_tls``, ``add_header_forward``).
+The trace, response cache, gRPC TLS, header forwarding and rate limiter flags are Triton's
+too, and work (``add_trace``, ``add_cache``, ``add_grpc_tls``, ``add_header_forward``,
+``add_rate_limit``).
 """
 from __future__ import annotations
 
@@ -109,7 +110,6 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
                                                        "again through the repository API"),
     "--cache-directory": (str, False, "the response cache is built in (local); no cache "
                                       "libraries are loaded"),
-    "--rate-limit-resource": (str, True, "there is no rate limiter"),
 }
 
 
@@ -122,8 +122,6 @@ class OffOnly:
 
 
 OFF_ONLY: dict[str, OffOnly] = {
-    "--rate-limit": OffOnly(str.lower, False, lambda v: v == "off",
-                            "rate limiting (execution_count) is not supported; use --rate-limit off"),
     "--model-namespacing": OffOnly(triton_bool, False, lambda v: not v,
                                    "model namespacing is not supported"),
     "--allow-sagemaker": OffOnly(triton_bool, False, lambda v: not v,
@@ -362,3 +360,25 @@ def header_forward_patterns(parser: argparse.ArgumentParser,
         except re.error as e:
             parser.error(f"{flag} {pattern}: not a regular expression: {e}")
     return args.http_header_forward_pattern, args.grpc_header_forward_pattern
+
+
+def _rate_limit_resource(text: str) -> str:
+    from .rate_limiter import parse_override
+    try:
+        parse_override(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"'{text}': {e}") from None
+    return text
+
+
+def add_rate_limit(parser: argparse.ArgumentParser) -> None:
+    """Triton's rate limiter flags (engine/rate_limiter.py)."""
+    g = parser.add_argument_group("rate limiter")
+    g.add_argument("--rate-limit", type=str.lower, choices=("off", "execution_count"),
+                   default="off", help="execution_count: instances execute only while they "
+                                       "hold the resources their instance_group's rate_limiter "
+                                       "names")
+    g.add_argument("--rate-limit-resource", action="append", default=[],
+                   type=_rate_limit_resource, metavar="<NAME>:<COUNT>[:<DEVICE>]",
+                   help="how much of a resource there is (default: the most any instance asks "
+                        "for); repeatable")

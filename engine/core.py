@@ -67,6 +67,7 @@ from .lifecycle import ModelLifecycle, Waiter
 from .models import Instance, ModelVersion
 from .on_demand import OnDemand
 from .port import SchedulerPort
+from .rate_limiter import RateLimiter
 from .repository import ModelRepository
 from .sequence_batcher import SequenceError
 from .states import InstanceState, KillReason, ModelState
@@ -100,6 +101,10 @@ class SchedulerCore:
         self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
         self.accounting = Accounting(clock, self.ensembles.timings)
+        # --rate-limit execution_count (engine/rate_limiter.py); None: off
+        self.rate_limiter = RateLimiter(settings.rate_limit_resources) \
+            if settings.rate_limit else None
+        self.lifecycle.rate_limiter = self.rate_limiter
         self.log_settings: LogSettings | None = None    # set by a client (SetLogSettings)
         self.trace_changes: dict[str, TraceChanges] = {}   # likewise (SetTraceSettings)
         self.batch_counter = 0
@@ -372,17 +377,29 @@ class SchedulerCore:
         queue = ver.queue
         for req in queue.take_expired():
             self.reject(ver, req, "Request timeout expired")
-        if finished and self.leases.enabled and len(queue) and queue.idle \
+        # with the rate limiter, its instances run only while they hold their resources:
+        # never lent (a leased execution would not be counted), and only those with
+        # resources take a batch
+        limiter = self.rate_limiter
+        if limiter is not None and not limiter.constrained(ver):
+            limiter = None
+        if finished and self.leases.enabled and len(queue) and queue.idle and limiter is None \
                 and unlimited(ver) and self.leases.leasable(ver) and self.hand_over(ver, queue):
             return
+        parked = limiter.gate(ver, queue.idle) if limiter is not None else []
         batches = queue.next_batches()
         if self.leases.by_version and (len(queue) or ver.state != ModelState.READY):
             # requests wait for an instance, or the version drains: a leased one comes back
             self.leases.revoke(ver)
-        elif not len(queue) and self.leases.enabled and queue.idle:
+        elif not len(queue) and self.leases.enabled and queue.idle and limiter is None:
             self.leases.offer(ver, queue.idle)
-        if not batches:
-            return
+        if batches:
+            self.send_batches(ver, batches)
+        if limiter is not None:
+            limiter.settle(ver, queue.idle, parked, [inst for inst, _ in batches],
+                           bool(len(queue)))
+
+    def send_batches(self, ver: ModelVersion, batches: list) -> None:
         queued_in = self.queued_in
         now_s = self.clock() / 1e9
         for inst, reqs in batches:
@@ -400,6 +417,16 @@ class SchedulerCore:
             routes = [RequestRoute(r.req_id, r.frontend, r.trace) for r in reqs]
             self.port.send_worker(inst.spawn_id, ExecuteBatch(self.batch_counter, routes),
                                   [r.payload for r in reqs])
+
+    def dispatch_waiting(self) -> None:
+        """Resources were given back: versions that wait for them try again, the lowest
+        priority first (engine/rate_limiter.py)."""
+        assert self.rate_limiter is not None
+        for ver in self.rate_limiter.waiting():
+            if ver.state in (ModelState.READY, ModelState.UNLOADING):   # serving, or draining
+                self.dispatch(ver)
+            else:
+                self.rate_limiter.forget(ver)
 
     def hand_over(self, ver: ModelVersion, queue: RequestQueue) -> bool:
         """An instance of ``ver`` that takes unlimited leases is idle and requests queue: when
@@ -463,6 +490,8 @@ class SchedulerCore:
         inst.state = InstanceState.IDLE
         ver.queue.instance_idle(inst)
         self.dispatch(ver, finished=True)
+        if self.rate_limiter is not None and self.rate_limiter.blocked:
+            self.dispatch_waiting()
         if ver.state != ModelState.READY:      # draining: its last batch may have ended
             self.lifecycle.drain_progress(ver)
         if self.on_demand is not None:
@@ -640,6 +669,8 @@ class SchedulerCore:
                    self.on_demand.due() if self.on_demand is not None else 1.0,
                    sup.ping_due(self.versions.values()), self.leases_due())
         self.housekeeping_at = self.clock() / 1e9 + wait
+        if self.rate_limiter is not None and self.rate_limiter.blocked:
+            self.dispatch_waiting()     # an instance that died busy held resources
         if self.table_dirty:
             self.flush_table()
 

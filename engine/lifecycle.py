@@ -32,6 +32,7 @@ from . import ensemble_plan, model_config
 from .instances import InstanceSupervisor, SpawnFailed
 from .model_config import ConfigError
 from .models import Instance, ModelVersion
+from .rate_limiter import RateLimiter, RateLimitError
 from .repository import ModelEntry, ModelRepository
 from .states import ModelState
 from .uploads import UploadDirs
@@ -87,6 +88,7 @@ class ModelLifecycle:
         self.batching: list[ModelVersion] = []      # serving versions whose queue has deadlines
         self.uploads = UploadDirs(settings.model_upload_dir)
         self.startup_done = False
+        self.rate_limiter: RateLimiter | None = None     # set by the core (--rate-limit)
         self.starting = True                        # load_initial is starting the first loads
         self.exit_requested = False                 # --exit-on-error and a model failed
         # --model-control-mode=on_demand: engine/on_demand.py, which admits every load
@@ -210,9 +212,11 @@ class ModelLifecycle:
         try:
             for ver in versions:
                 ver.instances = list(instances_of(entry.config))
+                if self.rate_limiter is not None:
+                    self.rate_limiter.check(ver)
                 for inst in ver.instances:
                     self.supervisor.spawn(ver, inst)
-        except SpawnFailed as e:
+        except (SpawnFailed, RateLimitError) as e:
             return self.finish_load(load, str(e))
         self.publish()
 
@@ -325,6 +329,8 @@ class ModelLifecycle:
         if error:
             for ver in load.versions:
                 self.supervisor.stop(ver, kill=True)
+                if self.rate_limiter is not None:
+                    self.rate_limiter.forget(ver)
                 ver.set_state(ModelState.UNAVAILABLE, ver.reason or error,
                               ver.cause if ver.reason else StateCause.LOAD_FAILED)
             if not any(v.state == ModelState.READY for v in old) and \
@@ -431,6 +437,8 @@ class ModelLifecycle:
         self.draining.remove(ver)
         self.supervisor.stop(ver, kill=False)
         ver.set_state(ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)
+        if self.rate_limiter is not None:
+            self.rate_limiter.forget(ver)       # its resources no longer count
         if (ver.name, ver.version) not in self.versions:
             self.retired[(ver.name, ver.version)] = "unloaded"
         log.info("model '%s' version %d unloaded", ver.name, ver.version)
@@ -554,7 +562,7 @@ def failed_to_load(name: str, error: str) -> str:
 
 def instances_of(config):
     """One Instance per worker process the config's instance groups ask for."""
-    for group in config.instance_group:
+    for index, group in enumerate(config.instance_group):
         kind = "GPU" if group.kind == group.KIND_GPU else "CPU"
         # a GPU group on a machine without GPUs still gets its workers: the backend then
         # refuses to load with the reason, instead of having no instances
@@ -564,7 +572,8 @@ def instances_of(config):
         alone = group.count == 1 and len(devices) == 1
         for device in devices:
             for i in range(group.count):
-                yield Instance(group.name if alone else f"{group.name}_{i}", kind, device)
+                yield Instance(group.name if alone else f"{group.name}_{i}", kind, device,
+                               group=index)
 
 
 def fingerprint(dirs: list[str]) -> tuple:

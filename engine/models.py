@@ -64,6 +64,7 @@ class Instance:
     ping_sent: float = 0.0
     spawned_at: float = 0.0     # when its worker was started (the load timeout counts from it)
     stopped_since: float = 0.0  # when its worker was first seen stopped; 0 = running
+    group: int = 0              # its instance_group's index in the config (rate limiter)
 
 
 @dataclass(eq=False)

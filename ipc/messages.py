@@ -702,6 +702,8 @@ class ServerSettings(msgspec.Struct):
     # headers / metadata whose names match become request parameters (frontend/header_forward.py)
     http_header_forward_pattern: str = ""
     grpc_header_forward_pattern: str = ""
+    rate_limit: bool = False               # --rate-limit execution_count (engine/rate_limiter.py)
+    rate_limit_resources: list[str] = []   # --rate-limit-resource <name>:<count>[:<device>]
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------

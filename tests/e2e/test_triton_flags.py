@@ -48,8 +48,7 @@ def test_flags_without_effect_are_logged(srv):
 
 def test_a_flag_that_turns_on_a_missing_feature_stops_the_start(example_repo):
     p = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository",
-                        example_repo, "--rate-limit", "execution_count"],
+                        example_repo, "--model-namespacing", "true"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
-    assert "--rate-limit execution_count: rate limiting (execution_count) is not supported" \
-        in p.stderr
+    assert "--model-namespacing true: model namespacing is not supported" in p.stderr

@@ -17,10 +17,11 @@ def test_a_triton_command_line_parses(tmp_path):
     flags = {note.split()[0] for note in a.compat_notes}
     assert flags == {"--pinned-memory-pool-byte-size", "--buffer-manager-thread-count",
                      "--backend-directory", "--backend-config", "--http-thread-count",
-                     "--reuse-grpc-port", "--host-policy", "--rate-limit-resource"}
+                     "--reuse-grpc-port", "--host-policy"}
     assert all("has no effect: " in note for note in a.compat_notes)
     assert settings.trace == TraceConfig(["OFF"], 100, -1, 0, "/tmp/trace.json", "triton")
     assert settings.response_cache_bytes == 0       # --response-cache-byte-size 0: no cache
+    assert not settings.rate_limit and settings.rate_limit_resources == ["R1:10"]
 
 
 def test_without_them_nothing_changes(tmp_path):
@@ -29,7 +30,6 @@ def test_without_them_nothing_changes(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, says", [
-    ("--rate-limit", "execution_count", "rate limiting (execution_count) is not supported"),
     ("--model-namespacing", "true", "model namespacing is not supported"),
     ("--allow-vertex-ai", "true", "the Vertex AI endpoint is not supported"),
 ])
@@ -176,3 +176,27 @@ def test_header_forward_patterns(tmp_path, capsys):
     assert e.value.code == 2
     assert "--grpc-header-forward-pattern x-([: not a regular expression" in \
         capsys.readouterr().err
+
+
+def test_rate_limit_flags(tmp_path):
+    settings, _ = parse_settings(["--model-repository", str(tmp_path), "--rate-limit",
+                                  "EXECUTION_COUNT", "--rate-limit-resource", "R1:4",
+                                  "--rate-limit-resource", "R2:1:0"])
+    assert settings.rate_limit and settings.rate_limit_resources == ["R1:4", "R2:1:0"]
+    settings, _ = parse_settings(["--model-repository", str(tmp_path)])
+    assert not settings.rate_limit
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--rate-limit", "always"], "argument --rate-limit: invalid choice: 'always'"),
+    (["--rate-limit-resource", "R1"], "'R1': expected <name>:<count>[:<device>]"),
+    (["--rate-limit-resource", "R1:x"], "argument --rate-limit-resource: 'R1:x'"),
+    (["--rate-limit-resource", "R1:-1"], "the count must be >= 0"),
+    (["--rate-limit-resource", "R1:2:-3"], "the device must be >= 0"),
+])
+def test_bad_rate_limit_flags_stop_the_start(tmp_path, capsys, flags, says):
+    with pytest.raises(SystemExit) as e:
+        parse_settings(["--model-repository", str(tmp_path), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert says in err, err
