@@ -522,8 +522,8 @@ class ModelLifecycle:
                 states_of.setdefault(name, {})[ver.version] = VersionInfo(ver.version,
                                                                           ModelState.LOADING)
         for (n, _), ver in self.versions.items():
-            states_of.setdefault(n, {})[ver.version] = VersionInfo(ver.version, ver.state,
-                                                                   ver.reason, ver.cause)
+            states_of.setdefault(n, {})[ver.version] = VersionInfo(
+                ver.version, ver.state, ver.reason, ver.cause, round(ver.load_started * 1e9))
         models = []
         for name, entry in sorted(self.entries.items()):
             cfg = self._config_bytes(name, entry.config)

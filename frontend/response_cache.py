@@ -47,7 +47,8 @@ class CachedOutput:
 class CacheEntry:
     model: str
     version: int
-    config: bytes           # the model's config when it was kept (the catalog's bytes object)
+    owner: object           # the model's catalog view when it was kept: a new one (a state
+                            # change, a reload, a new config) makes the entry stale
     outputs: tuple[CachedOutput, ...]
     parameters: dict[str, Any]
     size: int
@@ -104,7 +105,7 @@ class ResponseCache:
         self.counters.hits += 1
         return entry
 
-    def put(self, key: bytes, model: str, version: int, config: bytes,
+    def put(self, key: bytes, model: str, version: int, owner: object,
             outputs: Iterable[CachedOutput], parameters: dict[str, Any]) -> bool:
         """Keep an answer; False when it is larger than the whole cache (nothing is evicted
         for it then)."""
@@ -120,13 +121,13 @@ class ResponseCache:
             _, gone = self.entries.popitem(last=False)
             self.used -= gone.size
             self.counters.evicted += 1
-        self.entries[key] = CacheEntry(model, version, config, outs, dict(parameters), size)
+        self.entries[key] = CacheEntry(model, version, owner, outs, dict(parameters), size)
         self.used += size
         self.counters.inserted += 1
         return True
 
     def retain(self, keep: Callable[[CacheEntry], bool]) -> int:
-        """Drop the entries ``keep`` refuses (a model unloaded or reloaded); returns how many."""
+        """Drop the entries ``keep`` refuses (a model changed); returns how many."""
         gone = [k for k, e in self.entries.items() if not keep(e)]
         for k in gone:
             self.used -= self.entries.pop(k).size

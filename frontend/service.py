@@ -18,7 +18,6 @@ from shmserve.ipc.messages import (
     ControlAction,
     ErrorCode,
     InferResult,
-    ModelState,
     ModelStatistics,
     ShmRef,
     TraceConfig,
@@ -32,7 +31,7 @@ from .errors import InferError, invalid
 from .log_settings import LogControl
 from .model_upload import FILE_PREFIX, ModelUploads
 from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits
-from .response_cache import CacheEntry, ResponseCache
+from .response_cache import ResponseCache
 from .shm_registry import ShmRegistry
 from .trace import TraceControl, TraceCore
 
@@ -258,32 +257,30 @@ class FrontendService:
             asyncio.get_running_loop().call_soon(on_result, result)
             return req_id
         client.cache_record(CacheRecord(name, version, False, clock() - t0))
-        config = view.raw_config
+        catalog = self.catalog
 
         def answered(result: InferResult) -> None:
-            if not result.error:
+            # kept only if the model is as it was when the request went out: an answer of a
+            # version reloaded meanwhile must not be served for the new one
+            if not result.error and catalog.models.get(name) is view:
                 t = clock()
                 try:
                     outs = response_cache.outputs_of(result, self.maps.view)
                 except ShmError:
                     outs = None
                 if outs is not None:
-                    cache.put(key, name, version, config, outs, result.parameters)
+                    cache.put(key, name, version, view, outs, result.parameters)
                 client.cache_record(CacheRecord(name, version, False, clock() - t, count=0))
             on_result(result)
         return client.submit(name, version, prepared, answered, view.preserve_ordering)
 
     def _forget_unloaded(self) -> None:
-        """A new model table: answers of versions that are no longer ready, or of a model
-        whose config changed, must not be served again."""
+        """A new model table: a model whose view changed (a version loading, unloading or
+        reloaded, a new config) loses its cached answers; the catalog keeps the view of a
+        model that did not change, so the others keep theirs."""
         models = self.catalog.models
-
-        def keep(e: CacheEntry) -> bool:
-            view = models.get(e.model)
-            return view is not None and view.raw_config is e.config and \
-                view.states.get(e.version, (None,))[0] == ModelState.READY
         assert self.cache is not None
-        self.cache.retain(keep)
+        self.cache.retain(lambda e: models.get(e.model) is e.owner)
 
     async def infer(self, view: ModelView, version: int,
                     prepared: PreparedRequest) -> InferResult:

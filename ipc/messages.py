@@ -269,6 +269,9 @@ class VersionInfo(msgspec.Struct, array_like=True):
     state: ModelState
     reason: str = ""
     cause: StateCause = StateCause.NONE
+    # which load of the version serves (its start, ns on the scheduler's clock): a reload
+    # changes it even when the state stays READY (frontends drop cached answers then)
+    loaded: int = 0
 
 
 class ModelInfo(msgspec.Struct, array_like=True):

@@ -307,6 +307,11 @@ def test_a_reloaded_model_does_not_answer_from_the_old_entries(server):
     c.unload_model("cached")
     c.load_model("cached")
     assert runs(infer(c, httpclient, value=77)) == 1        # a new instance ran it
+    assert runs(infer(c, httpclient, value=77)) == 1        # and its answer is kept
+    # a load of the loaded model reloads it (the same version, the same config, READY all
+    # along): what the old instance answered is not served for the new one
+    c.load_model("cached")
+    assert runs(infer(c, httpclient, value=77)) == 1
 
 
 def test_the_cache_counters_are_on_the_metrics_page(server):

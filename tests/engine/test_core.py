@@ -309,6 +309,24 @@ def test_reload_serves_the_old_version_until_the_new_one_is_ready(repo):
     assert h.batches()[-1][0] == new
 
 
+def test_a_reload_shows_in_the_table_though_the_version_stays_ready(repo):
+    """Frontends drop the cached answers of a model whose table entry changed: a reload of
+    the serving version must change it even when its state is READY before and after."""
+    h = Harness(repo, model_control_mode="explicit", load_models=["plain"]).start()
+
+    def served():
+        (info,) = [m for m in h.table().models if m.name == "plain"]
+        (v,) = info.versions
+        return v.state, v.loaded
+    state, first = served()
+    assert state is ModelState.READY and first > 0
+    h.clock.advance(1.0)
+    control(h, ControlAction.LOAD, "plain")
+    h.ready_all()
+    state, second = served()
+    assert state is ModelState.READY and second > first
+
+
 def test_failed_reload_rolls_back(repo):
     h = Harness(repo, model_control_mode="explicit", load_models=["pair"]).start()
     old = set(h.spawn_ids("pair"))

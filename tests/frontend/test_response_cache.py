@@ -21,6 +21,8 @@ from shmserve.ipc.messages import (
     Tensor,
 )
 
+OWNER = object()     # the catalog view an entry belongs to (any object here)
+
 
 def payload(data=b"\0" * 16, name="INPUT0", shape=(1, 4), outputs=("OUTPUT0",), params=None,
             extra=()):
@@ -105,7 +107,7 @@ def test_get_counts_hits_and_misses_and_put_keeps_the_answer():
     c = ResponseCache(10_000)
     k = key(payload())
     assert c.get(k) is None
-    assert c.put(k, "m", 1, b"cfg", [out()], {"p": 1})
+    assert c.put(k, "m", 1, OWNER, [out()], {"p": 1})
     e = c.get(k)
     assert e.outputs == (out(),) and e.parameters == {"p": 1} and e.model == "m"
     assert (c.counters.hits, c.counters.misses, c.counters.inserted) == (1, 1, 1)
@@ -115,10 +117,10 @@ def test_get_counts_hits_and_misses_and_put_keeps_the_answer():
 def test_least_recently_used_goes_first_and_the_bound_holds():
     k1, k2, k3 = (key(payload(data=bytes([i]) * 16)) for i in range(3))
     c = ResponseCache(2 * size_of(k1, out()))
-    c.put(k1, "m", 1, b"", [out()], {})
-    c.put(k2, "m", 1, b"", [out()], {})
+    c.put(k1, "m", 1, OWNER, [out()], {})
+    c.put(k2, "m", 1, OWNER, [out()], {})
     assert c.get(k1) is not None            # k1 is now the most recent
-    c.put(k3, "m", 1, b"", [out()], {})     # evicts k2
+    c.put(k3, "m", 1, OWNER, [out()], {})     # evicts k2
     assert c.get(k2) is None and c.get(k1) is not None and c.get(k3) is not None
     assert c.used <= c.capacity and c.counters.evicted == 1
 
@@ -126,8 +128,8 @@ def test_least_recently_used_goes_first_and_the_bound_holds():
 def test_an_answer_larger_than_the_cache_is_not_kept_and_evicts_nothing():
     k1, k2 = key(payload()), key(payload(data=b"\1" * 16))
     c = ResponseCache(size_of(k1, out()))
-    assert c.put(k1, "m", 1, b"", [out()], {})
-    assert not c.put(k2, "m", 1, b"", [out(n=64)], {})
+    assert c.put(k1, "m", 1, OWNER, [out()], {})
+    assert not c.put(k2, "m", 1, OWNER, [out(n=64)], {})
     assert c.get(k1) is not None and c.get(k2) is None
     assert c.counters.too_large == 1 and c.used == size_of(k1, out())
 
@@ -135,8 +137,8 @@ def test_an_answer_larger_than_the_cache_is_not_kept_and_evicts_nothing():
 def test_putting_a_key_again_replaces_its_entry():
     k = key(payload())
     c = ResponseCache(10_000)
-    c.put(k, "m", 1, b"", [out(n=16)], {})
-    c.put(k, "m", 1, b"", [out(n=32)], {})
+    c.put(k, "m", 1, OWNER, [out(n=16)], {})
+    c.put(k, "m", 1, OWNER, [out(n=32)], {})
     assert len(c.entries) == 1 and c.used == size_of(k, out(n=32))
     assert len(c.get(k).outputs[0].data) == 32
 
@@ -144,7 +146,7 @@ def test_putting_a_key_again_replaces_its_entry():
 def test_retain_drops_what_the_predicate_refuses():
     c = ResponseCache(10_000)
     for i, model in enumerate(("a", "b", "a")):
-        c.put(key(payload(data=bytes([i]) * 16), model=model), model, 1, b"", [out()], {})
+        c.put(key(payload(data=bytes([i]) * 16), model=model), model, 1, OWNER, [out()], {})
     assert c.retain(lambda e: e.model != "a") == 2
     assert [e.model for e in c.entries.values()] == ["b"] and c.used == size_of(b"k" * 16, out())
 
@@ -152,7 +154,7 @@ def test_retain_drops_what_the_predicate_refuses():
 def test_a_hit_answers_inline_with_the_entry():
     c = ResponseCache(10_000)
     k = key(payload())
-    c.put(k, "m", 3, b"", [out("A"), out("B", 8)], {"p": "q"})
+    c.put(k, "m", 3, OWNER, [out("A"), out("B", 8)], {"p": "q"})
     res = answer(c.get(k), 42, {}, no_shm)
     assert (res.req_id, res.model, res.version, res.error) == (42, "m", 3, "")
     assert [(t.name, t.shape, t.data) for t in res.outputs] == [
@@ -164,7 +166,7 @@ def test_a_hit_writes_an_output_into_the_clients_region():
     region = bytearray(32)
     c = ResponseCache(10_000)
     k = key(payload())
-    c.put(k, "m", 1, b"", [out("A")], {})
+    c.put(k, "m", 1, OWNER, [out("A")], {})
     wanted = ShmRef("client", 8, 24)     # 24 bytes from offset 8 of the client's segment
 
     def view(ref):
@@ -178,7 +180,7 @@ def test_a_hit_writes_an_output_into_the_clients_region():
 def test_a_region_too_small_for_the_cached_output_fails_that_request():
     c = ResponseCache(10_000)
     k = key(payload())
-    c.put(k, "m", 1, b"", [out("A", 16)], {})
+    c.put(k, "m", 1, OWNER, [out("A", 16)], {})
     res = answer(c.get(k), 1, {"A": ShmRef("client", 0, 8)}, no_shm)
     assert res.code == ErrorCode.INVALID_ARG
     assert res.error == ("shared memory size specified with the request for output 'A' "
@@ -201,4 +203,4 @@ def test_outputs_of_copies_out_of_shared_memory_and_refuses_gpu_outputs():
 def test_a_tiny_cache_keeps_nothing(capacity):
     c = ResponseCache(capacity)
     k = key(payload())
-    assert not c.put(k, "m", 1, b"", [out()], {}) and c.get(k) is None and c.used == 0
+    assert not c.put(k, "m", 1, OWNER, [out()], {}) and c.get(k) is None and c.used == 0
