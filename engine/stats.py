@@ -21,7 +21,8 @@ DEFAULT_LATENCY_BUCKETS_MS = (100.0, 500.0, 2000.0, 5000.0)
 # Triton's default summary quantiles; summaries cover the latest observations
 SUMMARY_QUANTILES = (0.5, 0.9, 0.95, 0.99, 0.999)
 SUMMARY_WINDOW = 4096
-SUMMARY_KINDS = ("request", "queue", "compute_input", "compute_infer", "compute_output")
+SUMMARY_KINDS = ("request", "queue", "compute_input", "compute_infer", "compute_output",
+                 "cache_hit", "cache_miss")
 
 
 def _add(d: Duration, ns: int) -> None:
@@ -104,6 +105,8 @@ class VersionStats:
         d = r.cache_hit if hit else r.cache_miss
         d.count += count
         d.ns += max(0, cache_ns)
+        if self.windows is not None and count:     # a lookup (an insert adds to its miss)
+            self.windows["cache_hit" if hit else "cache_miss"].append(max(0, cache_ns) / 1e3)
         if hit:
             total_ns = max(0, total_ns)
             _add(r.success, total_ns)

@@ -51,6 +51,19 @@ def exposition(registry, custom: "CustomCollector | None" = None) -> bytes:
     return text.encode()
 
 
+def _pinned_memory():
+    """Triton's pinned memory pool gauges, which its dashboards and QA read. shmserve has no
+    pinned pool (--pinned-memory-pool-byte-size has no effect: tensors are in shared memory),
+    so the pool is empty: 0 bytes in all, 0 used."""
+    for name, doc in (("nv_pinned_memory_pool_total_bytes",
+                       "Pinned memory pool total memory size, in bytes"),
+                      ("nv_pinned_memory_pool_used_bytes",
+                       "Pinned memory pool used memory size, in bytes")):
+        fam = GaugeMetricFamily(name, doc)
+        fam.add_metric([], 0)
+        yield fam
+
+
 class InferenceCollector:
     def __init__(self, counter_latencies: bool = True, histogram_latencies: bool = False,
                  cache: bool = False):
@@ -121,6 +134,7 @@ class InferenceCollector:
             yield from self._cache()
         yield pending
         yield load
+        yield from _pinned_memory()
         if self.histogram_latencies:
             yield hist
         yield from self._summaries()
@@ -156,12 +170,19 @@ class InferenceCollector:
                  "compute_infer": "nv_inference_compute_infer_summary_us",
                  "compute_output": "nv_inference_compute_output_summary_us"}
         totals = {"request": "success", "queue": "queue", "compute_input": "compute_input",
-                  "compute_infer": "compute_infer", "compute_output": "compute_output"}
+                  "compute_infer": "compute_infer", "compute_output": "compute_output",
+                  "cache_hit": "cache_hit", "cache_miss": "cache_miss"}
+        if self.cache:
+            # as Triton: with a cache, the request summary is not published (hits would mix
+            # in), and the cache's lookups have summaries of their own
+            del names["request"]
+            names["cache_hit"] = "nv_cache_hit_summary_per_model"
+            names["cache_miss"] = "nv_cache_miss_summary_per_model"
         if not any(m.summaries for m in self.models):
             return
         for kind, name in names.items():
-            fam = Metric(name, f"Summary of {kind.replace('_', ' ')} durations in microseconds",
-                         "summary")
+            what = kind.replace("_", " ") + (" lookup" if kind.startswith("cache") else "")
+            fam = Metric(name, f"Summary of {what} durations in microseconds", "summary")
             for m in self.models:
                 if kind not in m.summaries:
                     continue

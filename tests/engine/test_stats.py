@@ -201,3 +201,13 @@ def test_cache_misses_count_lookups_and_add_insert_times(stats):
     r = stats.snapshot(0)
     assert r.cache_miss == Duration(1, 12_000)
     assert r.success == Duration(0, 0) and r.cache_hit == Duration(0, 0)
+
+
+def test_cache_lookups_have_summary_windows(wall):
+    s = VersionStats("m", 1, wall_clock=wall, summaries=True)
+    s.cached(True, 4_000, 9_000, 1)
+    s.cached(False, 6_000, 0, 1)
+    s.cached(False, 50_000, 0, 0)       # an insert: no observation of its own
+    r = s.snapshot(0)
+    assert r.summaries["cache_hit"][0] == 4.0 and r.summaries["cache_miss"] == [6.0] * 5
+    assert r.summaries["request"][0] == 9.0        # the hit's duration

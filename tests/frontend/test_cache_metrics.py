@@ -44,3 +44,34 @@ def test_the_cache_counters_are_there_with_a_cache():
 def test_without_a_cache_they_are_not(name):
     text, _ = page(cache=False)
     assert name not in text
+
+
+def summaries_page(cache: bool) -> str:
+    inference = InferenceCollector(cache=cache)
+    inference.models = [ModelStatistics("m", 1, cache_hit=Duration(2, 30_000),
+                                        success=Duration(2, 90_000),
+                                        summaries={k: [1.0, 2.0, 3.0, 4.0, 5.0] for k in (
+                                            "request", "queue", "compute_input",
+                                            "compute_infer", "compute_output", "cache_hit",
+                                            "cache_miss")})]
+    registry = CollectorRegistry(auto_describe=False)
+    custom = CustomCollector()
+    registry.register(_Page([inference], custom))
+    return exposition(registry, custom).decode()
+
+
+def test_with_a_cache_the_summaries_are_triton_s():
+    """Triton (DLIS-4762): no request summary with a cache; the cache's own instead."""
+    text = summaries_page(cache=True)
+    assert "nv_cache_hit_summary_per_model{" in text and "nv_cache_miss_summary_per_model{" in text
+    assert "nv_inference_request_summary_us" not in text
+    assert "nv_inference_queue_summary_us{" in text
+    assert 'nv_cache_hit_summary_per_model_count{model="m",version="1"} 2.0' in text
+    plain = summaries_page(cache=False)
+    assert "nv_inference_request_summary_us{" in plain and "nv_cache_hit_summary" not in plain
+
+
+def test_the_pinned_memory_pool_is_shown_empty():
+    text, fams = page(cache=False)
+    for name in ("nv_pinned_memory_pool_total_bytes", "nv_pinned_memory_pool_used_bytes"):
+        assert [s.value for s in fams[name].samples] == [0]
