@@ -111,7 +111,9 @@ class SchedulerShell:
             forkserver = None               # this model asks for a fresh interpreter
         proc = spawn_worker(spawn_id, self.settings.run_dir, self.inbox.worker_address,
                             self.segment_prefix(spawn_id), spec, logs.current(), logs.log_file(),
-                            forkserver, self.settings.cuda_memory_pool)
+                            forkserver, self.settings.cuda_memory_pool,
+                            (self.settings.model_upload_dir,
+                             self.settings.model_upload_max_bytes))
         self.procs[spawn_id] = proc
         self.exits.watch(proc.pidfd, spawn_id)
 

@@ -184,11 +184,13 @@ class WorkerProcess:
 def spawn_worker(spawn_id: int, run_dir: str, scheduler_addr: str, segment_prefix: str,
                  spec: InstanceSpec, log: LogSettings, log_file: str = "",
                  forkserver: ForkServer | None = None,
-                 cuda_memory_pool: dict[int, int] | None = None) -> WorkerProcess:
+                 cuda_memory_pool: dict[int, int] | None = None,
+                 uploads: tuple[str, int] = ("", 0)) -> WorkerProcess:
     args = WorkerArgs(spawn_id=spawn_id, parent=os.getpid(), run_dir=run_dir,
                       scheduler=scheduler_addr, segment_prefix=segment_prefix, spec=spec,
                       log_verbose=log.verbose, log=log, log_file=log_file,
-                      cuda_memory_pool=cuda_memory_pool or {})
+                      cuda_memory_pool=cuda_memory_pool or {},
+                      model_upload_dir=uploads[0], model_upload_max_bytes=uploads[1])
     return WorkerProcess(args, forkserver)
 
 

@@ -746,6 +746,10 @@ class WorkerArgs(msgspec.Struct):
     # --cuda-memory-pool-byte-size: GPU -> bytes of device memory the worker's device arena may
     # take there (workers/device_arena.py; a GPU not named gets the default)
     cuda_memory_pool: dict[int, int] = {}
+    # pb_utils.load_model(files=...): where the worker writes them, and how much one load may
+    # carry (the server's --model-upload-max-bytes; 0: refused)
+    model_upload_dir: str = ""
+    model_upload_max_bytes: int = 0
 
 
 # ---- scheduler <-> fork server (engine/forkserver.py, workers/zygote.py) ------------------------

@@ -32,6 +32,8 @@ from shmserve.frontend.errors import InferError
 from shmserve.ipc import channel, packets
 from shmserve.ipc.messages import (
     CancelRequest,
+    ControlReply,
+    ControlRequest,
     ErrorCode,
     FrontendHello,
     InferResult,
@@ -68,6 +70,7 @@ class BlsClient:
         # model answering may still read them
         self.abandoned: dict[int, list] = {}
         self.ids = itertools.count(1)
+        self.queries: dict[int, queue.SimpleQueue] = {}     # model control (model_control.py)
         self.maps = ShmMapCache()
         self.boxes: dict[str, packets.PacketOutbox] = {}
         self.receiver = threading.Thread(target=self.receive, name="bls-receiver", daemon=True)
@@ -89,6 +92,11 @@ class BlsClient:
             elif isinstance(msg, ModelTable):
                 self.catalog.update(msg)
                 self.table_seen.set()
+            elif isinstance(msg, ControlReply):
+                with self.lock:
+                    waiting = self.queries.pop(msg.query_id, None)
+                if waiting is not None:
+                    waiting.put(msg)
             elif isinstance(msg, WorkerGone) and msg.reason:
                 with self.lock:
                     ended = [rid for rid, sid in self.streams.items() if sid == msg.spawn_id]
@@ -108,6 +116,24 @@ class BlsClient:
             self.free(slots or [])
         else:
             q.put(result)
+
+    def control(self, request: ControlRequest, timeout_s: float) -> ControlReply:
+        """Send a model control request (its ``frontend`` and ``query_id`` are filled in here)
+        and wait for the scheduler's answer, which comes once the load or unload is done."""
+        request.frontend, request.query_id = self.fid, next(self.ids)
+        answer: queue.SimpleQueue = queue.SimpleQueue()
+        with self.lock:
+            self.queries[request.query_id] = answer
+        self.worker.tell(request)
+        try:
+            return answer.get(timeout=timeout_s)
+        except queue.Empty:
+            raise pb_utils.TritonModelException(
+                f"{request.action.value} of '{request.name}' did not finish in "
+                f"{timeout_s:g} s") from None
+        finally:
+            with self.lock:
+                self.queries.pop(request.query_id, None)
 
     # ---- a model's request ------------------------------------------------------------------
     def submit(self, req) -> tuple[int, queue.SimpleQueue, list]:

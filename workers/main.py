@@ -120,6 +120,7 @@ class Worker:
         self.bls = None                         # BlsClient, made at a model's first BLS request
         self.bls_lock = threading.Lock()
         pb_utils._bls = self.bls_client
+        pb_utils._control = self.model_control     # load_model / unload_model / is_model_ready
         self.senders = args.spec.backend == "python"
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
@@ -173,6 +174,11 @@ class Worker:
             if self.bls is None:
                 self.bls = BlsClient(self)
             return self.bls
+
+    def model_control(self):
+        from .model_control import ModelControl
+        return ModelControl(self.bls_client, self.args.model_upload_dir,
+                            self.args.model_upload_max_bytes)
 
     def chain(self) -> list[str]:
         """A BLS request's chain: the running batch's (from execute()), then this model."""

@@ -567,10 +567,27 @@ class ModelConfig:
         policy.update(transaction_policy_dict)
 
 
-def _not_yet(what):
-    raise TritonModelException(f"{what} from a python model is not supported yet")
+# the model loading API (workers/model_control.py), made by the worker; None outside a worker
+_control = None
 
 
-def load_model(model_name, config="", files=None): _not_yet("load_model")
-def unload_model(model_name, unload_dependents=False): _not_yet("unload_model")
-def is_model_ready(model_name, model_version=""): _not_yet("is_model_ready")
+def _model_control():
+    if _control is None:
+        raise TritonModelException("the model loading API can only be used by a model that "
+                                   "the server runs")
+    return _control()
+
+
+def load_model(model_name, config="", files=None):
+    """Load (or reload) a model, with an optional JSON config and override files
+    ({"file:<path>": bytes}); returns once it is loaded, raises TritonModelException if not
+    (the server must run in explicit model control mode)."""
+    _model_control().load(model_name, config, files)
+
+
+def unload_model(model_name, unload_dependents=False):
+    _model_control().unload(model_name, unload_dependents)
+
+
+def is_model_ready(model_name, model_version=""):
+    return _model_control().is_ready(model_name, model_version)

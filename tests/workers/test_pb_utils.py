@@ -204,7 +204,8 @@ def test_inference_request_unsupported_paths():
     with pytest.raises(pb.TritonModelException, match="BLS"):
         asyncio.run(r.async_exec())
     for call in (lambda: pb.load_model("m"), lambda: pb.unload_model("m"), lambda: pb.is_model_ready("m")):
-        with pytest.raises(pb.TritonModelException, match="not supported yet"):
+        with pytest.raises(pb.TritonModelException, match="can only be used by a model that "
+                                                          "the server runs"):
             call()
 
 
