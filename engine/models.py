@@ -111,9 +111,10 @@ class ModelVersion:
         kw: dict[str, Any] = {"clock": self.clock} if self.clock is not None else {}
         if self.config.HasField("dynamic_batching"):
             self.queue = DynamicBatcher(batcher_config(self.config), DEFAULT_MAX_QUEUE, **kw)
-        elif self.config.HasField("sequence_batching"):
+        elif self.config.HasField("sequence_batching") and \
+                not self.config.sequence_batching.iterative_sequence:
             self.queue = SequenceBatcher(sequence_config(self.config), DEFAULT_MAX_QUEUE, **kw)
-        else:
+        else:       # an iterative sequence is one request: its steps happen in the worker
             self.queue = DefaultQueue(max_queue_size=DEFAULT_MAX_QUEUE, **kw)
 
     def set_state(self, state: ModelState, reason: str = "",

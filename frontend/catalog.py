@@ -42,6 +42,9 @@ class ModelView:
     preserve_ordering: bool = False
     decoupled: bool = False             # any number of answers per request (streams only)
     sequence: bool = False              # a sequence batcher: requests carry a correlation id
+    # ... unless it is iterative (iterative_sequence: true): each request is a sequence of its
+    # own, which the model steps through by rescheduling it (workers/python_backend.py)
+    iterative: bool = False
     integer_corrid: str = ""            # its CORRID control's integer data type, if it has one
     # --model-control-mode=on_demand: a request for a version that is not loaded is sent all
     # the same, and the scheduler holds it while the model loads
@@ -106,6 +109,7 @@ def _view(info, old: ModelView | None = None) -> ModelView:
     view.has_optional = any(t.optional for t in cfg.input)
     view.decoupled = cfg.model_transaction_policy.decoupled
     view.sequence = cfg.HasField("sequence_batching")
+    view.iterative = view.sequence and cfg.sequence_batching.iterative_sequence
     view.response_cache = cfg.response_cache.enable and not view.sequence and not view.decoupled
     for ci in cfg.sequence_batching.control_input:
         for ctl in ci.control:

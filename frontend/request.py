@@ -242,7 +242,7 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
         correlation_id, flags = _sequence(params)
         model_params = {k: v for k, v in params.items() if k not in RESERVED_PARAMS}
         _check_custom(model_params)
-    if model.sequence:
+    if model.sequence and not model.iterative:
         _check_sequence(model, batch, correlation_id)
     payload = InferPayload(request_id, tensors,
                            [_output_spec(o) for o in outputs],

@@ -81,6 +81,8 @@ class PythonBackend:
             raise BackendLoadError(f"TritonPythonModel in {path} has no execute method")
         self.is_async = inspect.iscoroutinefunction(self.model.execute)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
+        # sequence_batching { iterative_sequence: true }: requests may be rescheduled
+        self.iterative = bool((cfg.get("sequence_batching") or {}).get("iterative_sequence"))
         self.output_types = {o["name"]: o["data_type"] for o in cfg.get("output", [])}
         self.device_inputs = gpu_inputs(cfg)
         args = {
@@ -103,6 +105,32 @@ class PythonBackend:
                                        f"{type(e).__name__}: {e}") from e
 
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]:
+        """Run the requests; those the model releases with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+        (an iterative sequence model: one more step of their work) run again, in the next
+        execution, which follows at once, until none is rescheduled."""
+        pb_requests = self._pb_requests(requests)
+        out: list[WorkResponse | None] = [None] * len(requests)
+        pending = list(range(len(requests)))
+        while pending:
+            for i in pending:
+                pb_requests[i]._release_flags = pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
+            got = self._execute_once([requests[i] for i in pending],
+                                     [pb_requests[i] for i in pending])
+            again = []
+            for i, res in zip(pending, got):
+                if pb_requests[i]._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                    if self.iterative:
+                        again.append(i)
+                        continue
+                    res = WorkResponse(error=f"model '{self.spec.model_name}' rescheduled a "
+                                             f"request, which needs sequence_batching {{ "
+                                             f"iterative_sequence: true }} in its config",
+                                       code=ErrorCode.INTERNAL)
+                out[i] = res
+            pending = again
+        return out
+
+    def _pb_requests(self, requests: list[WorkRequest]) -> list:
         pb_requests = []
         for r in requests:
             tensors = [pb_utils.Tensor._from_device(name, arr, r.datatypes[name])
@@ -116,6 +144,10 @@ class PythonBackend:
             if r.emit is not None:      # made when the model asks for it (no cycle back to
                 pb_req._sender = partial(self._sender, r)   # pb_req: its inputs pin mappings)
             pb_requests.append(pb_req)
+        return pb_requests
+
+    def _execute_once(self, requests: list[WorkRequest],
+                      pb_requests: list) -> list[WorkResponse | None]:
         try:
             responses = self.model.execute(pb_requests)
             if self.is_async:
