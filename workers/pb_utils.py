@@ -350,6 +350,12 @@ class InferenceRequest:
         return poll is not None and poll(self._cancel_key)
 
     def set_release_flags(self, flags): self._release_flags = int(flags)
+
+    def _sender_closed(self):
+        """Whether its response sender (if the model made one) has sent FINAL or was closed
+        by a failed execution: the request is done."""
+        return isinstance(self._sender, InferenceResponseSender) and self._sender._closed
+
     def get_response_sender(self):
         sender = self._sender
         if sender is None:

@@ -114,11 +114,15 @@ class PythonBackend:
         while pending:
             for i in pending:
                 pb_requests[i]._release_flags = pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
-            got = self._execute_once([requests[i] for i in pending],
-                                     [pb_requests[i] for i in pending])
+            got, failed = self._execute_once([requests[i] for i in pending],
+                                             [pb_requests[i] for i in pending])
             again = []
             for i, res in zip(pending, got):
-                if pb_requests[i]._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+                # a failed execution, or a request whose sender is closed, is done, whatever
+                # flags the model set first
+                if not failed and not pb_requests[i]._sender_closed() and \
+                        pb_requests[i]._release_flags & \
+                        pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
                     if self.iterative:
                         again.append(i)
                         continue
@@ -147,7 +151,9 @@ class PythonBackend:
         return pb_requests
 
     def _execute_once(self, requests: list[WorkRequest],
-                      pb_requests: list) -> list[WorkResponse | None]:
+                      pb_requests: list) -> tuple[list[WorkResponse | None], bool]:
+        """One execute() of the model: each request's answer, and whether it failed as a
+        whole (raised, or returned what it must not)."""
         try:
             responses = self.model.execute(pb_requests)
             if self.is_async:
@@ -156,19 +162,19 @@ class PythonBackend:
         except Exception as e:
             msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
                   f"message: {type(e).__name__}: {e}{raised_at(e)}"
-            return self._fail_open(pb_requests, msg)
+            return self._fail_open(pb_requests, msg), True
         if self.decoupled or responses is None:
             if responses is not None:
                 return self._fail_open(pb_requests, f"Python model '{self.spec.model_name}' is "
                                                 f"using the decoupled mode and the execute "
-                                                f"function must return None.")
-            return [None] * len(requests)       # answered through the response senders
+                                                f"function must return None."), True
+            return [None] * len(requests), False    # answered through the response senders
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
             msg = f"execute() of model '{self.spec.model_name}' must return a list of " \
                   f"{len(requests)} InferenceResponse objects, got {n}"
-            return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests]
-        return [self._convert(req, resp) for req, resp in zip(requests, responses)]
+            return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests], True
+        return [self._convert(req, resp) for req, resp in zip(requests, responses)], False
 
     def _sender(self, req: WorkRequest) -> pb_utils.InferenceResponseSender:
         emit, poll, key = req.emit, self.poll_cancelled, req.cancel_key

@@ -47,6 +47,16 @@ class TritonPythonModel:
                 sender.send(out)
         return None
 """
+# reschedules its request, then fails: the failure ends the request (no endless re-runs)
+FAILING_CODE = """
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            r.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+        raise ValueError("failed after rescheduling")
+"""
 ADDSUB = """
 name: "{name}"
 backend: "python"
@@ -89,6 +99,7 @@ class TritonPythonModel:
 def server(tmp_path_factory):
     r = str(tmp_path_factory.mktemp("resched") / "models")
     write_model(r, "countdown", COUNTDOWN, COUNTDOWN_CODE)
+    write_model(r, "failing", COUNTDOWN.replace('"countdown"', '"failing"'), FAILING_CODE)
     write_model(r, "addsub", ADDSUB.format(name="addsub",
                                            extra="sequence_batching { iterative_sequence: true }"),
                 ADDSUB_CODE)
@@ -143,3 +154,23 @@ def test_without_iterative_sequence_a_rescheduled_request_fails(server):
         c.infer("not_iterative", inputs)
     assert "rescheduled a request, which needs sequence_batching { iterative_sequence: " \
            "true }" in str(e.value)
+
+
+def test_a_request_that_fails_after_rescheduling_ends_with_its_error(server):
+    answers: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    x = grpcclient.InferInput("IN", [1], "INT32")
+    x.set_data_from_numpy(np.array([3], np.int32))
+    c.async_stream_infer("failing", [x])
+    result, error = answers.get(timeout=60)
+    c.stop_stream()
+    assert result is None and "failed after rescheduling" in str(error)
+    # the worker is free again: another model's request on the server is answered
+    x2 = grpcclient.InferInput("IN", [1], "INT32")
+    x2.set_data_from_numpy(np.array([1], np.int32))
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    c.async_stream_infer("countdown", [x2])
+    result, error = answers.get(timeout=60)
+    c.stop_stream()
+    assert error is None and int(result.as_numpy("OUT")[0]) == 0
