@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     compat_flags.add_grpc_tls(p)
     compat_flags.add_header_forward(p)
     compat_flags.add_rate_limit(p)
+    compat_flags.add_backend_config(p)
     return p
 
 
@@ -259,6 +260,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         except restricted.RestrictionError as e:
             parser.error(f"{flag} {e}")
     a.compat_notes = compat_flags.check(parser, a)
+    default_mbs, backend_notes = compat_flags.backend_config(parser, a)
+    a.compat_notes += backend_notes
     settings = ServerSettings(
         model_repositories=a.model_repository, run_dir="", segment_prefix="", launcher_pid=0,
         server_id=a.id, server_version=VERSION, model_config_name=a.model_config_name,
@@ -302,6 +305,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
     settings.http_header_forward_pattern, settings.grpc_header_forward_pattern = \
         compat_flags.header_forward_patterns(parser, a)
     settings.rate_limit = a.rate_limit == "execution_count"
+    settings.default_max_batch_size = default_mbs
     settings.rate_limit_resources = list(a.rate_limit_resource)
     return settings, a
 

@@ -89,8 +89,6 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
                                        "host tensors live in POSIX shared memory, not a pinned pool"),
     "--buffer-manager-thread-count": (_non_negative, False, "there is no buffer manager"),
     "--backend-directory": (str, False, "the python, onnxruntime and tensorrt backends are built in"),
-    "--backend-config": (_setting, True, "backend settings are not read; each backend's "
-                                         "settings are its model's config parameters"),
     "--repoagent-directory": (str, False, "repository agents are not supported"),
     "--min-supported-compute-capability": (float, False,
                                            "onnxruntime and TensorRT check the GPU themselves"),
@@ -382,3 +380,35 @@ def add_rate_limit(parser: argparse.ArgumentParser) -> None:
                    type=_rate_limit_resource, metavar="<NAME>:<COUNT>[:<DEVICE>]",
                    help="how much of a resource there is (default: the most any instance asks "
                         "for); repeatable")
+
+
+def add_backend_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend-config", action="append", type=_setting, default=[],
+                        metavar="[<backend>,]<setting>=<value>",
+                        help="default-max-batch-size=N (global or onnxruntime,...): the "
+                             "max_batch_size auto-complete gives a model that can batch "
+                             "(default 4; 0: none). Other settings are logged as having no "
+                             "effect; repeatable")
+
+
+def backend_config(parser: argparse.ArgumentParser, args: argparse.Namespace
+                   ) -> tuple[int, list[str]]:
+    """``default-max-batch-size`` (Triton's default 4), and a note for each other setting,
+    which has no effect here (each backend's settings are its model's config parameters)."""
+    size, notes = 4, []
+    for text in args.backend_config:
+        head, _, value = text.partition("=")
+        backend, _, key = head.rpartition(",")
+        if key.strip() == "default-max-batch-size" and backend.strip() in ("", "onnxruntime"):
+            try:
+                size = int(value)
+                if size < 0:
+                    raise ValueError
+            except ValueError:
+                parser.error(f"--backend-config {text}: default-max-batch-size must be an "
+                             f"integer >= 0")
+        else:
+            notes.append(f"--backend-config is accepted for compatibility and has no effect: "
+                         f"{text} (backend settings other than default-max-batch-size are not "
+                         f"read; each backend's settings are its model's config parameters)")
+    return size, notes

@@ -83,7 +83,8 @@ class SchedulerCore:
         self.port = port
         self.clock = clock                      # monotonic ns, the clock frontends stamp with
         self.counters = counters                # the shell's IPC byte counters, for /metrics
-        self.supervisor = InstanceSupervisor(port, clock, settings.model_load_timeout_secs)
+        self.supervisor = InstanceSupervisor(port, clock, settings.model_load_timeout_secs,
+                                             settings.default_max_batch_size)
         self.leases = LeaseBook(port, clock, settings.instance_leases)
         repository = ModelRepository(settings.model_repositories,
                                      settings.model_config_name or None,

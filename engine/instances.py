@@ -58,8 +58,9 @@ class SpawnFailed(Exception):
 
 class InstanceSupervisor:
     def __init__(self, port: SchedulerPort, clock: Callable[[], int],
-                 load_timeout_s: float = 0.0):
+                 load_timeout_s: float = 0.0, default_max_batch_size: int = 4):
         self.port = port
+        self.default_max_batch_size = default_max_batch_size
         self.clock = clock                  # monotonic ns
         self.load_timeout_s = load_timeout_s    # 0 = none; a worker not ready by then is killed
         self.next_stop_check = 0.0
@@ -78,7 +79,8 @@ class InstanceSupervisor:
         self.spawn_counter += 1
         sid = self.spawn_counter
         spec = InstanceSpec(ver.name, ver.version, ver.path, ver.config_json, inst.name, inst.kind,
-                            inst.device_id, ver.config.backend, ver.auto_complete)
+                            inst.device_id, ver.config.backend, ver.auto_complete,
+                            self.default_max_batch_size)
         inst.spawn_id = sid
         inst.state = InstanceState.STARTING
         inst.connected = False

@@ -707,6 +707,8 @@ class ServerSettings(msgspec.Struct):
     grpc_header_forward_pattern: str = ""
     rate_limit: bool = False               # --rate-limit execution_count (engine/rate_limiter.py)
     rate_limit_resources: list[str] = []   # --rate-limit-resource <name>:<count>[:<device>]
+    # --backend-config [onnxruntime,]default-max-batch-size=N: auto-complete's max_batch_size
+    default_max_batch_size: int = 4
 
 
 # ---- scheduler -> worker, at spawn (JSON on the command line) --------------------------------
@@ -721,6 +723,8 @@ class InstanceSpec(msgspec.Struct):
     device_id: int
     backend: str
     auto_complete: bool = False     # fill in the config from the model before loading it
+    # what auto-complete gives a model that can batch (--backend-config default-max-batch-size)
+    default_max_batch_size: int = 4
 
 
 class WorkerLabel(msgspec.Struct):

@@ -24,7 +24,11 @@ def _dims(shape) -> list[int]:
     return [d if isinstance(d, int) and d > 0 else -1 for d in shape]
 
 
-def complete_onnx(cfg: dict, path: str) -> dict:
+def complete_onnx(cfg: dict, path: str, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+                  ) -> dict:
+    """Inputs, outputs and batching from the ONNX file, as Triton's onnxruntime backend: a
+    model whose tensors all have a variable first dimension batches, up to
+    ``default_max_batch_size`` (0: it does not batch) with a dynamic batcher."""
     import onnxruntime as ort
     try:
         sess = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
@@ -37,8 +41,8 @@ def complete_onnx(cfg: dict, path: str) -> dict:
     if mbs > 0 and not variable_first:
         raise BackendLoadError(f"max_batch_size is {mbs} but the ONNX model's inputs and "
                                f"outputs do not all have a variable first dimension")
-    if mbs == 0 and variable_first:
-        mbs = cfg["max_batch_size"] = DEFAULT_MAX_BATCH_SIZE
+    if mbs == 0 and variable_first and default_max_batch_size > 0:
+        mbs = cfg["max_batch_size"] = default_max_batch_size
         if not any(k in cfg for k in ("dynamic_batching", "sequence_batching",
                                       "ensemble_scheduling")):
             cfg["dynamic_batching"] = {}
@@ -69,7 +73,8 @@ def complete_python(cfg: dict, model_cls) -> dict:
     return result.as_dict()
 
 
-def complete(config_json: str, backend: str, model_dir: str, version: int) -> str:
+def complete(config_json: str, backend: str, model_dir: str, version: int,
+             default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE) -> str:
     """The completed config as JSON (field names as in config.pbtxt)."""
     cfg = json.loads(config_json)
     if backend == "onnxruntime":
@@ -77,5 +82,5 @@ def complete(config_json: str, backend: str, model_dir: str, version: int) -> st
                             or "model.onnx")
         if os.path.isdir(path):
             path = os.path.join(path, "model.onnx")
-        cfg = complete_onnx(cfg, path)
+        cfg = complete_onnx(cfg, path, default_max_batch_size)
     return json.dumps(cfg)

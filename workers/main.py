@@ -190,7 +190,7 @@ class Worker:
             if self.spec.auto_complete and self.spec.backend == "onnxruntime":
                 self.spec.config_json = autocomplete.complete(
                     self.spec.config_json, self.spec.backend, self.spec.model_dir,
-                    self.spec.version)
+                    self.spec.version, self.spec.default_max_batch_size)
             self.backend = load_backend(self.spec, self.poll_cancelled)
             self.device_inputs = bool(getattr(self.backend, "device_inputs", False))
             self.use_config(self.spec.config_json)

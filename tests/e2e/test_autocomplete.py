@@ -103,3 +103,19 @@ def test_disable_auto_complete(ac_repo):
 def _state(srv, name):
     idx = {e["name"]: e for e in requests.post(f"{srv.base}/v2/repository/index", timeout=10).json()}
     return idx.get(name, {}).get("state") not in (None, "LOADING")
+
+
+@pytest.mark.parametrize("setting, mbs, dims", [
+    ("default-max-batch-size=8", 8, [256]),
+    ("onnxruntime,default-max-batch-size=0", 0, [-1, 256]),     # 0: it does not batch
+])
+def test_the_default_max_batch_size_comes_from_backend_config(ac_repo, setting, mbs, dims):
+    srv = Server(ac_repo, "--backend-config", setting)
+    try:
+        cfg = _config(srv, "onnx_noconfig")
+        assert cfg["max_batch_size"] == mbs and cfg["input"][0]["dims"] == dims
+        assert ("dynamic_batching" in cfg) == (mbs > 0)
+        assert _config(srv, "onnx_partial")["max_batch_size"] == 16     # given: kept
+        assert "--backend-config is accepted" not in srv.log_text()     # read, not ignored
+    finally:
+        srv.stop()

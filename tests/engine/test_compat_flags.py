@@ -30,6 +30,13 @@ def test_a_triton_command_line_parses(tmp_path):
     assert settings.trace == TraceConfig(["OFF"], 100, -1, 0, "/tmp/trace.json", "triton")
     assert settings.response_cache_bytes == 0       # --response-cache-byte-size 0: no cache
     assert not settings.rate_limit and settings.rate_limit_resources == ["R1:10"]
+    # default-max-batch-size is read; the python backend's setting has no effect (a note)
+    assert settings.default_max_batch_size == 8
+    assert [n for n in a.compat_notes if n.startswith("--backend-config")] == [
+        "--backend-config is accepted for compatibility and has no effect: "
+        "python,shm-default-byte-size=1048576 (backend settings other than "
+        "default-max-batch-size are not read; each backend's settings are its model's config "
+        "parameters)"]
 
 
 def test_without_them_nothing_changes(tmp_path):
@@ -188,3 +195,10 @@ def test_rate_limit_flags(tmp_path):
 def test_bad_rate_limit_flags_stop_the_start(tmp_path, capsys, flags, says):
     err = refused(tmp_path, capsys, flags)
     assert says in err, err
+
+
+@pytest.mark.parametrize("value", ["default-max-batch-size=-1", "default-max-batch-size=x",
+                                   "onnxruntime,default-max-batch-size=2.5"])
+def test_a_bad_default_max_batch_size_stops_the_start(tmp_path, capsys, value):
+    assert "default-max-batch-size must be an integer >= 0" in \
+        refused(tmp_path, capsys, ["--backend-config", value])
