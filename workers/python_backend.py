@@ -109,30 +109,36 @@ class PythonBackend:
         (an iterative sequence model: one more step of their work) run again, in the next
         execution, which follows at once, until none is rescheduled."""
         pb_requests = self._pb_requests(requests)
-        out: list[WorkResponse | None] = [None] * len(requests)
-        pending = list(range(len(requests)))
-        while pending:
+        got, failed = self._execute_once(requests, pb_requests)
+        out = list(got)
+        pending = self._settle(range(len(requests)), got, failed, pb_requests, out)
+        while pending:          # only when the model rescheduled some
             for i in pending:
                 pb_requests[i]._release_flags = pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
             got, failed = self._execute_once([requests[i] for i in pending],
                                              [pb_requests[i] for i in pending])
-            again = []
-            for i, res in zip(pending, got):
-                # a failed execution, or a request whose sender is closed, is done, whatever
-                # flags the model set first
-                if not failed and not pb_requests[i]._sender_closed() and \
-                        pb_requests[i]._release_flags & \
-                        pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
-                    if self.iterative:
-                        again.append(i)
-                        continue
-                    res = WorkResponse(error=f"model '{self.spec.model_name}' rescheduled a "
-                                             f"request, which needs sequence_batching {{ "
-                                             f"iterative_sequence: true }} in its config",
-                                       code=ErrorCode.INTERNAL)
-                out[i] = res
-            pending = again
+            pending = self._settle(pending, got, failed, pb_requests, out)
         return out
+
+    def _settle(self, indexes, got: list, failed: bool, pb_requests: list,
+                out: list) -> list[int]:
+        """Put the answers of one execution in ``out``; returns the requests to run again.
+        A failed execution, or a request whose sender is closed, is done, whatever flags the
+        model set first."""
+        again = []
+        reschedule = pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
+        for i, res in zip(indexes, got):
+            pb = pb_requests[i]
+            if failed or not pb._release_flags & reschedule or pb._sender_closed():
+                out[i] = res
+            elif self.iterative:
+                again.append(i)
+            else:
+                out[i] = WorkResponse(error=f"model '{self.spec.model_name}' rescheduled a "
+                                            f"request, which needs sequence_batching {{ "
+                                            f"iterative_sequence: true }} in its config",
+                                      code=ErrorCode.INTERNAL)
+        return again
 
     def _pb_requests(self, requests: list[WorkRequest]) -> list:
         pb_requests = []

@@ -109,20 +109,24 @@ def server(tmp_path_factory):
     s.stop()
 
 
-def test_a_decoupled_request_streams_one_response_per_step(server):
-    answers: queue.Queue = queue.Queue()
+def stream(server, model: str, value: int, answers: int) -> list[tuple]:
+    """One request on a gRPC stream (no sequence id: each request is a sequence of its own);
+    its first ``answers`` (result, error) pairs."""
+    got: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
     x = grpcclient.InferInput("IN", [1], "INT32")
-    x.set_data_from_numpy(np.array([3], np.int32))
-    c.async_stream_infer("countdown", [x])         # no sequence id: each request is one
-    got = []
-    for _ in range(3):
-        result, error = answers.get(timeout=60)
-        assert error is None, error
-        got.append(int(result.as_numpy("OUT")[0]))
+    x.set_data_from_numpy(np.array([value], np.int32))
+    c.async_stream_infer(model, [x])
+    out = [got.get(timeout=60) for _ in range(answers)]
     c.stop_stream()
-    assert got == [2, 1, 0]
+    return out
+
+
+def test_a_decoupled_request_streams_one_response_per_step(server):
+    answers = stream(server, "countdown", 3, 3)
+    assert [e for _, e in answers] == [None] * 3
+    assert [int(r.as_numpy("OUT")[0]) for r, _ in answers] == [2, 1, 0]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -157,20 +161,8 @@ def test_without_iterative_sequence_a_rescheduled_request_fails(server):
 
 
 def test_a_request_that_fails_after_rescheduling_ends_with_its_error(server):
-    answers: queue.Queue = queue.Queue()
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.start_stream(callback=lambda result, error: answers.put((result, error)))
-    x = grpcclient.InferInput("IN", [1], "INT32")
-    x.set_data_from_numpy(np.array([3], np.int32))
-    c.async_stream_infer("failing", [x])
-    result, error = answers.get(timeout=60)
-    c.stop_stream()
+    ((result, error),) = stream(server, "failing", 3, 1)
     assert result is None and "failed after rescheduling" in str(error)
     # the worker is free again: another model's request on the server is answered
-    x2 = grpcclient.InferInput("IN", [1], "INT32")
-    x2.set_data_from_numpy(np.array([1], np.int32))
-    c.start_stream(callback=lambda result, error: answers.put((result, error)))
-    c.async_stream_infer("countdown", [x2])
-    result, error = answers.get(timeout=60)
-    c.stop_stream()
+    ((result, error),) = stream(server, "countdown", 1, 1)
     assert error is None and int(result.as_numpy("OUT")[0]) == 0
