@@ -80,7 +80,7 @@ class InstanceSupervisor:
         sid = self.spawn_counter
         spec = InstanceSpec(ver.name, ver.version, ver.path, ver.config_json, inst.name, inst.kind,
                             inst.device_id, ver.config.backend, ver.auto_complete,
-                            self.default_max_batch_size)
+                            self.default_max_batch_size, ver.instances.index(inst))
         inst.spawn_id = sid
         inst.state = InstanceState.STARTING
         inst.connected = False

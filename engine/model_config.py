@@ -14,7 +14,13 @@ BACKENDS = {
     "python": ("", "model.py"),
     "onnxruntime": ("onnxruntime_onnx", "model.onnx"),
     "tensorrt": ("tensorrt_plan", "model.plan"),
+    # Triton's test backends: a version directory, no model file
+    "identity": ("", ""),
+    "repeat": ("", ""),
+    "square": ("", ""),
 }
+# the backends that can serve a decoupled model (any number of responses per request)
+DECOUPLED_BACKENDS = ("python", "repeat", "square")
 PLATFORM_TO_BACKEND = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt"}
 
 
@@ -190,7 +196,7 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
             group.name = f"{name}_{i}"
         if group.kind == mc.ModelInstanceGroup.KIND_AUTO:
             # a TensorRT engine runs only on a GPU: without one its load fails with the reason
-            gpu = cfg.backend == "tensorrt" or (gpu_count and cfg.backend != "python")
+            gpu = cfg.backend == "tensorrt" or (gpu_count and cfg.backend == "onnxruntime")
             group.kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
         if group.kind == mc.ModelInstanceGroup.KIND_GPU and not group.gpus:
             group.gpus.extend(range(gpu_count))
@@ -204,10 +210,10 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         raise ConfigError(f"model '{name}': instance_group asks for {total} instances, more than "
                           f"the limit of {MAX_INSTANCES_PER_MODEL} (each is a process)")
     cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
-    if cfg.model_transaction_policy.decoupled and cfg.backend != "python":
+    if cfg.model_transaction_policy.decoupled and cfg.backend not in DECOUPLED_BACKENDS:
         raise ConfigError(f"model '{name}': the {cfg.backend} backend cannot serve a decoupled "
-                          f"model (model_transaction_policy {{ decoupled: true }}); the python "
-                          f"backend can")
+                          f"model (model_transaction_policy {{ decoupled: true }}); the "
+                          f"{', '.join(DECOUPLED_BACKENDS)} backends can")
     _check_response_cache(cfg)
     if not cfg.optimization.HasField("input_pinned_memory"):
         cfg.optimization.input_pinned_memory.enable = True

@@ -725,6 +725,7 @@ class InstanceSpec(msgspec.Struct):
     auto_complete: bool = False     # fill in the config from the model before loading it
     # what auto-complete gives a model that can batch (--backend-config default-max-batch-size)
     default_max_batch_size: int = 4
+    instance_index: int = 0     # among the version's instances (the identity backend's delays)
 
 
 class WorkerLabel(msgspec.Struct):

@@ -43,20 +43,33 @@ class Backend(Protocol):
     def finalize(self) -> None: ...
 
 
+# backends that answer through WorkRequest.emit (any number of responses, from any thread)
+SENDER_BACKENDS = frozenset({"python", "repeat", "square"})
+
+
 class BackendLoadError(Exception):
     pass
 
 
 def load_backend(spec: InstanceSpec,
                  poll_cancelled: Callable[[tuple[int, int]], bool] | None = None) -> Backend:
-    """``poll_cancelled(cancel_key)`` tells whether a running request's client has gone; only
-    the python backend can use it (``request.is_cancelled()``)."""
+    """``poll_cancelled(cancel_key)`` tells whether a running request's client has gone (the
+    python backend's ``request.is_cancelled()``, the square backend's stop)."""
     if spec.backend == "python":
         from .python_backend import PythonBackend
         return PythonBackend(spec, poll_cancelled)
     if spec.backend == "onnxruntime":
         from .onnx_backend import OnnxBackend
         return OnnxBackend(spec)
+    if spec.backend == "repeat":
+        from .stream_backends import RepeatBackend
+        return RepeatBackend(spec)
+    if spec.backend == "square":
+        from .stream_backends import SquareBackend
+        return SquareBackend(spec, poll_cancelled)
+    if spec.backend == "identity":
+        from .identity_backend import IdentityBackend
+        return IdentityBackend(spec)
     if spec.backend == "tensorrt":
         from .tensorrt_backend import TensorRTBackend
         return TensorRTBackend(spec)

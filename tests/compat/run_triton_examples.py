@@ -28,7 +28,6 @@ REPO = os.path.join(ROOT, "configs", "models")
 
 # Examples that need what shmserve does not have yet, and the issue that brings it.
 SKIP = {
-    "memory_growth_test.py": "Triton's C++ custom_identity_int32 backend",
     "simple_grpc_cudashm_client.py": "a GPU (issue 19)",
     "simple_http_cudashm_client.py": "a GPU (issue 19)",
 }
@@ -36,6 +35,9 @@ SKIP = {
 # many models the repository holds (the two QA repositories differ), so each gets a repository of
 # that many of configs/models.
 EXPLICIT = {"simple_http_model_control.py": 7, "simple_grpc_model_control.py": 8}
+# Examples that talk to localhost:8000 (HTTP) and 8001 (gRPC) and take no -u: a server of
+# their own on those ports, which nothing else may hold.
+FIXED_PORTS = ("memory_growth_test.py",)
 FIRST = ("simple", "simple_string", "simple_int8", "simple_identity", "identity_fp32",
          "identity_bytes", "mlp_onnx")
 
@@ -65,6 +67,8 @@ def _argvs(example: str, server: Server, image: str) -> list[list[str]]:
     if example == "ensemble_image_client.py":    # preprocess_inception_ensemble
         return [["-u", server.url, "-c", "3", image],
                 ["-i", "grpc", "-u", server.grpc_url, "-c", "3", image]]
+    if example == "memory_growth_test.py":      # custom_identity_int32 (the identity backend)
+        return [["-i", "http"], ["-i", "grpc"]]
     if example == "reuse_infer_objects_client.py":
         return [["-i", "http", "-u", server.url], ["-i", "grpc", "-u", server.grpc_url]]
     return [["-u", url]]
@@ -90,10 +94,15 @@ def main(examples_dir: str, image: str | None = None) -> int:
     image = _image(image)
     names = sorted(n for n in os.listdir(examples_dir) if n.endswith(".py"))
     results = {}
-    runs = [(REPO, (), [n for n in names if n not in SKIP and n not in EXPLICIT])]
+    runs = [(REPO, (), [n for n in names if n not in SKIP and n not in EXPLICIT
+                        and n not in FIXED_PORTS])]
+    runs += [(REPO, ("--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"),
+              [n for n in FIXED_PORTS if n in names])]
     runs += [(_repository_of(count), ("--model-control-mode=explicit", "--load-model=simple"),
               [name]) for name, count in EXPLICIT.items() if name in names]
     for repo, extra, todo in runs:
+        if not todo:
+            continue
         server = Server([repo], *extra)
         try:
             for name in todo:

@@ -1,0 +1,106 @@
+"""Models of Triton's repeat and square backends (its QA repositories' repeat_int32 and
+square_int32) streamed over gRPC with tritonclient, and one the repeat backend refuses."""
+import queue
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+from repo_builder import write_model
+from serverproc import Server, wait_for
+
+REPEAT = """
+    backend: "repeat"
+    max_batch_size: 0
+    model_transaction_policy { decoupled: true }
+    input [ { name: "IN", data_type: TYPE_INT32, dims: [ -1 ] },
+            { name: "DELAY", data_type: TYPE_UINT32, dims: [ -1 ] },
+            { name: "WAIT", data_type: TYPE_UINT32, dims: [ 1 ] } ]
+    output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] },
+             { name: "IDX", data_type: TYPE_UINT32, dims: [ 1 ] } ]
+"""
+SQUARE = """
+    backend: "square"
+    max_batch_size: 0
+    model_transaction_policy { decoupled: true }
+    input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
+NOT_DECOUPLED = SQUARE.replace("model_transaction_policy { decoupled: true }", "")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("streams"))
+    write_model(repo, "repeat_int32", REPEAT, None)
+    write_model(repo, "square_int32", SQUARE, None)
+    write_model(repo, "square_plain", NOT_DECOUPLED, None)
+    srv = Server(repo, "--strict-readiness", "false")
+    try:
+        wait_for(lambda: srv.model_ready("repeat_int32") and srv.model_ready("square_int32"),
+                 60, "the two stream models to load")
+        yield srv
+    finally:
+        assert srv.stop() == 0
+
+
+def _input(name, arr, dtype):
+    i = grpcclient.InferInput(name, list(arr.shape), dtype)
+    i.set_data_from_numpy(arr)
+    return i
+
+
+def _stream(server, model, inputs, request_id="1", final_error=False):
+    """The responses of one streamed request, up to its FINAL flag (or its error, which ends a
+    request that fails as a whole: tritonclient hands it over without the flag)."""
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    c.async_stream_infer(model, inputs, request_id=request_id,
+                         enable_empty_final_response=True)
+    out = []
+    while True:
+        result, error = got.get(timeout=30)
+        if error is not None:
+            out.append(error)
+            if final_error:
+                break
+            continue
+        final = result.get_response().parameters["triton_final_response"].bool_param
+        if final and not result.get_response().outputs:
+            break
+        out.append(result)
+    c.stop_stream()
+    return out
+
+
+def test_repeat_streams_its_input_element_by_element(server):
+    values = np.array([7, -1, 3], np.int32)
+    got = _stream(server, "repeat_int32", [
+        _input("IN", values, "INT32"), _input("DELAY", np.array([1, 2, 1], np.uint32), "UINT32"),
+        _input("WAIT", np.array([10], np.uint32), "UINT32")])
+    assert [(r.as_numpy("OUT").tolist(), r.as_numpy("IDX").tolist()) for r in got] == \
+        [([7], [0]), ([-1], [1]), ([3], [2])]
+
+
+def test_repeat_with_in_and_delay_of_different_lengths_is_one_error(server):
+    got = _stream(server, "repeat_int32", [
+        _input("IN", np.array([1, 2], np.int32), "INT32"),
+        _input("DELAY", np.array([1], np.uint32), "UINT32"),
+        _input("WAIT", np.array([0], np.uint32), "UINT32")], final_error=True)
+    assert len(got) == 1 and "expected IN and DELAY shape to match, got [2] and [1]" in str(got[0])
+
+
+def test_square_sends_in_responses(server):
+    got = _stream(server, "square_int32", [_input("IN", np.array([4], np.int32), "INT32")])
+    assert [r.as_numpy("OUT").tolist() for r in got] == [[4]] * 4
+
+
+def test_a_square_model_that_is_not_decoupled_fails_its_load(server):
+    def state():
+        idx = {e["name"]: e for e in
+               requests.post(f"{server.base}/v2/repository/index", timeout=10).json()}
+        return idx.get("square_plain", {}).get("state") == "UNAVAILABLE" and idx["square_plain"]
+    entry = wait_for(state, 60, "square_plain to fail its load")
+    assert "its model must be decoupled" in entry["reason"]
+    assert server.model_ready("square_int32")
