@@ -10,7 +10,7 @@ import numpy as np
 from shmserve.ipc import dtypes
 from shmserve.ipc.messages import ErrorCode
 
-from . import gpu, sequence
+from . import gpu, ort_options, sequence
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 from .gpu import DeviceTensor
 
@@ -26,14 +26,6 @@ _ORT_TYPES = {
 }
 
 
-def _param(cfg: dict, *names: str, default: str | None = None) -> str | None:
-    params = cfg.get("parameters") or {}
-    for n in names:
-        if n in params:
-            return params[n].get("string_value", default)
-    return default
-
-
 class OnnxBackend:
     def __init__(self, spec: InstanceSpec, io_binding: bool | None = None):
         """``io_binding`` (default: on for KIND_GPU): run through ``session.io_binding()``, which
@@ -45,20 +37,15 @@ class OnnxBackend:
         path = os.path.join(spec.model_dir, str(spec.version), self.cfg["default_model_filename"])
         if os.path.isdir(path):
             path = os.path.join(path, "model.onnx")
-        opts = ort.SessionOptions()
-        threads = _param(self.cfg, "intra_op_thread_count", "intra_op_num_threads", default="1")
-        inter = _param(self.cfg, "inter_op_thread_count", "inter_op_num_threads", default="1")
-        try:
-            opts.intra_op_num_threads = int(threads)
-            opts.inter_op_num_threads = int(inter)
-        except ValueError:
-            raise BackendLoadError(f"parameter intra_op_thread_count must be an integer, got "
-                                   f"'{threads}'") from None
+        opts = ort_options.session_options(ort, self.cfg)
+        self.run_opts = ort_options.run_options(ort, self.cfg)
         self.device = ("cuda", spec.device_id) if spec.kind == "GPU" else ("cpu", 0)
         if spec.kind == "GPU":
-            providers = _cuda_providers(ort, spec)
+            _require_cuda(ort, spec)
+            providers = ort_options.gpu_providers(self.cfg, spec.device_id,
+                                                  ort.get_available_providers())
         else:
-            providers = ["CPUExecutionProvider"]
+            providers = ort_options.cpu_providers(self.cfg, ort.get_available_providers())
         try:
             self.session = ort.InferenceSession(path, sess_options=opts, providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types
@@ -169,7 +156,7 @@ class OnnxBackend:
         step reads them on the GPU) as DeviceTensors where onnxruntime put them, when I/O
         binding is on."""
         if not self.io_binding:
-            return self.session.run(self.output_names, feeds)
+            return self.session.run(self.output_names, feeds, self.run_opts)
         # I/O binding: host arrays are bound where they are (onnxruntime copies them to the
         # device once), device tensors where they are (no trip through the host); outputs come
         # back to host memory, where the worker sends them from, except those ``device`` names
@@ -193,7 +180,7 @@ class OnnxBackend:
                 binding.bind_output(name, self.device[0], self.device[1])
             else:
                 binding.bind_output(name, "cpu")
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self.run_opts)
         if not device:
             return binding.copy_outputs_to_cpu()
         return [self._on_device(name, value) if name in device else value.numpy()
@@ -237,9 +224,9 @@ class OnnxBackend:
         self.session = None
 
 
-def _cuda_providers(ort, spec: InstanceSpec) -> list:
-    """The CUDA execution provider on the instance's GPU, or the load error that says why not:
-    no GPU, or an onnxruntime without CUDA. Never a silent CPU fallback."""
+def _require_cuda(ort, spec: InstanceSpec) -> None:
+    """The CUDA execution provider can run on the instance's GPU, or the load error that says
+    why not: no GPU, or an onnxruntime without CUDA. Never a silent CPU fallback."""
     who = f"instance '{spec.instance_name}'"
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         count, why = gpu.device_count()
@@ -256,7 +243,6 @@ def _cuda_providers(ort, spec: InstanceSpec) -> list:
             preload()
         except Exception:       # the session's own error says more
             pass
-    return [("CUDAExecutionProvider", {"device_id": spec.device_id}), "CPUExecutionProvider"]
 
 
 def _gather(parts: list, device: tuple[str, int]) -> DeviceTensor:
