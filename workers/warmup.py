@@ -3,12 +3,17 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 
 from shmserve.ipc import dtypes
 
 from .backend import BackendLoadError, WorkRequest
+
+# how long a warm-up request answered through its response sender (a decoupled model's) may
+# take to send its FINAL flag
+STREAM_WAIT_S = 120.0
 
 
 def _tensor(spec: dict, shape: list[int], model_dir: str, name: str, rng) -> tuple[np.ndarray, str]:
@@ -61,9 +66,29 @@ def run_warmup(backend, config_json: str, model_dir: str) -> None:
                 shape = [batch] + shape
             inputs[input_name], types[input_name] = _tensor(spec, shape, model_dir, input_name, rng)
         for _ in range(max(1, int(w.get("count", 1)))):
-            try:
-                responses = backend.execute([WorkRequest(inputs, types, [])])
-            except Exception as e:
-                raise BackendLoadError(f"warmup '{name}' failed: {type(e).__name__}: {e}") from None
-            if responses and responses[0].error:
-                raise BackendLoadError(f"warmup '{name}' failed: {responses[0].error}")
+            _warm_once(backend, name, inputs, types)
+
+
+def _warm_once(backend, name: str, inputs: dict, types: dict) -> None:
+    """One warm-up request; its answers are dropped, an error fails the load. A model that
+    answers through the response sender (decoupled) is waited for until its FINAL flag."""
+    ended, errors = threading.Event(), []
+
+    def emit(resp, final: bool) -> None:
+        if resp is not None and resp.error:
+            errors.append(resp.error)
+        if final:
+            ended.set()
+    try:
+        responses = backend.execute([WorkRequest(inputs, types, [], emit=emit)])
+    except Exception as e:
+        raise BackendLoadError(f"warmup '{name}' failed: {type(e).__name__}: {e}") from None
+    first = responses[0] if responses else None
+    if first is None:
+        if not ended.wait(STREAM_WAIT_S):
+            raise BackendLoadError(f"warmup '{name}' failed: the model sent no FINAL flag within "
+                                   f"{STREAM_WAIT_S:g} s")
+        if errors:
+            raise BackendLoadError(f"warmup '{name}' failed: {errors[0]}")
+    elif first.error:
+        raise BackendLoadError(f"warmup '{name}' failed: {first.error}")

@@ -7,6 +7,7 @@ import pytest
 
 from shmserve.ipc.messages import ErrorCode, InstanceSpec
 from shmserve.workers.backend import BackendLoadError, WorkRequest, load_backend
+from shmserve.workers.warmup import run_warmup
 
 
 def _io(name, dtype, dims):
@@ -119,3 +120,54 @@ def test_square_stops_once_its_client_has_left():
     cancelled.add((1, 7))
     got = stream.responses()
     assert len(got) < 100000 and all(r.outputs[0][2].tolist() == [100000] for r in got)
+
+
+def _warmup(value):
+    return [{"name": "w", "inputs": {"IN": {"data_type": "TYPE_INT32", "dims": [1],
+                                            "input_data_file": "in.bin"}}}], value
+
+
+@pytest.mark.parametrize("fail,error", [("0", None), ("1", "warmup 'w' failed: simulated failure")])
+def test_warmup_of_a_decoupled_model_waits_for_its_final_flag(tmp_path, fail, error):
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "in.bin").write_bytes(np.array([3], np.int32).tobytes())
+    spec = _spec("square", SQUARE_IN, SQUARE_OUT,
+                 parameters={"CUSTOM_FAIL_COUNT": {"string_value": fail}})
+    cfg = json.loads(spec.config_json)
+    cfg["model_warmup"] = _warmup(3)[0]
+    backend = load_backend(spec)
+    if error is None:
+        run_warmup(backend, json.dumps(cfg), str(tmp_path))
+    else:
+        with pytest.raises(BackendLoadError, match=error):
+            run_warmup(backend, json.dumps(cfg), str(tmp_path))
+
+
+PY_DECOUPLED = '''
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for r in requests:
+            n = int(pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()[0])
+            sender = r.get_response_sender()
+            for _ in range(n):
+                sender.send(pb_utils.InferenceResponse([pb_utils.Tensor(
+                    "OUT", np.array([n], np.int32))]))
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+'''
+
+
+def test_warmup_of_a_decoupled_python_model(tmp_path):
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "model.py").write_text(PY_DECOUPLED)
+    (tmp_path / "warmup").mkdir()
+    (tmp_path / "warmup" / "in.bin").write_bytes(np.array([2], np.int32).tobytes())
+    cfg = json.loads(_spec("python", SQUARE_IN, SQUARE_OUT).config_json)
+    cfg["model_warmup"] = _warmup(2)[0]
+    spec = InstanceSpec("m", 1, str(tmp_path), json.dumps(cfg), "m_0", "CPU", 0, "python")
+    backend = load_backend(spec)
+    run_warmup(backend, json.dumps(cfg), str(tmp_path))
+    backend.finalize()
