@@ -104,3 +104,31 @@ def test_a_square_model_that_is_not_decoupled_fails_its_load(server):
     entry = wait_for(state, 60, "square_plain to fail its load")
     assert "its model must be decoupled" in entry["reason"]
     assert server.model_ready("square_int32")
+
+
+def test_unload_lets_a_running_stream_finish(tmp_path):
+    """Triton's rule for a model unloaded while a request runs: the request finishes first. A
+    repeat model's responses come from a thread after execute() returned; the unload waits for
+    them (finalize joins the threads) and only then is the model gone."""
+    write_model(str(tmp_path), "repeat_int32", REPEAT, None)
+    srv = Server(str(tmp_path), "--model-control-mode", "explicit", "--load-model",
+                 "repeat_int32")
+    try:
+        got: queue.Queue = queue.Queue()
+        c = grpcclient.InferenceServerClient(srv.grpc_url)
+        c.start_stream(callback=lambda result, error: got.put((result, error)))
+        c.async_stream_infer("repeat_int32", [
+            _input("IN", np.array([1, 2, 3], np.int32), "INT32"),
+            _input("DELAY", np.array([0, 300, 300], np.uint32), "UINT32"),
+            _input("WAIT", np.array([0], np.uint32), "UINT32")], enable_empty_final_response=True)
+        first, error = got.get(timeout=30)
+        assert error is None and first.as_numpy("OUT").tolist() == [1]
+        grpcclient.InferenceServerClient(srv.grpc_url).unload_model("repeat_int32")
+        rest = [got.get(timeout=30) for _ in range(3)]
+        assert all(e is None for _, e in rest)
+        assert [r.as_numpy("OUT").tolist() for r, _ in rest[:2]] == [[2], [3]]
+        assert rest[2][0].get_response().parameters["triton_final_response"].bool_param
+        c.stop_stream()
+        wait_for(lambda: not srv.model_ready("repeat_int32"), 30, "the model to unload")
+    finally:
+        assert srv.stop() == 0
