@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from shmserve.ipc import dtypes
+from shmserve.ipc.dtypes import shape_text
 from shmserve.ipc.messages import Tensor
 
 from .catalog import ModelView
@@ -21,10 +22,6 @@ def request_tag(request_id: str) -> str:
     return f"[request id: {request_id or '<id_unknown>'}] "
 
 
-def _dims(dims) -> str:
-    return "[" + ",".join(str(d) for d in dims) + "]"
-
-
 def check_shape(model: ModelView, name: str, dims: list[int], shape: list[int],
                 full_shape: list[int] | None = None, request_id: str = "") -> None:
     """``shape`` without the batch dim is checked; ``full_shape`` (with it) is what the error shows."""
@@ -33,8 +30,8 @@ def check_shape(model: ModelView, name: str, dims: list[int], shape: list[int],
         lead = [-1] if model.max_batch_size > 0 else []
         note = BATCH_DIM_NOTE if lead else ""
         raise invalid(f"{request_tag(request_id)}unexpected shape for input '{name}' for model "
-                      f"'{model.name}'. Expected {_dims(lead + dims)}, got "
-                      f"{_dims(shape if full_shape is None else full_shape)}. {note}")
+                      f"'{model.name}'. Expected {shape_text(lead + dims)}, got "
+                      f"{shape_text(shape if full_shape is None else full_shape)}. {note}")
 
 
 def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = "") -> int:

@@ -53,6 +53,11 @@ def numpy_to_wire(dtype: np.dtype) -> str | None:
     return _NUMPY_TO_WIRE.get(dtype)
 
 
+def shape_text(shape) -> str:
+    """A shape as Triton's messages print it: ``[2,-1,3]``."""
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
 def element_count(shape) -> int:
     n = 1
     for d in shape:

@@ -37,18 +37,26 @@ class WorkResponse:
 
 
 class Backend(Protocol):
+    # Optional class attributes the worker reads after load: ``device_inputs`` (it binds inputs
+    # already in GPU memory) and ``emits`` (it answers through WorkRequest.emit, so the worker
+    # keeps each request's stream open until its FINAL flag).
     # None for a request answered through its response sender (now or later)
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]: ...
 
     def finalize(self) -> None: ...
 
 
-# backends that answer through WorkRequest.emit (any number of responses, from any thread)
-SENDER_BACKENDS = frozenset({"python", "repeat", "square"})
-
-
 class BackendLoadError(Exception):
     pass
+
+
+def config_param(cfg: dict, *names: str, default: str | None = None) -> str | None:
+    """The ``string_value`` of the first of ``names`` the config's ``parameters`` has."""
+    params = cfg.get("parameters") or {}
+    for n in names:
+        if n in params:
+            return params[n].get("string_value", default)
+    return default
 
 
 def load_backend(spec: InstanceSpec,

@@ -18,7 +18,6 @@ answer here as they do there:
 from __future__ import annotations
 
 import json
-import re
 import time
 
 import numpy as np
@@ -27,16 +26,15 @@ from shmserve.ipc import dtypes
 from shmserve.ipc.messages import ErrorCode
 
 from . import pb_metrics
-from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse, config_param
 
 # the response parameters every answer of Triton's identity backend carries
 RESPONSE_PARAMETERS = {"param0": "an example string parameter", "param1": 42, "param2": False,
                        "param3": 123.123}
-_INDEX = re.compile(r"\d+\Z")
 
 
 def _int_param(cfg: dict, name: str) -> int:
-    value = ((cfg.get("parameters") or {}).get(name) or {}).get("string_value")
+    value = config_param(cfg, name)
     if value is None:
         return 0
     try:
@@ -49,10 +47,6 @@ def _shape(tensor: dict) -> list[int]:
     reshape = tensor.get("reshape")
     dims = reshape.get("shape", []) if reshape is not None else tensor.get("dims", [])
     return [int(d) for d in dims]
-
-
-def _shape_text(shape: list[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 def _pairs(cfg: dict) -> dict[str, tuple[str, list[int], bool]]:
@@ -81,7 +75,7 @@ def _pairs(cfg: dict) -> dict[str, tuple[str, list[int], bool]]:
                                    f"and {otype}")
         if ishape != oshape:
             raise BackendLoadError(f"expected input and output shape to match, got "
-                                   f"{_shape_text(ishape)} and {_shape_text(oshape)}")
+                                   f"{dtypes.shape_text(ishape)} and {dtypes.shape_text(oshape)}")
     return {index: (dtypes.CONFIG_TO_WIRE.get(t, t[5:]), shape, optional)
             for index, (t, shape, optional) in ins.items()}
 
@@ -117,12 +111,10 @@ class IdentityBackend:
         batch = first.shape[0] if self.batching and first is not None and first.ndim else 0
         outputs = []
         copied = 0
+        # requested outputs are config outputs (the frontend checked), so OUTPUT<i> with a pair
         for name in r.requested_outputs or self.output_names:
             index = name[6:]
-            pair = self.pairs.get(index) if name.startswith("OUTPUT") and _INDEX.match(index) \
-                else None
-            if pair is None:
-                return _missing(index)
+            pair = self.pairs[index]
             arr = r.inputs.get(f"INPUT{index}")
             if arr is not None:
                 outputs.append((name, r.datatypes[f"INPUT{index}"], arr))

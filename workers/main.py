@@ -60,7 +60,7 @@ from shmserve.ipc.proc import (
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequence, tensors, warmup
-from .backend import SENDER_BACKENDS, WorkRequest, load_backend
+from .backend import WorkRequest, load_backend
 from .device_arena import DeviceArena
 from .device_arena import to_host as device_to_host
 from .gpu import CudaError, DeviceTensor
@@ -121,7 +121,7 @@ class Worker:
         self.bls_lock = threading.Lock()
         pb_utils._bls = self.bls_client
         pb_utils._control = self.model_control     # load_model / unload_model / is_model_ready
-        self.senders = args.spec.backend in SENDER_BACKENDS
+        self.senders = False    # the backend answers through WorkRequest.emit: set by load()
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
         # longer running needs nothing
@@ -193,6 +193,7 @@ class Worker:
                     self.spec.version, self.spec.default_max_batch_size)
             self.backend = load_backend(self.spec, self.poll_cancelled)
             self.device_inputs = bool(getattr(self.backend, "device_inputs", False))
+            self.senders = bool(getattr(self.backend, "emits", False))
             self.use_config(self.spec.config_json)
             config = json.loads(self.spec.config_json)
             self.labels = classification.read_labels(config, self.spec.model_dir)

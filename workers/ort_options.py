@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from .backend import BackendLoadError
+from .backend import config_param as param
 
 GRAPH_LEVELS = {-1: "ORT_ENABLE_BASIC", 1: "ORT_ENABLE_EXTENDED", 2: "ORT_DISABLE_ALL"}
 _TRUE, _FALSE = ("true", "1", "on", "yes"), ("false", "0", "off", "no")
@@ -36,14 +37,6 @@ _PRECISION = {"FP16": "trt_fp16_enable", "BF16": "trt_bf16_enable", "INT8": "trt
 # model-level parameters Triton still passes to the CUDA provider (its deprecated form)
 _CUDA_LEGACY = ("cudnn_conv_algo_search", "gpu_mem_limit", "arena_extend_strategy",
                 "do_copy_in_default_stream")
-
-
-def param(cfg: dict, *names: str, default: str | None = None) -> str | None:
-    params = cfg.get("parameters") or {}
-    for n in names:
-        if n in params:
-            return params[n].get("string_value", default)
-    return default
 
 
 def _bool(value: str, what: str) -> bool:

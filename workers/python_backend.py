@@ -52,6 +52,7 @@ def gpu_inputs(cfg: dict) -> bool:
 
 class PythonBackend:
     device_inputs = False   # set per model: gpu_inputs()
+    emits = True            # request.get_response_sender() answers through WorkRequest.emit
 
     def __init__(self, spec: InstanceSpec, poll_cancelled=None):
         self.spec = spec

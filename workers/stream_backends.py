@@ -24,15 +24,12 @@ from typing import Callable
 
 import numpy as np
 
+from shmserve.ipc.dtypes import shape_text
 from shmserve.ipc.messages import ErrorCode
 
-from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
+from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse, config_param
 
 JOIN_S = 30.0       # how long finalize() waits for the threads still answering
-
-
-def _shape_text(shape) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
 
 
 class _Checks:
@@ -66,7 +63,7 @@ class _Checks:
     def shape_is_one(self, t: dict) -> None:
         if self.dims(t) != [1]:
             raise BackendLoadError(f"expected {t['name']} shape to be [1], got "
-                                   f"{_shape_text(self.dims(t))}")
+                                   f"{shape_text(self.dims(t))}")
 
     @staticmethod
     def datatype(t: dict, wire: str) -> None:
@@ -103,6 +100,8 @@ class _Threads:
 
 
 class RepeatBackend:
+    emits = True        # answers through WorkRequest.emit, from a thread of its own
+
     def __init__(self, spec: InstanceSpec):
         cfg = json.loads(spec.config_json)
         if int(cfg.get("max_batch_size") or 0) != 0:
@@ -111,10 +110,10 @@ class RepeatBackend:
         (i, d, w), (o, x) = c.ins, c.outs
         if len(c.dims(i)) != 1:
             raise BackendLoadError(f"expected IN shape to have one dimension, got "
-                                   f"{_shape_text(c.dims(i))}")
+                                   f"{shape_text(c.dims(i))}")
         if c.dims(i) != c.dims(d):
             raise BackendLoadError(f"expected IN and DELAY shape to match, got "
-                                   f"{_shape_text(c.dims(i))} and {_shape_text(c.dims(d))}")
+                                   f"{shape_text(c.dims(i))} and {shape_text(c.dims(d))}")
         for t in (w, o, x):
             c.shape_is_one(t)
         for t, wire in ((i, "INT32"), (d, "UINT32"), (w, "UINT32"), (o, "INT32"), (x, "UINT32")):
@@ -129,8 +128,8 @@ class RepeatBackend:
             values, delays = r.inputs["IN"], r.inputs["DELAY"]
             if values.shape != delays.shape:
                 out.append(WorkResponse(error=f"expected IN and DELAY shape to match, got "
-                                              f"{_shape_text(values.shape)} and "
-                                              f"{_shape_text(delays.shape)}",
+                                              f"{shape_text(values.shape)} and "
+                                              f"{shape_text(delays.shape)}",
                                         code=ErrorCode.INVALID_ARG))
                 continue
             wait_ms = int(r.inputs["WAIT"].reshape(-1)[0])
@@ -156,6 +155,8 @@ class RepeatBackend:
 
 
 class SquareBackend:
+    emits = True
+
     def __init__(self, spec: InstanceSpec,
                  poll_cancelled: Callable[[tuple[int, int]], bool] | None = None):
         cfg = json.loads(spec.config_json)
@@ -166,10 +167,8 @@ class SquareBackend:
         for t in (i, o):
             c.datatype(t, "INT32")
         c.require_decoupled()
-        params = cfg.get("parameters") or {}
-
         def number(key: str) -> int:
-            value = (params.get(key) or {}).get("string_value", "")
+            value = config_param(cfg, key, default="") or ""
             return int(value) if value.isdigit() else 0     # Triton ignores what is not a number
         self.infer_s = number("CUSTOM_INFER_DELAY_NS") / 1e9
         self.output_s = number("CUSTOM_OUTPUT_DELAY_NS") / 1e9
