@@ -298,9 +298,10 @@ class TraceCore:
 
     def _check_file(self, cfg: TraceConfig) -> None:
         if cfg.level != ["OFF"] and not self.glob.file:
-            raise invalid("tracing needs a trace file: start the server with "
-                          "--trace-config triton,file=<path> (the file cannot be set over "
-                          "the network)")
+            # Triton's text (clients match it), then how to give the file
+            raise invalid("Attempting to set invalid trace setting :trace file name is not "
+                          "given (start the server with --trace-config triton,file=<path>; "
+                          "the file cannot be set over the network)")
 
     def _refresh(self) -> None:
         self.active = self.glob.level != ["OFF"] or any(
