@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frontend processes serving the HTTP and gRPC ports together "
                         "(SO_REUSEPORT: the kernel spreads connections over them); auto: 1 on "
                         "a machine with up to 4 CPUs, else a quarter of the CPUs, at most 8")
+    p.add_argument("--frontend-priority", default=D["frontend_priority"], type=str.lower,
+                   choices=["auto", "normal", "realtime"],
+                   help="auto: a frontend's event loop runs at the lowest real-time priority "
+                        "(SCHED_FIFO 1) while it holds 8 or more requests on average, so that "
+                        "the clients and workers it wakes do not take its CPU mid-burst; "
+                        "normal: never; realtime: always. Needs CAP_SYS_NICE or an "
+                        "RLIMIT_RTPRIO; without, the frontend stays at normal priority")
     p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
                    help="lend an idle instance of a model without dynamic batching to the "
                         "frontend that uses it, which then sends it requests directly (one hop "
@@ -298,7 +305,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         execution_timeout_secs=a.execution_timeout_secs,
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
-        frontends=a.frontends, cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
+        frontends=a.frontends, frontend_priority=a.frontend_priority,
+        cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
         grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a),
         response_cache_bytes=compat_flags.cache_bytes(parser, a),
         grpc_tls=compat_flags.grpc_tls(parser, a))

@@ -25,6 +25,7 @@ from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
 from .model_upload import ModelUploads
+from .priority import PriorityGovernor, PriorityMode, PriorityShell
 from .request import RequestLimits
 from .response_cache import ResponseCache
 from .service import FrontendService
@@ -50,6 +51,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
                           settings.request_deadline_secs)
+    priority = PriorityShell(loop, PriorityGovernor(PriorityMode(settings.frontend_priority)),
+                             lambda: len(client.pending))
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
     shm_timer = _ShmTimer(loop, arena, maps)
@@ -133,6 +136,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     finally:
         tracer.flush()          # log_frequency 0: every trace is written now, at the stop
         shm_timer.cancel()
+        priority.close()
         client.close()
         arena.close()
         maps.close()

@@ -684,6 +684,7 @@ class ServerSettings(msgspec.Struct):
     instance_leases: bool = True           # lend idle instances to frontends (engine/leases.py)
     worker_start: str = "fork"             # fork (from the fork server, engine/forkserver.py) | spawn
     frontends: int = 1                     # frontend processes sharing the ports (SO_REUSEPORT)
+    frontend_priority: str = "auto"        # auto | normal | realtime (frontend/priority.py)
     log_verbose: int = 0
     log_info: bool = True
     log_warning: bool = True
