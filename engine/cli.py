@@ -57,11 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "a machine with up to 4 CPUs, else a quarter of the CPUs, at most 8")
     p.add_argument("--frontend-priority", default=D["frontend_priority"], type=str.lower,
                    choices=["auto", "normal", "realtime"],
-                   help="auto: a frontend's event loop runs at the lowest real-time priority "
-                        "(SCHED_FIFO 1) while it holds 8 or more requests on average, so that "
-                        "the clients and workers it wakes do not take its CPU mid-burst; "
-                        "normal: never; realtime: always. Needs CAP_SYS_NICE or an "
-                        "RLIMIT_RTPRIO; without, the frontend stays at normal priority")
+                   help="auto: a frontend's event loop writes each wake-up's answers at the "
+                        "lowest real-time priority (SCHED_FIFO 1) while it holds 8 or more "
+                        "requests, so that the clients it wakes do not take its CPU before it "
+                        "has written them all; normal: never; realtime: always. Needs "
+                        "CAP_SYS_NICE or an RLIMIT_RTPRIO; without, the frontend stays at "
+                        "normal priority")
     p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
                    help="lend an idle instance of a model without dynamic batching to the "
                         "frontend that uses it, which then sends it requests directly (one hop "

@@ -63,6 +63,7 @@ from shmserve.ipc.messages import encode as encode_message
 
 from .catalog import ModelCatalog
 from .deadlines import Deadlines
+from .priority import DrainPriority
 from .request import PreparedRequest
 
 log = logging.getLogger("shmserve.frontend")
@@ -94,8 +95,10 @@ SWEEP_S = 0.5
 
 class EngineClient:
     def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop,
-                 max_inflight: int = 0, request_deadline_secs: float = 3600.0):
+                 max_inflight: int = 0, request_deadline_secs: float = 3600.0,
+                 priority: DrainPriority | None = None):
         self.max_inflight = max_inflight
+        self.priority = priority
         self.deadlines = Deadlines(request_deadline_secs)
         self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
@@ -543,6 +546,17 @@ class EngineClient:
             self.queries.pop(qid, None)
 
     def _drain(self) -> None:
+        # answers of one wake-up are written before the clients they wake may run
+        # (frontend/priority.py)
+        if self.priority is not None and self.priority.raise_for(len(self.pending)):
+            try:
+                self._take_all()
+            finally:
+                self.priority.lower()
+        else:
+            self._take_all()
+
+    def _take_all(self) -> None:
         inbox, handlers = self.inbox, self.handlers
         look = True
         while True:

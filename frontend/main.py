@@ -25,7 +25,7 @@ from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
 from .model_upload import ModelUploads
-from .priority import PriorityGovernor, PriorityMode, PriorityShell
+from .priority import DrainPriority, PriorityMode
 from .request import RequestLimits
 from .response_cache import ResponseCache
 from .service import FrontendService
@@ -49,10 +49,9 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    priority = DrainPriority(PriorityMode(settings.frontend_priority))
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
-                          settings.request_deadline_secs)
-    priority = PriorityShell(loop, PriorityGovernor(PriorityMode(settings.frontend_priority)),
-                             lambda: len(client.pending))
+                          settings.request_deadline_secs, priority)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
     shm_timer = _ShmTimer(loop, arena, maps)

@@ -1,39 +1,33 @@
-"""The frontend's CPU priority under load (--frontend-priority).
+"""The frontend's CPU priority while it hands out answers under load (--frontend-priority).
 
 The frontend is the one serial stage of a request's path: one event-loop thread reads every
 request and writes every answer. On a machine whose CPUs are all busy, each answer it writes
-wakes the client, and each request it forwards wakes a worker; the woken thread then takes the
-CPU from the frontend, which waits with its other answers in hand (docs/performance.md, seventh
-and eighth rounds: at concurrency 32 it waited for a CPU a third of the time while a CPU sat
-idle). Run at the lowest real-time priority (SCHED_FIFO 1), the frontend finishes its turn of
-the loop before the threads it woke run, so a burst leaves it in one go.
+wakes a client thread, which then takes the CPU from the frontend while it still holds the
+other answers of the same wake-up (docs/performance.md, seventh and eighth rounds: at
+concurrency 32 it waited for a CPU a third of the time while a CPU sat idle). Raised to the
+lowest real-time priority (SCHED_FIFO 1) for the length of one drain of its inbox, it writes
+them all before the threads it woke run.
 
-That pays only when the frontend holds many requests: with a few in flight, preempting the
-worker or the client costs more than it saves (4 MiB requests at concurrency 4 lost a fifth of
-their throughput). So ``auto`` turns it on while the frontend holds, on average over the last
-ten ticks, ENTER_INFLIGHT requests or more, and off again below LEAVE_INFLIGHT.
+Only around the drain, and only while it holds THRESHOLD requests or more: kept raised all the
+time, it also stops the clients it wakes from sending their next requests in one go, and with
+one thread per client (perf_analyzer's sync mode, 32 threads) that cost 6% of throughput where
+raising it per drain gained 7%; with a few requests in flight (4 MiB at concurrency 4) any
+preemption of the worker costs more than it saves.
 
-The governor is pure (fed counts, says when to change); the shell owns the timer and the
-system call, and gives up quietly where the process may not raise its priority (no
-CAP_SYS_NICE and no RLIMIT_RTPRIO).
+``DrainPriority`` decides and counts; the system call is injected, so tests drive it without
+changing their own priority. Where the process may not raise itself (no CAP_SYS_NICE, no
+RLIMIT_RTPRIO) it says so once and stays normal.
 """
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 import os
-from collections import deque
 from typing import Callable
 
 log = logging.getLogger("shmserve.frontend")
 
-ENTER_INFLIGHT = 8.0      # mean requests held over the window to turn real-time on
-LEAVE_INFLIGHT = 4.0      # ... and below which it goes back to normal
-WINDOW = 10               # ticks the mean is taken over
-TICK_S = 0.01             # while requests are held (the window is then 100 ms)
-IDLE_TICK_S = 0.1         # while at most one is and the thread is at normal priority
-BUSY_INFLIGHT = 2
+THRESHOLD = 8             # requests held for a drain to run raised
 RT_PRIORITY = 1           # the lowest SCHED_FIFO priority: above every normal thread, only
 
 
@@ -43,48 +37,14 @@ class Priority(enum.Enum):
 
 
 class PriorityMode(enum.Enum):
-    AUTO = "auto"
-    NORMAL = "normal"
-    REALTIME = "realtime"
-
-
-class PriorityGovernor:
-    """Decides the frontend thread's priority from the number of requests it holds."""
-
-    def __init__(self, mode: PriorityMode, enter: float = ENTER_INFLIGHT,
-                 leave: float = LEAVE_INFLIGHT, window: int = WINDOW):
-        if not 0 <= leave <= enter:
-            raise ValueError(f"need 0 <= leave ({leave}) <= enter ({enter})")
-        self.mode = mode
-        self.enter, self.leave = enter, leave
-        self.current = Priority.NORMAL
-        self.samples: deque[int] = deque(maxlen=window)
-
-    def sample(self, inflight: int) -> Priority | None:
-        """One tick: the priority to change to, or None to stay."""
-        if self.mode is PriorityMode.NORMAL:
-            return None
-        if self.mode is PriorityMode.REALTIME:
-            want = Priority.REALTIME
-        else:
-            self.samples.append(inflight)
-            if len(self.samples) < (self.samples.maxlen or 1):
-                return None
-            mean = sum(self.samples) / len(self.samples)
-            want = self.current
-            if self.current is Priority.NORMAL and mean >= self.enter:
-                want = Priority.REALTIME
-            elif self.current is Priority.REALTIME and mean < self.leave:
-                want = Priority.NORMAL
-        if want is self.current:
-            return None
-        self.current = want
-        return want
+    AUTO = "auto"             # raised for each drain while THRESHOLD or more are held
+    NORMAL = "normal"         # never
+    REALTIME = "realtime"     # always, from the start
 
 
 def set_thread_priority(priority: Priority) -> None:
     """Set the calling thread's scheduling class (Linux: pid 0 is the calling thread). Reset on
-    fork, so that nothing the frontend starts inherits it."""
+    fork, so that no thread or process the frontend starts inherits it."""
     if priority is Priority.REALTIME:
         os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK,
                               os.sched_param(RT_PRIORITY))
@@ -92,50 +52,45 @@ def set_thread_priority(priority: Priority) -> None:
         os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
 
 
-class PriorityShell:
-    """Ticks the governor on the event loop and applies its changes to the loop's thread."""
+class DrainPriority:
+    """Raises the loop's thread around a drain of answers when enough requests are held."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, governor: PriorityGovernor,
-                 inflight: Callable[[], int],
+    def __init__(self, mode: PriorityMode, threshold: int = THRESHOLD,
                  apply: Callable[[Priority], None] = set_thread_priority):
-        self.loop, self.governor, self.inflight, self.apply = loop, governor, inflight, apply
-        self.changes = 0
-        self.handle: asyncio.TimerHandle | None = None
-        if governor.mode is not PriorityMode.NORMAL:
-            self.handle = loop.call_soon(self.tick)
+        self.mode, self.threshold, self.apply = mode, threshold, apply
+        self.raised_drains = 0
+        self.always = False
+        if mode is PriorityMode.REALTIME:
+            self.always = self._set(Priority.REALTIME)
 
-    def tick(self) -> None:
-        n = self.inflight()
-        change = self.governor.sample(n)
-        if change is not None and not self._apply(change):
-            return      # not allowed: stop ticking, the thread stays as it is
-        if self.governor.mode is PriorityMode.REALTIME:
-            self.handle = None      # set once, nothing to watch
-            return
-        # one request at a time cannot make it real-time: tick rarely then, for a timer that
-        # fires while the loop waits is one more wake-up on the path of that request
-        busy = n >= BUSY_INFLIGHT or self.governor.current is Priority.REALTIME
-        self.handle = self.loop.call_later(TICK_S if busy else IDLE_TICK_S, self.tick)
+    def raise_for(self, held: int) -> bool:
+        """Before a drain: True if the thread was raised (call ``lower`` after it)."""
+        if self.mode is not PriorityMode.AUTO or held < self.threshold:
+            return False
+        if not self._set(Priority.REALTIME):
+            return False
+        if not self.raised_drains:
+            log.info("the frontend answers at real-time priority while %d or more requests "
+                     "are held (--frontend-priority auto)", self.threshold)
+        self.raised_drains += 1
+        return True
 
-    def _apply(self, priority: Priority) -> bool:
+    def lower(self) -> None:
+        self._set(Priority.NORMAL)
+
+    def close(self) -> None:
+        if self.always:
+            self.always = False
+            self._set(Priority.NORMAL)
+
+    def _set(self, priority: Priority) -> bool:
         try:
             self.apply(priority)
         except OSError as e:
-            level = logging.WARNING if self.governor.mode is PriorityMode.REALTIME else logging.INFO
+            level = logging.WARNING if self.mode is PriorityMode.REALTIME else logging.INFO
             log.log(level, "the frontend stays at normal priority: it may not use real-time "
                     "scheduling here (%s; needs CAP_SYS_NICE or an RLIMIT_RTPRIO of 1 or more)",
                     e.strerror or e)
-            self.governor.current = Priority.NORMAL
-            self.handle = None
+            self.mode = PriorityMode.NORMAL
             return False
-        self.changes += 1
-        log.debug("frontend priority: %s", priority.value)
         return True
-
-    def close(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-        if self.governor.current is Priority.REALTIME:
-            self._apply(Priority.NORMAL)
-            self.governor.current = Priority.NORMAL
