@@ -59,9 +59,8 @@ class DrainPriority:
                  apply: Callable[[Priority], None] = set_thread_priority):
         self.mode, self.threshold, self.apply = mode, threshold, apply
         self.raised_drains = 0
-        self.always = False
         if mode is PriorityMode.REALTIME:
-            self.always = self._set(Priority.REALTIME)
+            self._set(Priority.REALTIME)        # on failure, mode becomes NORMAL
 
     def raise_for(self, held: int) -> bool:
         """Before a drain: True if the thread was raised (call ``lower`` after it)."""
@@ -79,8 +78,8 @@ class DrainPriority:
         self._set(Priority.NORMAL)
 
     def close(self) -> None:
-        if self.always:
-            self.always = False
+        if self.mode is PriorityMode.REALTIME:
+            self.mode = PriorityMode.NORMAL
             self._set(Priority.NORMAL)
 
     def _set(self, priority: Priority) -> bool:

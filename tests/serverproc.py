@@ -61,6 +61,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def frontend_pids(server: "Server") -> list[int]:
+    """The server's frontend processes, by pid."""
+    pids = []
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"shmserve.frontend.main" in f.read():
+                    pids.append(pid)
+        except OSError:
+            continue
+    return sorted(pids)
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` and its live descendants (a server's whole tree: workers,
     Triton's python backend stubs), from /proc: what the benches charge a server."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import Server, descendants, wait_for
+from serverproc import Server, descendants, frontend_pids, wait_for
 
 # Each request waits in execute until the test creates the file named by the config parameter
 # (one instance, no batching: the first request waits inside, the rest queue behind it).
@@ -30,7 +30,7 @@ class TritonPythonModel:
             for r in requests]
 '''
 
-HELD = 12       # above the 8 requests on average that turn real-time on
+HELD = 12       # above the 8 held requests from which answers are written raised
 
 
 def _rt_allowed() -> bool:
@@ -44,11 +44,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def frontend_pid(server) -> int:
-    for pid in descendants(server.proc.pid):
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"shmserve.frontend.main" in f.read():
-                return pid
-    raise AssertionError("no frontend process")
+    (pid,) = frontend_pids(server)
+    return pid
 
 
 def policy(pid: int) -> int:

@@ -12,7 +12,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from repo_builder import write_model
-from serverproc import Server, descendants, segments_of, wait_for
+from serverproc import Server, descendants, frontend_pids, segments_of, wait_for
 
 ONE_INSTANCE = '''
 import json
@@ -46,18 +46,6 @@ def srv(repo):
     s = Server(repo, "--frontends", "2")
     yield s
     s.stop()
-
-
-def frontend_pids(server) -> list[int]:
-    pids = []
-    for pid in descendants(server.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"shmserve.frontend.main" in f.read():
-                    pids.append(pid)
-        except OSError:
-            continue
-    return sorted(pids)
 
 
 def connections(pids: list[int], port: int) -> dict[int, int]:

@@ -86,5 +86,5 @@ def test_realtime_without_permission_warns():
     finally:
         logger.removeHandler(handler)
     assert [r.levelno for r in seen] == [logging.WARNING]
-    assert d.always is False
+    assert d.mode is PriorityMode.NORMAL     # nothing to put back on close
     d.close()
