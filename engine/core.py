@@ -42,6 +42,7 @@ from shmserve.ipc.messages import (
     Pong,
     ReleaseOutputs,
     RequestRoute,
+    ResponseReport,
     ServerSettings,
     SetLogSettings,
     SetTraceSettings,
@@ -119,7 +120,8 @@ class SchedulerCore:
             FrontendHello: self.frontend_hello, ForgetSegments: self.forget_segments,
             Pong: self.supervisor.pong, CancelRequest: self.cancel,
             ControlRequest: self.lifecycle.control, StatsQuery: self.stats_query,
-            CustomMetrics: self.custom_metrics_in, Wake: lambda msg: None,
+            CustomMetrics: self.custom_metrics_in, ResponseReport: self.response_report,
+            Wake: lambda msg: None,
             LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
             SetLogSettings: self.set_log_settings,
             SetTraceSettings: self.set_trace_settings,
@@ -275,6 +277,12 @@ class SchedulerCore:
     def custom_metrics_in(self, msg: CustomMetrics) -> None:
         if msg.spawn_id in self.supervisor.by_spawn:
             self.accounting.custom_metrics_in(msg)
+
+    def response_report(self, msg: ResponseReport) -> None:
+        found = self.supervisor.by_spawn.get(msg.spawn_id)
+        if found is not None:
+            found[0].stats.response(msg.index, msg.kind, msg.start_ns, msg.output_start_ns,
+                                    msg.end_ns)
 
     def stats_query(self, q: StatsQuery) -> None:
         self.port.send_frontend(q.frontend, self.statistics(q))

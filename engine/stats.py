@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from shmserve.ipc.messages import BatchStatistics, Duration, ModelStatistics
+from shmserve.ipc.messages import BatchStatistics, Duration, ModelStatistics, ResponseStatistics
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 # Triton's default buckets for nv_inference_first_response_histogram_ms
@@ -116,6 +116,27 @@ class VersionStats:
             r.last_inference = int(self.wall_clock() * 1000)
             if self.windows is not None:
                 self.windows["request"].append(total_ns / 1e3)
+
+    def response(self, index: int, kind: str, start_ns: int, output_start_ns: int,
+                 end_ns: int) -> None:
+        """One response a backend reported (a decoupled model's, engine/core.py), at its
+        index within its request: a success or failure splits its time into computing the
+        response and its outputs; an empty one (nothing to send) only computed; a cancelled
+        one counts its clean-up."""
+        key = str(index)
+        rs = self.record.response_stats.get(key)
+        if rs is None:
+            rs = self.record.response_stats[key] = ResponseStatistics()
+        total = end_ns - start_ns
+        if kind in ("success", "fail"):
+            _add(rs.compute_infer, output_start_ns - start_ns)
+            _add(rs.compute_output, end_ns - output_start_ns)
+            _add(rs.success if kind == "success" else rs.fail, total)
+        elif kind == "empty":
+            _add(rs.compute_infer, total)
+            _add(rs.empty_response, total)
+        elif kind == "cancel":
+            _add(rs.cancel, total)
 
     def failed(self, reason: str, total_ns: int) -> None:
         r = self.record

@@ -8,6 +8,8 @@ from shmserve.ipc.messages import Duration, ModelStatistics
 
 STAT_FIELDS = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output",
                "cache_hit", "cache_miss")
+RESPONSE_FIELDS = ("compute_infer", "compute_output", "success", "fail", "empty_response",
+                   "cancel")
 
 
 def _d(d: Duration) -> dict:
@@ -24,7 +26,8 @@ def to_json(models: list[ModelStatistics]) -> dict:
             "inference_count": m.inference_count,
             "execution_count": m.execution_count,
             "inference_stats": {f: _d(getattr(m, f)) for f in STAT_FIELDS},
-            "response_stats": {},
+            "response_stats": {k: {f: _d(getattr(r, f)) for f in RESPONSE_FIELDS}
+                               for k, r in m.response_stats.items()},
             "batch_stats": [{"batch_size": b.batch_size, "compute_input": _d(b.compute_input),
                              "compute_infer": _d(b.compute_infer),
                              "compute_output": _d(b.compute_output)} for b in m.batch_stats],
@@ -47,6 +50,10 @@ def to_proto(models: list[ModelStatistics]) -> pb.ModelStatisticsResponse:
                                  execution_count=m.execution_count)
         for f in STAT_FIELDS:
             _set(getattr(s.inference_stats, f), getattr(m, f))
+        for k, r in m.response_stats.items():
+            pb_r = s.response_stats[k]
+            for f in RESPONSE_FIELDS:
+                _set(getattr(pb_r, f), getattr(r, f))
         for b in m.batch_stats:
             pb_b = s.batch_stats.add(batch_size=b.batch_size)
             _set(pb_b.compute_input, b.compute_input)

@@ -294,6 +294,17 @@ class Duration(msgspec.Struct, array_like=True):
     ns: int = 0
 
 
+class ResponseStatistics(msgspec.Struct, array_like=True):
+    """The responses a backend reported at one index of their requests (Triton's
+    response_stats: the first response of every request counts at "0", and so on)."""
+    compute_infer: Duration = msgspec.field(default_factory=Duration)
+    compute_output: Duration = msgspec.field(default_factory=Duration)
+    success: Duration = msgspec.field(default_factory=Duration)
+    fail: Duration = msgspec.field(default_factory=Duration)
+    empty_response: Duration = msgspec.field(default_factory=Duration)
+    cancel: Duration = msgspec.field(default_factory=Duration)
+
+
 class BatchStatistics(msgspec.Struct, array_like=True):
     batch_size: int
     compute_input: Duration
@@ -317,6 +328,7 @@ class ModelStatistics(msgspec.Struct, array_like=True):
     cache_hit: Duration = msgspec.field(default_factory=Duration)
     cache_miss: Duration = msgspec.field(default_factory=Duration)
     batch_stats: list[BatchStatistics] = []
+    response_stats: dict[str, ResponseStatistics] = {}     # by response index ("0", "1", ..)
     failures: dict[str, int] = {}           # reason (REJECTED, CANCELED, BACKEND, OTHER) -> count
     pending: int = 0                        # queued, not yet handed to an instance
     load_seconds: float = 0.0
@@ -473,6 +485,18 @@ class CustomMetrics(msgspec.Struct, array_like=True, tag=34):
     families: list[MetricFamilyState] = []
 
 
+class ResponseReport(msgspec.Struct, array_like=True, tag=36):
+    """A backend's account of one response it sent (or chose not to send) for a request of a
+    decoupled model, as Triton's backends report response statistics; ``index``: how many
+    the request had reported before. ``kind``: success, fail, empty or cancel."""
+    spawn_id: int
+    index: int
+    kind: str
+    start_ns: int
+    output_start_ns: int        # 0: no output was computed (empty, cancel)
+    end_ns: int
+
+
 class BatchDone(msgspec.Struct, array_like=True, tag=32):
     spawn_id: int
     batch_id: int               # 0 for a LeasedExecute
@@ -600,7 +624,7 @@ Message = Union[
     StatsReply,
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
-    BatchDone, CustomMetrics, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
+    BatchDone, CustomMetrics, ResponseReport, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
     RevokeLease, LeasedExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted, LeaseRevoked, LeaseLost,
     SetLogSettings, SetTraceSettings,
 ]

@@ -46,6 +46,12 @@ class Backend(Protocol):
     def finalize(self) -> None: ...
 
 
+# report_response(cancel_key, kind, start_ns, output_start_ns, end_ns): one response of a
+# stream, as Triton's backends report response statistics. kind: success, fail, empty (the
+# backend chose to send nothing) or cancel; output_start_ns 0 when no output was computed.
+ReportResponse = Callable[[tuple[int, int], str, int, int, int], None]
+
+
 class BackendLoadError(Exception):
     pass
 
@@ -60,9 +66,11 @@ def config_param(cfg: dict, *names: str, default: str | None = None) -> str | No
 
 
 def load_backend(spec: InstanceSpec,
-                 poll_cancelled: Callable[[tuple[int, int]], bool] | None = None) -> Backend:
+                 poll_cancelled: Callable[[tuple[int, int]], bool] | None = None,
+                 report_response: ReportResponse | None = None) -> Backend:
     """``poll_cancelled(cancel_key)`` tells whether a running request's client has gone (the
-    python backend's ``request.is_cancelled()``, the square backend's stop)."""
+    python backend's ``request.is_cancelled()``, the square backend's stop);
+    ``report_response`` takes a backend's response statistics (the square backend's)."""
     if spec.backend == "python":
         from .python_backend import PythonBackend
         return PythonBackend(spec, poll_cancelled)
@@ -74,7 +82,7 @@ def load_backend(spec: InstanceSpec,
         return RepeatBackend(spec)
     if spec.backend == "square":
         from .stream_backends import SquareBackend
-        return SquareBackend(spec, poll_cancelled)
+        return SquareBackend(spec, poll_cancelled, report_response)
     if spec.backend == "identity":
         from .identity_backend import IdentityBackend
         return IdentityBackend(spec)

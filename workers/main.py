@@ -39,6 +39,7 @@ from shmserve.ipc.messages import (
     Pong,
     ReleaseOutputs,
     RequestRoute,
+    ResponseReport,
     RevokeLease,
     SetLogSettings,
     Shutdown,
@@ -114,6 +115,7 @@ class Worker:
         # frontends' sockets holds ``out_lock`` (uncontended when no thread sends).
         self.streams: dict[tuple[int, int], tuple[RequestRoute, dict, dict, frozenset]] = {}
         self.stream_cancelled: set[tuple[int, int]] = set()
+        self.responses_reported: dict[tuple[int, int], int] = {}    # per stream (index next)
         self.out_lock = threading.Lock()
         self.tell_lock = threading.Lock()       # model threads send BLS requests too
         self.running_chain: list[str] = []      # BLS chains of the batch inside execute()
@@ -191,7 +193,7 @@ class Worker:
                 self.spec.config_json = autocomplete.complete(
                     self.spec.config_json, self.spec.backend, self.spec.model_dir,
                     self.spec.version, self.spec.default_max_batch_size)
-            self.backend = load_backend(self.spec, self.poll_cancelled)
+            self.backend = load_backend(self.spec, self.poll_cancelled, self.report_response)
             self.device_inputs = bool(getattr(self.backend, "device_inputs", False))
             self.senders = bool(getattr(self.backend, "emits", False))
             self.use_config(self.spec.config_json)
@@ -336,7 +338,20 @@ class Worker:
             if final:
                 del self.streams[key]
                 self.stream_cancelled.discard(key)
+                self.responses_reported.pop(key, None)
         self.answer(route.frontend, res)
+
+    def report_response(self, key: tuple[int, int], kind: str, start_ns: int,
+                        output_start_ns: int, end_ns: int) -> None:
+        """A backend's account of a response of a stream (Triton's response statistics),
+        after it was sent; counted by the scheduler at the stream's next index."""
+        with self.out_lock:
+            if key not in self.streams:
+                return
+            index = self.responses_reported.get(key, 0)
+            self.responses_reported[key] = index + 1
+        self.tell(ResponseReport(self.args.spawn_id, index, kind, start_ns, output_start_ns,
+                                 end_ns))
 
     def log_settings(self, msg: SetLogSettings) -> None:
         """The logging extension changed them (pb_utils.Logger obeys them too)."""
@@ -516,6 +531,7 @@ class Worker:
             key = (route.frontend, route.req_id)
             self.streams.pop(key, None)
             self.stream_cancelled.discard(key)
+            self.responses_reported.pop(key, None)
 
     def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
         return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)

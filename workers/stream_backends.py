@@ -12,6 +12,8 @@ config rules and the answers are theirs:
   CUSTOM_CANCEL_DELAY_NS sleep before, after each output and once cancelled;
   CUSTOM_FAIL_COUNT / CUSTOM_EMPTY_COUNT turn the last responses into failures ("simulated
   failure") and, after them, into no response at all. A cancelled request stops at once.
+  Each response (sent, failed, left empty or cancelled) is reported for the model's
+  response statistics (``response_stats``), timed as Triton's square backend times it.
 
 Both must be decoupled here (Triton would fail each request's second response otherwise).
 """
@@ -27,7 +29,14 @@ import numpy as np
 from shmserve.ipc.dtypes import shape_text
 from shmserve.ipc.messages import ErrorCode
 
-from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse, config_param
+from .backend import (
+    BackendLoadError,
+    InstanceSpec,
+    ReportResponse,
+    WorkRequest,
+    WorkResponse,
+    config_param,
+)
 
 JOIN_S = 30.0       # how long finalize() waits for the threads still answering
 
@@ -158,7 +167,8 @@ class SquareBackend:
     emits = True
 
     def __init__(self, spec: InstanceSpec,
-                 poll_cancelled: Callable[[tuple[int, int]], bool] | None = None):
+                 poll_cancelled: Callable[[tuple[int, int]], bool] | None = None,
+                 report: ReportResponse | None = None):
         cfg = json.loads(spec.config_json)
         c = _Checks(cfg, "square", ["IN"], ["OUT"])
         (i,), (o,) = c.ins, c.outs
@@ -175,6 +185,7 @@ class SquareBackend:
         self.cancel_s = number("CUSTOM_CANCEL_DELAY_NS") / 1e9
         self.fail, self.empty = number("CUSTOM_FAIL_COUNT"), number("CUSTOM_EMPTY_COUNT")
         self.poll = poll_cancelled
+        self.report = report
         self.threads = _Threads()
 
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]:
@@ -193,19 +204,31 @@ class SquareBackend:
     def _respond(self, r: WorkRequest, count: int, ndim: int) -> None:
         emit, poll, key = r.emit, self.poll, r.cancel_key
         assert emit is not None
+        clock = time.monotonic_ns
+
+        def report(kind: str, start: int, output_start: int, end: int) -> None:
+            if self.report is not None and key is not None:
+                self.report(key, kind, start, output_start, end)
         for e in range(max(count, 0)):
+            start = clock()
             if poll is not None and key is not None and poll(key):
                 time.sleep(self.cancel_s)
+                report("cancel", start, 0, clock())
                 break
             time.sleep(self.infer_s)
             if e + self.empty >= count:             # the last EMPTY elements: no response
+                report("empty", start, 0, clock())
                 continue
+            output_start = clock()
             time.sleep(self.output_s)
+            end = clock()
             if e + self.fail + self.empty >= count:     # the FAIL ones before them
                 emit(WorkResponse(error="simulated failure", code=ErrorCode.UNKNOWN), False)
+                report("fail", start, output_start, end)
             else:
                 emit(WorkResponse(outputs=[("OUT", "INT32",
                                             np.full([1] * ndim, count, np.int32))]), False)
+                report("success", start, output_start, end)
         emit(None, True)
 
     def finalize(self) -> None:

@@ -16,6 +16,7 @@ from shmserve.ipc.messages import (
     ExecuteBatch,
     ModelState,
     Ping,
+    ResponseReport,
     Shutdown,
     StateCause,
     StatsQuery,
@@ -458,6 +459,18 @@ def test_custom_metrics_follow_live_workers(repo):
     assert [m.spawn_id for m in h.core.statistics(StatsQuery(0, 1)).custom_metrics] == [sid]
     h.die(sid)
     assert h.core.statistics(StatsQuery(0, 1)).custom_metrics == []
+
+
+def test_response_reports_count_in_their_workers_version(repo):
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.core.handle(ResponseReport(sid, 0, "success", 100, 130, 150))
+    h.core.handle(ResponseReport(sid, 1, "empty", 150, 0, 170))
+    h.core.handle(ResponseReport(999, 0, "success", 0, 1, 2))     # not a worker of ours
+    [m] = h.core.statistics(StatsQuery(0, 1, "plain")).models
+    assert sorted(m.response_stats) == ["0", "1"]
+    assert (m.response_stats["0"].success.count, m.response_stats["0"].success.ns) == (1, 50)
+    assert m.response_stats["1"].empty_response.ns == 20
 
 
 def test_statistics_errors_name_the_model(repo):

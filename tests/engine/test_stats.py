@@ -211,3 +211,24 @@ def test_cache_lookups_have_summary_windows(wall):
     r = s.snapshot(0)
     assert r.summaries["cache_hit"][0] == 4.0 and r.summaries["cache_miss"] == [6.0] * 5
     assert r.summaries["request"][0] == 9.0        # the hit's duration
+
+
+def test_response_statistics_by_index_and_kind(stats):
+    """Triton's response_stats: a success or failure splits its time at the start of its
+    outputs; an empty response only computed; a cancelled one counts its clean-up only."""
+    stats.response(0, "success", 0, 40 * MS, 60 * MS)
+    stats.response(0, "success", 0, 40 * MS, 60 * MS)
+    stats.response(1, "fail", 60 * MS, 100 * MS, 120 * MS)
+    stats.response(2, "empty", 120 * MS, 0, 160 * MS)
+    stats.response(3, "cancel", 160 * MS, 0, 165 * MS)
+    rs = stats.snapshot(0).response_stats
+    assert sorted(rs) == ["0", "1", "2", "3"]
+    assert rs["0"].compute_infer == Duration(2, 80 * MS)
+    assert rs["0"].compute_output == Duration(2, 40 * MS)
+    assert rs["0"].success == Duration(2, 120 * MS) and rs["0"].fail == Duration()
+    assert (rs["1"].fail, rs["1"].compute_infer, rs["1"].compute_output) == \
+        (Duration(1, 60 * MS), Duration(1, 40 * MS), Duration(1, 20 * MS))
+    assert (rs["2"].empty_response, rs["2"].compute_infer, rs["2"].compute_output) == \
+        (Duration(1, 40 * MS), Duration(1, 40 * MS), Duration())
+    assert rs["3"].cancel == Duration(1, 5 * MS) and rs["3"].compute_infer == Duration()
+    assert stats.snapshot(0).success == Duration()     # the requests' own counters are apart

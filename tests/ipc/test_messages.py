@@ -52,6 +52,8 @@ MESSAGES = [
                                        batch_stats=[m.BatchStatistics(2, m.Duration(1, 2),
                                                                       m.Duration(1, 3),
                                                                       m.Duration(1, 4))],
+                                       response_stats={"0": m.ResponseStatistics(
+                                           success=m.Duration(1, 7))},
                                        failures={"REJECTED": 1})], {}, ""),
     m.StatsReply(10, [], {}, "requested model 'x' is not available"),
     m.ExecuteBatch(7, [m.RequestRoute(1, 0), m.RequestRoute(2, 5, trace=True)]),
@@ -79,6 +81,7 @@ MESSAGES = [
                         m.MetricFamilyState("latency", "s", m.MetricKind.HISTOGRAM,
                                             [m.MetricSample({}, buckets=[0.1, 1.0],
                                                             counts=[1, 2, 0], sum=1.5)])]),
+    m.ResponseReport(4, 2, "fail", 100, 140, 160),
 ]
 
 

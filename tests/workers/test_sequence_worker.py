@@ -64,7 +64,7 @@ def make_worker(model_dir: str) -> Worker:
     w.arena = None                      # every answer here is small enough to ride inline
     w.inbox = SimpleNamespace(address="ipc://unused")
     w.backlog, w.running, w.running_chain, w.cancelled = deque(), None, [], set()
-    w.streams, w.stream_cancelled = {}, set()
+    w.streams, w.stream_cancelled, w.responses_reported = {}, set(), {}
     w.out_lock, w.tell_lock = threading.Lock(), threading.Lock()
     w.main_thread = threading.get_ident()
     w.senders = cfg["backend"] == "python"

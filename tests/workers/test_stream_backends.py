@@ -109,6 +109,37 @@ def test_square_sends_in_responses_of_in_with_failures_and_empties_last():
     assert stream0.responses() == []
 
 
+def test_square_reports_each_response_as_tritons_square_does():
+    reports = []
+    params = {"CUSTOM_FAIL_COUNT": {"string_value": "1"},
+              "CUSTOM_EMPTY_COUNT": {"string_value": "2"},
+              "CUSTOM_INFER_DELAY_NS": {"string_value": "2000000"},     # 2 ms
+              "CUSTOM_OUTPUT_DELAY_NS": {"string_value": "1000000"}}    # 1 ms
+    backend = load_backend(_spec("square", SQUARE_IN, SQUARE_OUT, parameters=params),
+                           None, lambda *a: reports.append(a))
+    req, stream = _request({"IN": np.array([5], np.int32)}, {"IN": "INT32"}, cancel_key=(1, 2))
+    backend.execute([req])
+    assert len(stream.responses()) == 3
+    assert [r[:2] for r in reports] == [((1, 2), "success")] * 2 + [((1, 2), "fail")] + \
+        [((1, 2), "empty")] * 2
+    for _, kind, start, output_start, end in reports:
+        if kind == "empty":
+            assert output_start == 0 and end - start >= 2_000_000
+        else:
+            assert output_start - start >= 2_000_000 and end - output_start >= 1_000_000
+    assert all(a[4] <= b[2] for a, b in zip(reports, reports[1:]))     # one after another
+
+
+def test_square_reports_the_response_it_cancelled():
+    reports, cancelled = [], {(1, 3)}
+    backend = load_backend(_spec("square", SQUARE_IN, SQUARE_OUT),
+                           lambda key: key in cancelled, lambda *a: reports.append(a))
+    req, stream = _request({"IN": np.array([3], np.int32)}, {"IN": "INT32"}, cancel_key=(1, 3))
+    backend.execute([req])
+    assert stream.responses() == []
+    assert [r[1] for r in reports] == ["cancel"]
+
+
 def test_square_stops_once_its_client_has_left():
     cancelled = set()
     params = {"CUSTOM_INFER_DELAY_NS": {"string_value": "2000000"}}     # 2 ms per response

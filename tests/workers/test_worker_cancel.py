@@ -18,7 +18,7 @@ def worker(tmp_path):
     w = Worker.__new__(Worker)              # only what poll_cancelled uses; no model, no arena
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), 1))
     w.backlog, w.running, w.cancelled = deque(), None, set()
-    w.streams, w.stream_cancelled = {}, set()
+    w.streams, w.stream_cancelled, w.responses_reported = {}, set(), {}
     w.main_thread = threading.get_ident()
     out = channel.outbox_for(w.inbox.address)
     yield w, out
