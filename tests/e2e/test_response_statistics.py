@@ -30,6 +30,15 @@ PLAIN = """
     input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
     output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
 """
+SLOW = """
+    backend: "square"
+    max_batch_size: 0
+    model_transaction_policy { decoupled: true }
+    input [ { name: "IN", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    parameters [ { key: "CUSTOM_INFER_DELAY_NS", value: { string_value: "300000000" } },
+                 { key: "CUSTOM_CANCEL_DELAY_NS", value: { string_value: "50000000" } } ]
+"""
 KINDS = ("compute_infer", "compute_output", "success", "fail", "empty_response", "cancel")
 
 
@@ -38,10 +47,12 @@ def server(tmp_path_factory):
     repo = str(tmp_path_factory.mktemp("response_stats"))
     write_model(repo, "square_int32", SQUARE, None)
     write_model(repo, "plain", PLAIN, None)
+    write_model(repo, "square_slow", SLOW, None)
     srv = Server(repo)
     try:
-        wait_for(lambda: srv.model_ready("square_int32") and srv.model_ready("plain"), 60,
-                 "the models to load")
+        wait_for(lambda: all(srv.model_ready(m) for m in ("square_int32", "plain",
+                                                          "square_slow")),
+                 60, "the models to load")
         yield srv
     finally:
         assert srv.stop() == 0
@@ -79,13 +90,13 @@ def _expected(counts, n):
             c["empty_response"] += 1
 
 
-def _both(server):
+def _both(server, model="square_int32"):
     """response_stats over HTTP, after checking gRPC reports the same."""
     http = httpclient.InferenceServerClient(server.url)
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
     try:
-        by_http = http.get_inference_statistics("square_int32")["model_stats"][0]
-        by_grpc = grpc.get_inference_statistics("square_int32", as_json=True)["model_stats"][0]
+        by_http = http.get_inference_statistics(model)["model_stats"][0]
+        by_grpc = grpc.get_inference_statistics(model, as_json=True)["model_stats"][0]
     finally:
         http.close()
         grpc.close()
@@ -125,6 +136,30 @@ def test_response_statistics_aggregate_per_response_index(server):
                 assert stats[kind]["ns"] >= 0.9 * (INFER_NS + OUTPUT_NS) * c[kind]
             assert stats["empty_response"]["ns"] >= 0.9 * INFER_NS * c["empty_response"]
             assert stats["cancel"] == {"count": 0, "ns": 0}
+
+
+def test_a_cancelled_stream_reports_its_cancel_at_the_next_index(server):
+    got: queue.Queue = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: got.put((result, error)))
+    x = grpcclient.InferInput("IN", [1], "INT32")
+    x.set_data_from_numpy(np.array([50], np.int32))
+    c.async_stream_infer("square_slow", [x])
+    assert got.get(timeout=30)[1] is None           # the first response
+    c.stop_stream(cancel_requests=True)
+    c.close()
+
+    def cancelled():
+        rs = _both(server, "square_slow")
+        hit = [k for k, v in rs.items() if v["cancel"]["count"]]
+        return (rs, hit) if hit else None
+    rs, hit = wait_for(cancelled, 30, "the cancel in the response statistics")
+    [index] = hit
+    # responses before it succeeded; the cancel is the last index and counts only its clean-up
+    assert int(index) >= 1 and sorted(rs, key=int)[-1] == index
+    assert all(rs[str(i)]["success"]["count"] == 1 for i in range(int(index)))
+    assert rs[index]["cancel"]["ns"] >= 0.9 * 50_000_000
+    assert rs[index]["compute_infer"]["count"] == rs[index]["success"]["count"] == 0
 
 
 def test_a_model_that_reports_nothing_has_no_response_statistics(server):
