@@ -269,7 +269,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @translated
     async def TraceSetting(self, request, context):
         control = self.service.tracing
-        now = await control.update(trace.parse_changes(trace.from_grpc(request.settings)),
+        now = await control.update(trace.from_grpc(request.settings),
                                    request.model_name) if request.settings \
             else control.get(request.model_name)
         resp = pb.TraceSettingResponse()

@@ -19,7 +19,7 @@ from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult, ShmRef
 from shmserve.ipc.shm import ShmError
 
-from . import http_codec, log_settings, restricted, statistics, trace
+from . import http_codec, log_settings, restricted, statistics
 from .errors import InferError, http_status, invalid, shm_error
 from .generate import GenerateEndpoints
 from .header_forward import HeaderForward
@@ -347,7 +347,7 @@ class KServeHttpApp(HttpApp):
                 doc = http_codec.decode_json(req.body)
             except Exception:
                 raise invalid("failed to parse the trace settings request JSON") from None
-        self.later(conn, req, self.service.tracing.update(trace.parse_changes(doc), model),
+        self.later(conn, req, self.service.tracing.update(doc, model),
                    http_codec.encode_json)
 
     # ---- shared memory --------------------------------------------------------------------------

@@ -366,9 +366,11 @@ class TraceControl:
         self._check_model(model)
         return self.core.settings(model)
 
-    async def update(self, changes: TraceChanges, model: str = "") -> dict[str, Any]:
-        """Apply checked ``changes`` here and in every other frontend; the settings now."""
+    async def update(self, doc: Any, model: str = "") -> dict[str, Any]:
+        """Apply the settings ``doc`` (as ``parse_changes`` takes it) here and in every other
+        frontend; the settings now. An unknown model is the error before any in ``doc``."""
         self._check_model(model)
+        changes = parse_changes(doc)
         self.core.update(changes, model)
         try:
             await self.client.trace_settings(changes, model)

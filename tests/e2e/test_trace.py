@@ -166,6 +166,9 @@ def test_bad_settings_are_refused_and_the_server_serves_on(repo, tmp_path):
              "trace file location can not be updated through network protocol"),
             (f"{base}/trace/setting", {"tracerate": "1"}, 400, "unknown trace setting 'tracerate'"),
             (f"{base}/models/nosuch/trace/setting", {}, 400, "Request for unknown model : nosuch"),
+            # the unknown model is the error, before what the settings ask for (as Triton)
+            (f"{base}/models/nosuch/trace/setting", {"trace_file": "m.log"}, 400,
+             "Request for unknown model : nosuch"),
         ]:
             r = requests.post(url, json=body, timeout=10)
             assert r.status_code == status and says in r.json()["error"], (body, r.text)
@@ -182,6 +185,9 @@ def test_bad_settings_are_refused_and_the_server_serves_on(repo, tmp_path):
         with pytest.raises(InferenceServerException) as e:
             g.get_trace_settings(model_name="nosuch")
         assert e.value.status() == "StatusCode.INVALID_ARGUMENT"
+        assert "Request for unknown model : nosuch" in e.value.message()
+        with pytest.raises(InferenceServerException) as e:
+            g.update_trace_settings(model_name="nosuch", settings={"trace_file": "m.log"})
         assert "Request for unknown model : nosuch" in e.value.message()
         # nothing changed, and requests are served
         assert requests.get(f"{base}/trace/setting", timeout=10).json()["trace_rate"] == "1000"
