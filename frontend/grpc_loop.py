@@ -23,6 +23,8 @@ from types import SimpleNamespace
 import grpc
 from google.protobuf.message import Message as pb_message
 
+from shmserve.ipc import logs
+
 from . import grpc_call, http2
 from .grpc_call import CallContext, CallError, MessageReader, failure_status
 
@@ -336,7 +338,10 @@ class Connection(asyncio.Protocol):
         except asyncio.CancelledError:
             return
         except Exception as e:
-            self.finish(call, *failure_status(e, call.context))
+            code, details = failure_status(e, call.context)
+            if log.isEnabledFor(logging.DEBUG):     # --log-verbose: each failed call
+                logs.written_before_answer(log, "gRPC call failed: %s: %s", code.name, details)
+            self.finish(call, code, details)
             return
         self.finish(call, grpc.StatusCode.OK)
 

@@ -15,6 +15,7 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 
+from shmserve.ipc import logs
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult, ShmRef
 from shmserve.ipc.shm import ShmError
@@ -254,6 +255,9 @@ class KServeHttpApp(HttpApp):
         task.add_done_callback(self.tasks.discard)
 
     def error(self, conn: HttpConnection, req: HttpRequest, status: int, message: str) -> None:
+        if log.isEnabledFor(logging.DEBUG):     # --log-verbose: each failed request
+            logs.written_before_answer(log, "%s %s failed (%d): %s", req.method, req.path,
+                                       status, message)
         conn.respond(req, status, http_codec.encode_json({"error": message}))
 
     # ---- health and metadata --------------------------------------------------------------------

@@ -215,6 +215,15 @@ def flush(timeout_s: float = 1.0) -> bool:
         return records.all_tasks_done.wait_for(lambda: records.unfinished_tasks == 0, timeout_s)
 
 
+def written_before_answer(logger: logging.Logger, message: str, *args) -> None:
+    """Log a verbose line about a request and wait (briefly) until it is written, before the
+    answer leaves: a client that reads the answer and kills the server at once still finds
+    the line, as with Triton's log, which writes in the caller's thread. For the error path
+    of verbose logging only: the wait is a thread hand-off."""
+    logger.debug(message, *args)
+    flush(0.05)
+
+
 def stop() -> None:
     """Write what is queued (for a moment at most) and end the writer thread."""
     global _writer

@@ -157,6 +157,31 @@ def test_a_verbose_level_set_over_http_reaches_every_process(server, log_path):
     assert _line(_run(server, log_path, 4, ERROR), "chatty verbose 4") is None
 
 
+def test_failed_requests_are_logged_at_verbose_level(server, log_path):
+    """As Triton's verbose log does, and its log-injection check relies on: the error of a
+    failed request is written, with the client's text in it escaped."""
+    c = httpclient.InferenceServerClient(server.url)
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    name = 'evil\nI0205 18:34:18.707423 1 file.cc:123] "INJECTED"'
+
+    def bad_input(mod):
+        i = mod.InferInput(name, [2], "INT32")
+        i.set_data_from_numpy(np.array([0, 0], dtype=np.int32))
+        return i
+    with pytest.raises(InferenceServerException):
+        c.infer("chatty", [bad_input(httpclient)])          # verbose off: not logged
+    c.update_log_settings({"log_verbose_level": 1})
+    for client, mod in ((c, httpclient), (g, grpcclient)):
+        with pytest.raises(InferenceServerException):
+            client.infer("chatty", [bad_input(mod)])
+    lines = _run(server, log_path, 50, ERROR)
+    failed = [line for line in lines if "INJECTED" in line]
+    assert len(failed) == 2, failed
+    assert all(ISO_LINE.match(line) and "\\n" in line for line in failed)    # one line each
+    assert "/v2/models/chatty/infer failed (400)" in failed[0]
+    assert "INVALID_ARGUMENT" in failed[1]
+
+
 def test_format_and_levels_set_over_grpc(server, log_path):
     c = grpcclient.InferenceServerClient(server.grpc_url)
     resp = c.update_log_settings({"log_format": "default", "log_info": True, "log_error": False},
