@@ -236,6 +236,10 @@ class EnsembleRunner:
         elif res.spawn_id:
             run.streaming[res.req_id] = res.spawn_id
         if res.error:
+            # as in Triton, a failed step counts against the ensemble too (the composing
+            # request reports to the ensemble's statistics as well as its model's), besides the
+            # ensemble request's own failure: two failures, reason OTHER, per failed step
+            run.version.stats.failed("OTHER", self.clock() - run.head.received_ns)
             self.fail(run, step, res.code or ErrorCode.INTERNAL, res.error)
             return
         if res.no_response:

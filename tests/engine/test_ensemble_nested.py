@@ -125,7 +125,8 @@ def test_an_inner_steps_error_fails_both_naming_both(repo):
                          "(model 'b'): bad")
     assert h.batches(sid_of(h, "c")) == []
     assert released(h) == [mid]
-    assert stats(h, "N").failures["OTHER"] == 1 and stats(h, "E").failures["OTHER"] == 1
+    # each ensemble: its failed step's request, then its own request (as in Triton)
+    assert stats(h, "N").failures["OTHER"] == 2 and stats(h, "E").failures["OTHER"] == 2
 
 
 def test_a_client_cancel_reaches_the_inner_ensembles_step(repo):
