@@ -1,11 +1,15 @@
 """Triton's dynamic batcher (docs/triton-compat.md §5.2) as a pure core: queues per priority level, queue
 policies, preferred batch sizes, the delay measured from the oldest request, shape grouping.
 
+A config may declare any number of priority levels (Triton takes up to 2^64 - 1), so a level's
+queue exists only while requests wait at it: memory follows the requests, not the config.
+
 The shell asks ``next_batches()`` whenever a request arrives or an instance frees up, and sleeps
 until ``next_deadline_ns()`` otherwise: there is no polling tick.
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -52,9 +56,9 @@ class DynamicBatcher(IdleInstances):
         self.cfg = cfg
         self.clock = clock
         self.max_queue_size = max_queue_size
-        policies = dict(cfg.level_policies)
-        n = max(1, cfg.priority_levels)
-        self.levels = [_Level(policies.get(i + 1, cfg.default_policy)) for i in range(n)]
+        self.policies = dict(cfg.level_policies)
+        self.levels: dict[int, _Level] = {}     # level index -> its queue, while not empty
+        self.order: list[int] = []              # their indexes, highest priority (lowest) first
         self.preferred = sorted(p for p in cfg.preferred if 0 < p <= cfg.max_batch_size)
         self.delay_ns = cfg.max_queue_delay_us * 1000
         self.idle: list[Hashable] = []
@@ -75,11 +79,32 @@ class DynamicBatcher(IdleInstances):
             return self.cfg.default_priority_level - 1
         return 0
 
+    def _level(self, key: int) -> _Level:
+        level = self.levels.get(key)
+        if level is None:
+            level = self.levels[key] = _Level(self.policies.get(key + 1, self.cfg.default_policy))
+            bisect.insort(self.order, key)
+        return level
+
+    def _prune(self, key: int) -> None:
+        """Forget level ``key`` if nothing waits at it any more."""
+        level = self.levels.get(key)
+        if level is not None and not level.ready and not level.delayed:
+            del self.levels[key]
+            self.order.remove(key)
+
+    def _queues(self) -> Iterator[_Level]:
+        levels = self.levels
+        for key in self.order:
+            yield levels[key]
+
     def enqueue(self, req: QueuedRequest) -> None:
-        level = self.levels[self.level_of(req.priority)]
+        key = self.level_of(req.priority)
+        level = self._level(key)
         policy = level.policy
         if (policy.max_queue_size and len(level) >= policy.max_queue_size) or \
                 (self.max_queue_size and self.count >= self.max_queue_size):
+            self._prune(key)
             raise QueueFull("Exceeds maximum queue size")
         now = self.clock()
         req.enqueued_ns = now
@@ -103,7 +128,8 @@ class DynamicBatcher(IdleInstances):
         if not self.earliest_deadline or self.earliest_deadline > now:
             return rejected
         self.earliest_deadline = 0
-        for level in self.levels:
+        for key in list(self.order):
+            level = self.levels[key]
             keep: deque[QueuedRequest] = deque()
             for r in level.ready:
                 if r.deadline_ns and r.deadline_ns <= now:
@@ -119,13 +145,14 @@ class DynamicBatcher(IdleInstances):
                                           or r.deadline_ns < self.earliest_deadline):
                         self.earliest_deadline = r.deadline_ns
             level.ready = keep
+            self._prune(key)
         self._version += 1
         return rejected
 
     # ---- forming batches -----------------------------------------------------------------------------
     def pending(self) -> Iterator[QueuedRequest]:
         """The queued requests, highest priority first, without taking them out."""
-        for level in self.levels:
+        for level in self._queues():
             yield from level.ready
             yield from level.delayed
 
@@ -191,13 +218,16 @@ class DynamicBatcher(IdleInstances):
         return out
 
     def _remove(self, r: QueuedRequest) -> None:
-        level = self.levels[self.level_of(r.priority)]
+        key = self.level_of(r.priority)
+        level = self.levels[key]
         if level.ready and level.ready[0] is r:
             level.ready.popleft()
         elif level.delayed and level.delayed[0] is r:
             level.delayed.popleft()
         else:   # batches take a prefix of the pending order, so this is not reached; be safe
             (level.ready if r in level.ready else level.delayed).remove(r)
+        if not level.ready and not level.delayed:
+            self._prune(key)
         self.count -= 1
         self._version += 1
 
@@ -213,16 +243,18 @@ class DynamicBatcher(IdleInstances):
 
     def requeue(self, req: QueuedRequest) -> None:
         """Back to the head of its level (its worker died before answering)."""
-        self.levels[self.level_of(req.priority)].ready.appendleft(req)
+        self._level(self.level_of(req.priority)).ready.appendleft(req)
         self.count += 1
         self._version += 1
 
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
-        for level in self.levels:
+        for key in self.order:
+            level = self.levels[key]
             for q in (level.ready, level.delayed):
                 for r in q:
                     if r.req_id == req_id and r.frontend == frontend:
                         q.remove(r)
+                        self._prune(key)
                         self.count -= 1
                         self._version += 1
                         return r
@@ -230,9 +262,8 @@ class DynamicBatcher(IdleInstances):
 
     def drain(self) -> list[QueuedRequest]:
         out = list(self.pending())
-        for level in self.levels:
-            level.ready.clear()
-            level.delayed.clear()
+        self.levels.clear()
+        self.order.clear()
         self.count = 0
         self._version += 1
         return out

@@ -91,9 +91,9 @@ def _check_tensors(cfg: mc.ModelConfig, kind: str, tensors) -> None:
                                   f"dims {list(t.dims)}")
 
 
-# Bounds Triton does not set but a server must: each priority level is a queue of its own in the
-# scheduler, each instance a process. Past these a config is refused with the limit named.
-MAX_PRIORITY_LEVELS = 1024
+# A bound Triton does not set but a server must: each instance is a process. Past it a config is
+# refused with the limit named. (Priority levels need none: a level's queue exists only while
+# requests wait at it, so Triton's whole uint64 range is taken.)
 MAX_INSTANCES_PER_MODEL = 128
 
 
@@ -114,9 +114,6 @@ def _check_dynamic_batching(cfg: mc.ModelConfig) -> None:
     if not db.preferred_batch_size and mbs > 0:
         db.preferred_batch_size.append(mbs)
     levels = db.priority_levels
-    if levels > MAX_PRIORITY_LEVELS:
-        raise ConfigError(f"model '{name}': dynamic_batching priority_levels {levels} exceeds the "
-                          f"limit of {MAX_PRIORITY_LEVELS}")
     if levels and not 1 <= db.default_priority_level <= levels:
         raise ConfigError(f"model '{name}': dynamic_batching default_priority_level must be in "
                           f"[1, {levels}] when priority_levels is {levels}")

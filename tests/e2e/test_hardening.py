@@ -50,10 +50,7 @@ def test_a_config_larger_than_an_argument_loads(client):
 
 def test_unbounded_config_values_are_refused_with_the_limit(client):
     cfg = client.get_model_config("identity_fp32")
-    for change, text in (({"dynamic_batching": {"priority_levels": 3_000_000,
-                                                "default_priority_level": 1}},
-                          "priority_levels 3000000 exceeds the limit of 1024"),
-                         ({"instance_group": [{"count": 100_000, "kind": "KIND_CPU"}]},
+    for change, text in (({"instance_group": [{"count": 100_000, "kind": "KIND_CPU"}]},
                           "more than the limit of 128"),
                          ({"parameters": {"execution_timeout_ms": {"string_value": "nan"}}},
                           "must be a finite, non-negative number of milliseconds")):

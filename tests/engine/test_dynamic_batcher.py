@@ -273,10 +273,41 @@ def test_priority_zero_or_above_levels_uses_the_default_level(clock, priority):
 def test_without_priority_levels_everything_is_one_fifo(clock):
     b = make(clock, max_batch_size=1)
     fill(b, req(1, priority=5), req(2, priority=1), req(3))
-    assert len(b.levels) == 1
+    assert list(b.levels) == [0]
     for k in "abc":
         b.instance_idle(k)
     assert ids(b.next_batches()) == [[1], [2], [3]]
+
+
+MAX_UINT64 = 2**64 - 1
+
+
+def test_the_whole_uint64_range_of_levels_costs_only_what_waits(clock):
+    """Triton's L0_model_queue declares 2^64 - 1 levels with default level 2^32: a level's
+    queue exists while requests wait at it, and goes once they have left."""
+    b = make(clock, preferred=(4,), max_queue_delay_us=10_000, priority_levels=MAX_UINT64,
+             default_priority_level=2**32)
+    fill(b, req(1, batch_size=2), req(2, priority=2**32), req(3, batch_size=2, priority=1),
+         req(4, priority=MAX_UINT64))
+    assert sorted(b.levels) == [0, 2**32 - 1, MAX_UINT64 - 1]
+    b.instance_idle("w")
+    # level 1 first, then the default level in arrival order: a preferred batch of 4
+    assert ids(b.next_batches()) == [[3, 1]]
+    assert sorted(b.levels) == [2**32 - 1, MAX_UINT64 - 1]      # level 1 emptied and went
+    b.cancel(0, 2)
+    b.cancel(0, 4)
+    assert b.levels == {} and b.order == [] and len(b) == 0
+
+
+def test_levels_emptied_by_timeouts_or_a_full_queue_go(clock):
+    b = make(clock, priority_levels=1000, default_priority_level=1,
+             level_policies=((7, QueuePolicy(max_queue_size=1, timeout_us=10)),))
+    fill(b, req(1, priority=7))
+    with pytest.raises(QueueFull):
+        b.enqueue(req(2, priority=7))
+    clock.advance_us(20)
+    assert [r.req_id for r in b.take_expired()] == [1]
+    assert b.levels == {} and b.order == []
 
 
 # ---- queue sizes ------------------------------------------------------------------------------
@@ -542,7 +573,7 @@ dynamic_batching {
     assert all(type(k) is int for k, _ in bc.level_policies)
     # the batcher gives each level its own policy, the default where none is set
     b = DynamicBatcher(bc, clock=clock)
-    assert [lv.policy for lv in b.levels] == [dict(bc.level_policies)[1], bc.default_policy,
+    assert [b._level(i).policy for i in range(3)] == [dict(bc.level_policies)[1], bc.default_policy,
                                              dict(bc.level_policies)[3]]
     assert b.delay_ns == 500 * US
     assert b.level_of(0) == 1

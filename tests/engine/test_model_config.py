@@ -320,11 +320,8 @@ def test_config_to_json_is_compact_and_round_trips():
      r"priority_queue_policy has level 0, outside \[1, priority_levels=2\]"),
     ("priority_queue_policy { key: 1 value { } }",
      r"priority_queue_policy has level 1, outside \[1, priority_levels=0\]"),
-    ("priority_levels: 3000000 default_priority_level: 1",
-     r"model 'm': dynamic_batching priority_levels 3000000 exceeds the limit of 1024"),
 ], ids=["preferred-0", "preferred-neg", "preferred-above-max", "default-level-0",
-        "default-level-above", "policy-level-above", "policy-level-0", "policy-without-levels",
-        "levels-too-many"])
+        "default-level-above", "policy-level-above", "policy-level-0", "policy-without-levels"])
 def test_normalize_dynamic_batching_errors(db, match):
     with pytest.raises(ConfigError, match=match):
         norm(BASIC + f"dynamic_batching {{ {db} }}")
