@@ -331,6 +331,11 @@ class Worker:
                                   no_response=True)
             else:
                 res = self.result(route.req_id, resp, targets, top, device)
+                if not self.decoupled:
+                    # a model that is not decoupled answers once: its first response is the
+                    # answer, and any later one finds the stream closed (as Triton keeps the
+                    # first and drops the rest)
+                    final = True
             res.final = final
             if self.decoupled:
                 # the frontend ends the stream if this worker dies, and sends cancels here

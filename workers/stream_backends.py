@@ -15,7 +15,9 @@ config rules and the answers are theirs:
   Each response (sent, failed, left empty or cancelled) is reported for the model's
   response statistics (``response_stats``), timed as Triton's square backend times it.
 
-Both must be decoupled here (Triton would fail each request's second response otherwise).
+Either may also serve a model that is not decoupled, as in Triton (its gRPC state-cleanup test
+streams to such a repeat model): the request's first response is its answer and the later ones
+are dropped (workers/main.py, ``Worker.emit``).
 """
 from __future__ import annotations
 
@@ -58,12 +60,6 @@ class _Checks:
                 if t["name"] != name:
                     raise BackendLoadError(f"expected {ordinals[i]} {what} tensor name to be "
                                            f"{name}, got {t['name']}")
-
-    def require_decoupled(self) -> None:
-        if not (self.cfg.get("model_transaction_policy") or {}).get("decoupled"):
-            raise BackendLoadError(f"the {self.backend} backend sends any number of responses "
-                                   f"per request: its model must be decoupled "
-                                   f"(model_transaction_policy {{ decoupled: true }})")
 
     @staticmethod
     def dims(t: dict) -> list[int]:
@@ -127,7 +123,6 @@ class RepeatBackend:
             c.shape_is_one(t)
         for t, wire in ((i, "INT32"), (d, "UINT32"), (w, "UINT32"), (o, "INT32"), (x, "UINT32")):
             c.datatype(t, wire)
-        c.require_decoupled()
         self.threads = _Threads()
 
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]:
@@ -176,7 +171,6 @@ class SquareBackend:
             c.shape_is_one(t)
         for t in (i, o):
             c.datatype(t, "INT32")
-        c.require_decoupled()
         def number(key: str) -> int:
             value = config_param(cfg, key, default="") or ""
             return int(value) if value.isdigit() else 0     # Triton ignores what is not a number

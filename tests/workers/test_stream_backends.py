@@ -80,9 +80,6 @@ def test_repeat_refuses_in_and_delay_of_different_shapes():
     ("repeat", [_io("IN", "TYPE_INT32", [2]), _io("DELAY", "TYPE_UINT32", [3]),
                 REPEAT_IN[2]], REPEAT_OUT, {},
      "expected IN and DELAY shape to match, got [2] and [3]"),
-    ("repeat", REPEAT_IN, REPEAT_OUT, {"decoupled": False},
-     "the repeat backend sends any number of responses per request: its model must be "
-     "decoupled"),
     ("square", SQUARE_IN, [_io("OUT", "TYPE_INT32", [2])], {},
      "expected OUT shape to be [1], got [2]"),
     ("square", SQUARE_IN + SQUARE_OUT, SQUARE_OUT, {}, "expected 1 input, got 2"),
