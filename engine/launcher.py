@@ -17,7 +17,7 @@ import msgspec
 
 from shmserve.ipc import logs, shm
 from shmserve.ipc.messages import ServerSettings
-from shmserve.ipc.proc import StopFlag
+from shmserve.ipc.proc import StopFlag, StoppingMark
 
 from .supervision import become_subreaper, describe_exit, kill_orphans
 
@@ -158,8 +158,10 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
     # The loop sleeps in poll() on the children's pidfds and the read end of this pipe; the
     # signal handler writes a byte, so a stop signal ends the wait at once.
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    stopping = StoppingMark(settings.run_dir, create=True)
 
     def wake(signum: int) -> None:
+        stopping.set()          # frontends refuse new requests from now on (ipc/proc.py)
         try:
             os.write(wake_w, b"\0")
         except OSError:                     # full: the loop has a wake-up waiting already
@@ -219,6 +221,7 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
             os.unlink(settings.port_file)
         os.close(wake_r)
         os.close(wake_w)
+        stopping.close()
     if forced:
         log.warning("shmserve killed by a second %s", signal.Signals(forced[0]).name)
         return 128 + forced[0]

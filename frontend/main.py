@@ -17,7 +17,7 @@ import uvloop
 
 from shmserve.ipc import logs
 from shmserve.ipc.messages import ServerSettings
-from shmserve.ipc.proc import die_with_parent, freeze_startup_heap
+from shmserve.ipc.proc import StoppingMark, die_with_parent, freeze_startup_heap
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 from . import grpc_service, http_server, restricted
@@ -40,12 +40,18 @@ log = logging.getLogger("shmserve.frontend")
 async def run(settings: ServerSettings, frontend_id: int) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    service: FrontendService | None = None
 
     def on_sigterm() -> None:
         if stop.is_set():   # the drain is taking too long for whoever sent it: go now
             log.warning("second SIGTERM: exiting at once, without answering what is held")
             logs.flush(0.5)
             os._exit(1)
+        if service is not None:
+            # refused from this turn of the loop on, not from when the stopping task runs:
+            # requests read meanwhile would otherwise be taken (Triton refuses them once the
+            # signal has arrived)
+            service.accepting = False
         stop.set()
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
@@ -71,6 +77,12 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     service = FrontendService(client, arena, maps, registry, settings.server_id,
                               settings.server_version, settings.strict_readiness, limits,
                               uploads, tracer, cache)
+    try:
+        mark: StoppingMark | None = StoppingMark(settings.run_dir)
+    except OSError:             # started without a launcher (tests): its SIGTERM alone stops it
+        mark = None
+    if mark is not None:
+        service.stopping = mark.is_set
     servers, ports = [], {}
     grpc_server = sampler_task = None
     try:
@@ -140,6 +152,9 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         arena.close()
         maps.close()
         regions.close()
+        if mark is not None:
+            service.stopping = lambda: True
+            mark.close()
 
 
 class _ShmTimer:

@@ -58,6 +58,10 @@ class FrontendService:
         self.server_version = server_version
         self.strict_readiness = strict_readiness
         self.accepting = True           # False once shutdown begins: not ready, no new requests
+        # the launcher's mark, set the moment a stop signal reaches it (ipc/proc.py): read per
+        # request, so requests sent after the signal are refused before this frontend's own
+        # SIGTERM has been handled
+        self.stopping: Callable[[], bool] = lambda: False
         self.logging = LogControl(client)   # the logging extension (frontend/log_settings.py)
         # the trace extension (frontend/trace.py); ``tracer.active`` is all a request checks
         self.tracer = trace or TraceCore(TraceConfig())
@@ -216,7 +220,7 @@ class FrontendService:
         """The model and version an infer request runs on, once the server takes requests.
         ``unary``: the endpoint, when it carries one answer only (a decoupled model is refused
         there with Triton's words)."""
-        if not self.accepting:
+        if not self.accepting or self.stopping():
             raise InferError(ErrorCode.UNAVAILABLE, "the server is shutting down")
         view, v = self.catalog.resolve(model, version)
         if unary and view.decoupled:

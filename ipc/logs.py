@@ -167,8 +167,12 @@ def apply(settings: LogSettings, announce: bool = True) -> bool:
     global _current
     changed = settings != _current
     _current = settings
-    # records below INFO are made (and formatted) only while a verbose level asks for them
-    logging.getLogger().setLevel(logging.DEBUG if settings.verbose > 0 else logging.INFO)
+    # records below INFO are made (and formatted) only while a verbose level asks for them,
+    # and only ours: a library's debug lines (hpack logs each header it decodes) are not
+    # Triton's verbose log, and would cost every request many lines
+    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger("shmserve").setLevel(logging.DEBUG if settings.verbose > 0
+                                           else logging.NOTSET)
     if changed and announce:
         logging.getLogger("shmserve.log").debug("log settings now: %s", describe(settings))
     return changed

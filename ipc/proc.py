@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import mmap
 import os
 import signal
 import sys
@@ -58,6 +59,35 @@ class StopFlag:
         self.signum = signum
         if self.on_signal is not None:
             self.on_signal(signum)
+
+
+class StoppingMark:
+    """One byte in the run directory, shared by mapping it: the launcher sets it in its signal
+    handler, the moment a stop signal arrives; each frontend reads it before taking a request.
+    A frontend learns of the stop a hop and a turn of its loop later (the launcher's SIGTERM),
+    and would take meanwhile the requests a client sent after its signal; Triton, one process,
+    refuses those (its gRPC state-cleanup test sends 15 within 2 ms of its SIGINT)."""
+
+    NAME = "stopping"
+
+    def __init__(self, run_dir: str, create: bool = False):
+        path = os.path.join(run_dir, self.NAME)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | (os.O_CREAT if create else 0), 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, 1)
+            self._map = mmap.mmap(fd, 1)
+        finally:
+            os.close(fd)
+
+    def set(self) -> None:
+        self._map[0] = 1
+
+    def is_set(self) -> bool:
+        return self._map[0] != 0
+
+    def close(self) -> None:
+        self._map.close()
 
 
 class InboxWaker:

@@ -4,7 +4,6 @@ import queue
 
 import numpy as np
 import pytest
-import requests
 import tritonclient.grpc as grpcclient
 from repo_builder import write_model
 from serverproc import Server, wait_for

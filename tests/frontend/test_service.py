@@ -97,6 +97,19 @@ def test_infer_target_refuses_once_shutdown_begins():
     assert "shutting down" in raises(ErrorCode.UNAVAILABLE, svc.infer_target, "simple", "")
 
 
+def test_infer_target_refuses_once_the_launcher_marks_the_stop(tmp_path):
+    """Before this frontend's own SIGTERM is handled: the launcher's mark is read per request."""
+    from shmserve.ipc.proc import StoppingMark
+    launcher, frontend = StoppingMark(str(tmp_path), create=True), StoppingMark(str(tmp_path))
+    svc = make_service()
+    svc.stopping = frontend.is_set
+    assert svc.infer_target("simple", "")[1] == 1
+    launcher.set()
+    assert "shutting down" in raises(ErrorCode.UNAVAILABLE, svc.infer_target, "simple", "")
+    launcher.close()
+    frontend.close()
+
+
 # ---- model control ------------------------------------------------------------------------------
 def test_load_sends_the_config_override():
     client = FakeClient()

@@ -79,13 +79,15 @@ def test_records_keep_their_arguments_and_tracebacks(tmp_path):
             raise ValueError("boom")
         except ValueError:
             logging.getLogger("x").exception("failed with %s", "style")
-        logging.getLogger("x").debug("debug shows with verbose")
+        logging.getLogger("shmserve.x").debug("debug shows with verbose")
+        logging.getLogger("hpack").debug("a library's debug line does not")
         assert logs.flush(5)
         logs.stop()
     text = path.read_text()
     # the traceback is part of the message, escaped with it: one line per record
     assert re.search(r'^E.*\] "failed with style\\nTraceback .*ValueError: boom"$', text, re.M), text
     assert re.search(r'^I.*\] "debug shows with verbose"$', text, re.M), text
+    assert "a library's debug line" not in text
 
 
 def test_a_forked_child_gets_a_writer_of_its_own(tmp_path):

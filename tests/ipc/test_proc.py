@@ -11,7 +11,7 @@ import pytest
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import Ping, Wake
-from shmserve.ipc.proc import InboxWaker, StopFlag
+from shmserve.ipc.proc import InboxWaker, StopFlag, StoppingMark
 
 
 @pytest.fixture
@@ -75,3 +75,25 @@ def test_freeze_startup_heap_takes_what_lives_out_of_the_collectors_reach():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=True).stdout
     assert out.split() == ["True", "True"]
+
+
+def test_the_stopping_mark_set_in_one_process_is_seen_by_another(tmp_path):
+    mark = StoppingMark(str(tmp_path), create=True)
+    reader = (f"import sys, time; sys.path.insert(0, {os.getcwd()!r})\n"
+              f"from shmserve.ipc.proc import StoppingMark\n"
+              f"m = StoppingMark({str(tmp_path)!r})\n"
+              f"print(m.is_set(), flush=True)\n"
+              f"deadline = time.monotonic() + 30\n"
+              f"while not m.is_set() and time.monotonic() < deadline:\n"
+              f"    time.sleep(0.001)\n"
+              f"print(m.is_set(), flush=True)\n")
+    child = subprocess.Popen([sys.executable, "-c", reader], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "False"
+        mark.set()
+        assert child.stdout.readline().strip() == "True"
+    finally:
+        child.wait(timeout=30)
+        mark.close()
+    with pytest.raises(FileNotFoundError):      # a frontend without a launcher has none
+        StoppingMark(str(tmp_path / "elsewhere"))
