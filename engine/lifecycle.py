@@ -567,13 +567,12 @@ def instances_of(config):
         # a GPU group on a machine without GPUs still gets its workers: the backend then
         # refuses to load with the reason, instead of having no instances
         devices = (list(group.gpus) or [0]) if kind == "GPU" else [0]
-        # as Triton names them: a group's only instance by the group's name, several by
-        # the name and their index (a python model sees it as args["model_instance_name"])
-        alone = group.count == 1 and len(devices) == 1
+        # as Triton (since 2.37) names them: the group's name and the instance's index, also
+        # for a group's only one (a python model sees it as args["model_instance_name"];
+        # Triton's init_args test expects "init_args_0_0")
         for device in devices:
             for i in range(group.count):
-                yield Instance(group.name if alone else f"{group.name}_{i}", kind, device,
-                               group=index)
+                yield Instance(f"{group.name}_{i}", kind, device, group=index)
 
 
 def fingerprint(dirs: list[str]) -> tuple:

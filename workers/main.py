@@ -656,6 +656,9 @@ def main() -> None:
     stop = StopFlag(signals=(signal.SIGTERM,), on_signal=on_sigterm, on_repeat=_exit_now)
     worker = Worker(args)
     worker.args_path = sys.argv[2]
+    # a model sees the argv of Triton's embedded stub, not ours: unittest.main() in a model
+    # (Triton's own test models run one) would take our arguments for test names
+    sys.argv = [""]
     waker.attach(worker.inbox)
     try:
         if worker.load():

@@ -395,11 +395,12 @@ class InferenceResponseSender:
     decoupled model sends any number and ends with TRITONSERVER_RESPONSE_COMPLETE_FINAL (with or
     without a last response); any other model sends one. ``emit(response, final)`` is the
     worker's: it turns the response into an answer on its way to the client."""
-    __slots__ = ("_emit", "_decoupled", "_is_cancelled", "_closed", "_sent", "_held", "_lock")
+    __slots__ = ("_emit", "_decoupled", "_is_cancelled", "_closed", "_sent", "_answered",
+                 "_lock")
 
     def __init__(self, emit, decoupled, is_cancelled):
         self._emit, self._decoupled, self._is_cancelled = emit, decoupled, is_cancelled
-        self._closed, self._sent, self._held = False, 0, None
+        self._closed, self._sent, self._answered = False, 0, False
         self._lock = threading.Lock()
 
     def send(self, response=None, flags=0):
@@ -427,20 +428,24 @@ class InferenceResponseSender:
             self._closed = final
             self._sent += 1
             if not self._decoupled:
-                # its one answer leaves with the FINAL flag, as one message
-                if not final:
-                    self._held = response
-                    return
-                response, self._held = response or self._held, None
+                # its one answer leaves at once, as Triton sends it: an error the model raises
+                # afterwards (a second send) does not replace it. The FINAL flag alone then
+                # has nothing to add.
+                if response is not None:
+                    self._answered = True
+                    self._emit(response, True)
+                return
             self._emit(response, final)
 
     def is_cancelled(self):
         return self._is_cancelled()
 
     def _close(self):
-        """The worker answered the request (an error): later sends are refused."""
+        """The worker answered the request (an error): later sends are refused. True when the
+        request had its answer already (its sender finished, or a non-decoupled model's one
+        response has left)."""
         with self._lock:
-            was, self._closed = self._closed, True
+            was, self._closed = self._closed or self._answered, True
         return was
 
 
@@ -489,10 +494,20 @@ _PY_LEVEL = {LogLevel.INFO: logging.INFO, LogLevel.WARNING: logging.WARNING,
 
 
 class Logger:
+    # Triton's stub nests the levels in Logger as well (Logger.INFO, ...)
+    LogLevel = LogLevel
+    INFO, WARNING, ERROR, VERBOSE = LogLevel.INFO, LogLevel.WARNING, LogLevel.ERROR, \
+        LogLevel.VERBOSE
+
     # stacklevel points the record at the model's own file:line, as Triton's log lines do.
     @staticmethod
     def log(message, level=LogLevel.INFO, _depth=2):
-        _LOG.log(_PY_LEVEL[LogLevel(level)], "%s", message, stacklevel=_depth)
+        # the argument types Triton's binding takes, or its TypeError
+        if not isinstance(message, str) or not isinstance(level, LogLevel):
+            raise TypeError(f"log(): incompatible function arguments: expected (message: str, "
+                            f"level: LogLevel), got ({type(message).__name__}, "
+                            f"{type(level).__name__})")
+        _LOG.log(_PY_LEVEL[level], "%s", message, stacklevel=_depth)
 
     log_info = staticmethod(lambda message: Logger.log(message, LogLevel.INFO, 3))
     log_warn = staticmethod(lambda message: Logger.log(message, LogLevel.WARNING, 3))

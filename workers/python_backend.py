@@ -172,7 +172,7 @@ class PythonBackend:
             return self._fail_open(pb_requests, msg), True
         if self.decoupled or responses is None:
             if responses is not None:
-                return self._fail_open(pb_requests, f"Python model '{self.spec.model_name}' is "
+                return self._fail_open(pb_requests, f"Python model '{self.spec.instance_name}' is "
                                                 f"using the decoupled mode and the execute "
                                                 f"function must return None."), True
             return [None] * len(requests), False    # answered through the response senders
@@ -181,7 +181,20 @@ class PythonBackend:
             msg = f"execute() of model '{self.spec.model_name}' must return a list of " \
                   f"{len(requests)} InferenceResponse objects, got {n}"
             return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests], True
-        return [self._convert(req, resp) for req, resp in zip(requests, responses)], False
+        return [self._answer(req, pb, resp)
+                for req, pb, resp in zip(requests, pb_requests, responses)], False
+
+    def _answer(self, req: WorkRequest, pb, resp) -> WorkResponse | None:
+        """A non-decoupled model's return for one request. A request it rescheduled must
+        have None there (Triton's check, word for word); it is answered with the error then,
+        not run again."""
+        if pb._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
+            if resp is None:
+                return None
+            pb._release_flags = pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
+            return WorkResponse(error="Expected a None object in the execute function return "
+                                      "list for reschduled request", code=ErrorCode.INTERNAL)
+        return self._convert(req, resp)
 
     def _sender(self, req: WorkRequest) -> pb_utils.InferenceResponseSender:
         emit, poll, key = req.emit, self.poll_cancelled, req.cancel_key

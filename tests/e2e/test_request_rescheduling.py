@@ -57,6 +57,20 @@ class TritonPythonModel:
             r.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
         raise ValueError("failed after rescheduling")
 """
+# reschedules every request but returns a response for it, not None: the request fails with
+# Triton's words (and is not run again for ever)
+WRONG_RETURN_CODE = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            r.set_release_flags(pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE)
+            out.append(pb_utils.InferenceResponse([]))
+        return out
+"""
 ADDSUB = """
 name: "{name}"
 backend: "python"
@@ -104,6 +118,9 @@ def server(tmp_path_factory):
                                            extra="sequence_batching { iterative_sequence: true }"),
                 ADDSUB_CODE)
     write_model(r, "not_iterative", ADDSUB.format(name="not_iterative", extra=""), ADDSUB_CODE)
+    write_model(r, "wrong_return", ADDSUB.format(
+        name="wrong_return", extra="sequence_batching { iterative_sequence: true }"),
+        WRONG_RETURN_CODE)
     s = Server(r)
     yield s
     s.stop()
@@ -158,6 +175,19 @@ def test_without_iterative_sequence_a_rescheduled_request_fails(server):
         c.infer("not_iterative", inputs)
     assert "rescheduled a request, which needs sequence_batching { iterative_sequence: " \
            "true }" in str(e.value)
+
+
+def test_a_rescheduled_request_with_a_response_returned_for_it_fails(server):
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    inputs = []
+    for name in ("INPUT0", "INPUT1"):
+        i = grpcclient.InferInput(name, [4], "FP32")
+        i.set_data_from_numpy(np.ones(4, np.float32))
+        inputs.append(i)
+    with pytest.raises(InferenceServerException) as e:
+        c.infer("wrong_return", inputs, client_timeout=60)
+    assert "Expected a None object in the execute function return list for reschduled " \
+           "request" in str(e.value)
 
 
 def test_a_request_that_fails_after_rescheduling_ends_with_its_error(server):

@@ -202,7 +202,7 @@ def test_crash_loop_makes_the_version_unavailable(repo):
     h.die(sid)
     state, reason, cause = h.states("plain")[1]
     assert state is ModelState.UNAVAILABLE and cause is StateCause.CRASH_LOOP
-    assert reason.startswith("crash loop: instance 'plain_0'") and "5 times in a row" in reason
+    assert reason.startswith("crash loop: instance 'plain_0_0'") and "5 times in a row" in reason
     for rid in (running, queued):     # the running one was requeued, then failed with the rest
         err = h.results()[rid]
         assert err.code is ErrorCode.UNAVAILABLE and "crash loop" in err.error

@@ -305,7 +305,7 @@ def test_a_step_whose_worker_dies_is_retried_once_then_fails_the_request(repo):
     err = h.results()[rid]
     assert err.code is ErrorCode.INTERNAL
     assert err.error.startswith("in ensemble 'E', step 0 (model 'a'): the worker process of "
-                                "instance 'a_0' of model 'a' exited unexpectedly")
+                                "instance 'a_0_0' of model 'a' exited unexpectedly")
     assert "retried alone after an earlier worker death" in err.error
     assert stats(h, "E").failures["OTHER"] == 2 and stats(h, "a").failures["BACKEND"] == 1
 
@@ -387,7 +387,7 @@ def test_a_decoupled_step_whose_worker_dies_while_streaming_fails_the_request(re
     assert [r.final for r in answers] == [False, True]
     assert answers[-1].code is ErrorCode.INTERNAL
     assert answers[-1].error.startswith("in ensemble 'S', step 0 (model 'gen'): the worker "
-                                        "process of instance 'gen_0'")
+                                        "process of instance 'gen_0_0'")
     assert "while sending responses" in answers[-1].error
 
 
@@ -496,7 +496,7 @@ def test_a_decoupled_worker_that_dies_before_its_first_response_fails_the_reques
     (err,) = h.answers(rid)
     assert err.code is ErrorCode.INTERNAL and err.final
     assert err.error.startswith("in ensemble 'S', step 0 (model 'gen'): the worker process of "
-                                "instance 'gen_0'")
+                                "instance 'gen_0_0'")
 
 
 def test_a_client_cancel_reaches_a_step_that_streams_past_its_execution(repo):

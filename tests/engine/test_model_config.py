@@ -355,11 +355,12 @@ def test_a_config_that_is_not_utf8_is_a_config_error(tmp_path):
 
 
 def test_instance_names_are_tritons():
-    """A group's only instance is named after the group (Triton's 'simple_0', which python
-    models see as model_instance_name and its error texts name); several by group and index."""
+    """By group and index, a group's only instance too (Triton's 'simple_0_0' since 2.37, which
+    python models see as model_instance_name and its error texts name)."""
     from shmserve.engine.lifecycle import instances_of
     cfg = normalize(text_format.Parse('''
         backend: "python"
         instance_group [ { count: 1 kind: KIND_CPU }, { count: 2 kind: KIND_CPU },
                          { name: "mine" count: 1 kind: KIND_CPU } ]''', mc.ModelConfig()), "simple")
-    assert [i.name for i in instances_of(cfg)] == ["simple_0", "simple_1_0", "simple_1_1", "mine"]
+    assert [i.name for i in instances_of(cfg)] == ["simple_0_0", "simple_1_0", "simple_1_1",
+                                                   "mine_0"]

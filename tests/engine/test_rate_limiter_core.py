@@ -110,7 +110,7 @@ def test_an_instance_that_could_never_run_fails_its_load(repo):
     state, reason, _ = h.states("greedy")[1]
     assert state is ModelState.UNAVAILABLE
     assert reason.startswith("Resource count for 'R' is limited to 2 which will prevent "
-                             "scheduling of one or more model instances: instance 'greedy_0' "
+                             "scheduling of one or more model instances: instance 'greedy_0_0' "
                              "of model 'greedy' needs 3")
     assert h.states("a")[1][0] is ModelState.READY
 

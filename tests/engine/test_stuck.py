@@ -35,7 +35,7 @@ def test_a_load_that_never_becomes_ready_fails_at_the_load_timeout(repo):
     h.kill_reported()
     state, reason, cause = h.states("plain")[1]
     assert state is ModelState.UNAVAILABLE and cause is StateCause.LOAD_FAILED
-    assert "instance 'plain_0' did not become ready within 5 s (initialize() hung?)" in reason
+    assert "instance 'plain_0_0' did not become ready within 5 s (initialize() hung?)" in reason
     assert h.table().startup_done                   # readiness is decided: honestly not ready
     rid = h.submit("plain")
     assert h.results()[rid].code is ErrorCode.UNAVAILABLE

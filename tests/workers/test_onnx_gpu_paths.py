@@ -29,7 +29,7 @@ def _spec(name: str, kind: str = "CPU", device_id: int = 0) -> InstanceSpec:
     cfg = model_config.read_config(os.path.join(MODELS, name), name)
     cfg = model_config.normalize(cfg, name)
     return InstanceSpec(name, 1, os.path.join(MODELS, name), model_config.config_to_json(cfg),
-                        f"{name}_0", kind, device_id, "onnxruntime")
+                        f"{name}_0_0", kind, device_id, "onnxruntime")
 
 
 @pytest.mark.skipif(HAS_CUDA_PROVIDER, reason="this onnxruntime has the CUDA provider")
@@ -37,7 +37,7 @@ def test_kind_gpu_without_the_cuda_provider_fails_with_the_reason():
     with pytest.raises(BackendLoadError) as e:
         OnnxBackend(_spec("mlp_onnx", "GPU"))
     text = str(e.value)
-    assert "instance 'mlp_onnx_0' is KIND_GPU" in text
+    assert "instance 'mlp_onnx_0_0' is KIND_GPU" in text
     assert "no CUDA execution provider" in text and "CPUExecutionProvider" in text
     if gpu.device_count()[0] == 0:
         assert "this machine has no GPU that CUDA can use" in text

@@ -475,14 +475,15 @@ def test_response_sender_rules():
                        (("text", 0), "Expected an 'InferenceResponse' object")):
         with pytest.raises(pb.TritonModelException, match=words):
             pb.InferenceResponseSender(emit, True, lambda: False).send(*bad)
-    # a model that is not decoupled sends one answer, with the FINAL flag (now or later)
+    # a model that is not decoupled sends one answer, which leaves at once (as in Triton), and
+    # then the FINAL flag, which adds nothing; an error after it does not replace it
     sent.clear()
     once = pb.InferenceResponseSender(emit, False, lambda: True)
     with pytest.raises(pb.TritonModelException, match="cannot send complete final before"):
         once.send(flags=final)
     once.send(r1)
-    assert sent == []
+    assert sent == [(r1, True)]
     with pytest.raises(pb.TritonModelException, match="cannot send more than one response"):
         once.send(r2)
-    once.send(flags=final)
+    assert once._close() is True        # answered: execute()'s error is not sent after it
     assert sent == [(r1, True)] and once.is_cancelled()
