@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import sys
 import traceback
@@ -22,7 +23,10 @@ from shmserve.ipc.messages import ErrorCode
 from . import autocomplete, pb_utils
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 from .gpu import DeviceTensor
+from .model_loop import ModelLoop
 from .pb_errors import TO_ERROR_CODE
+
+log = logging.getLogger("shmserve.python")
 
 sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 
@@ -81,6 +85,8 @@ class PythonBackend:
         if not callable(getattr(self.model, "execute", None)):
             raise BackendLoadError(f"TritonPythonModel in {path} has no execute method")
         self.is_async = inspect.iscoroutinefunction(self.model.execute)
+        # made at the first coroutine the model hands over (workers/model_loop.py)
+        self.loop: ModelLoop | None = None
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
         # sequence_batching { iterative_sequence: true }: requests may be rescheduled
         self.iterative = bool((cfg.get("sequence_batching") or {}).get("iterative_sequence"))
@@ -99,8 +105,7 @@ class PythonBackend:
             try:
                 result = self.model.initialize(args)
                 if inspect.iscoroutine(result):
-                    import asyncio
-                    asyncio.run(result)
+                    self._loop().run(result)
             except Exception as e:
                 raise BackendLoadError(f"initialize() of model '{spec.model_name}' failed: "
                                        f"{type(e).__name__}: {e}") from e
@@ -164,11 +169,18 @@ class PythonBackend:
         try:
             responses = self.model.execute(pb_requests)
             if self.is_async:
-                import asyncio
-                responses = asyncio.run(responses)
+                if self.decoupled:
+                    # answered through its senders: the worker goes on to the next batch
+                    # while this one runs (Triton runs a decoupled model's async executions
+                    # concurrently)
+                    self._loop().start(responses, partial(self._async_done, requests,
+                                                          pb_requests))
+                    return [None] * len(requests), False
+                responses = self._loop().run(responses)
         except Exception as e:
             msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
                   f"message: {type(e).__name__}: {e}{raised_at(e)}"
+            log.error("%s", msg)    # also when every request had its answer already (Triton)
             return self._fail_open(pb_requests, msg), True
         if self.decoupled or responses is None:
             if responses is not None:
@@ -256,7 +268,31 @@ class PythonBackend:
         params = resp.parameters()
         return WorkResponse(outputs=outputs, parameters=json.loads(params) if params and params != "{}" else {})
 
+    def _loop(self) -> ModelLoop:
+        if self.loop is None:
+            self.loop = ModelLoop()
+        return self.loop
+
+    def _async_done(self, requests: list[WorkRequest], pb_requests: list, done) -> None:
+        """A decoupled model's async execute() ended (on the loop's thread): if it raised or
+        returned something, the requests it left open get the error, and the log says why."""
+        e = done.exception() if not done.cancelled() else None
+        if e is not None:
+            msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
+                  f"message: {type(e).__name__}: {e}{raised_at(e)}"
+        elif not done.cancelled() and done.result() is not None:
+            msg = f"Python model '{self.spec.instance_name}' is using the decoupled mode and " \
+                  f"the execute function must return None."
+        else:
+            return
+        log.error("%s", msg)
+        for req, answer in zip(requests, self._fail_open(pb_requests, msg)):
+            if answer is not None and req.emit is not None:
+                req.emit(answer, True)
+
     def finalize(self) -> None:
         fin = getattr(self.model, "finalize", None)
         if fin is not None:
             fin()
+        if self.loop is not None:
+            self.loop.close()
