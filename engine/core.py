@@ -23,6 +23,7 @@ import msgspec
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (
+    BLS_FRONTEND_BASE,
     ENSEMBLE_FRONTEND,
     BatchDone,
     CancelRequest,
@@ -306,9 +307,14 @@ class SchedulerCore:
                              f"not at ready state")
             return
         if msg.chain and ver.name in msg.chain and not any(
-                i.state == InstanceState.IDLE for i in ver.instances):
-            # any instance that is not idle may be the one whose execution waits for this
-            # answer (a leased one too: it cannot give its lease back while it waits)
+                i.state == InstanceState.IDLE or (i.state == InstanceState.LEASED
+                                                  and i.spawn_id + BLS_FRONTEND_BASE
+                                                  != msg.frontend)
+                for i in ver.instances):
+            # a busy instance may be the one whose execution waits for this answer, and so
+            # may the caller's own, leased or not (it cannot give its lease back while it
+            # waits); another leased instance comes back when the request queues (its lease
+            # is revoked), as for any request that finds no idle instance
             self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
                              ErrorCode.UNAVAILABLE,
                              f"BLS request for model '{ver.name}' refused: it comes from "

@@ -126,6 +126,7 @@ class InferPayload(msgspec.Struct, array_like=True):
 # the answers of requests from it to the scheduler (engine/ensemble.py). Client frontends are
 # numbered from 0; workers' BLS clients from 1 << 24 (workers/bls.py).
 ENSEMBLE_FRONTEND = (1 << 24) - 1
+BLS_FRONTEND_BASE = 1 << 24         # a worker's BLS client is this plus its spawn id
 
 
 # ---- frontend -> scheduler -------------------------------------------------------------------

@@ -31,6 +31,7 @@ from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
 from shmserve.ipc import channel, packets
 from shmserve.ipc.messages import (
+    BLS_FRONTEND_BASE,
     CancelRequest,
     ControlReply,
     ControlRequest,
@@ -52,7 +53,6 @@ from .pb_errors import FROM_ERROR_CODE
 
 log = logging.getLogger("shmserve.worker")
 
-BLS_FRONTEND_BASE = 1 << 24         # frontend ids from here up are workers' BLS clients
 FIRST_TABLE_WAIT_S = 30.0
 
 

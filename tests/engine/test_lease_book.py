@@ -459,6 +459,42 @@ def test_a_bls_request_that_would_wait_for_its_own_chain_is_refused(repo):
     assert 801 not in h.results() and len(h.batches()) == 2
 
 
+def test_a_bls_request_to_its_own_model_takes_another_leased_instance(repo):
+    """Triton's bls_parameters test: a model with several instances calls itself. Every
+    instance is leased (a plain dynamic batcher); the one running the caller is not free, the
+    other is: the request queues, its lease comes back, and it runs there."""
+    h = leased_harness(repo)
+    a, b = h.core.versions[("batched_pair", 1)].instances
+    h.submit("batched_pair")
+    h.tick(0.01)
+    [(busy, _, _)] = h.batches()
+    h.finish(busy)
+    assert a.state is b.state is InstanceState.LEASED
+    caller = a if a.spawn_id == busy else b
+    other = b if caller is a else a
+    h.core.handle(FrontendHello(BLS + caller.spawn_id, "inproc://bls", leases=False))
+    h.core.handle(SubmitRequest(900, BLS + caller.spawn_id, "batched_pair", 1, 1, h.clock(),
+                                chain=["batched_pair"]), [b"p"])
+    assert 900 not in h.results()                           # not refused
+    revoked = {s: m for s, m in h.to_worker(RevokeLease)}
+    assert sorted(revoked) == sorted([a.spawn_id, b.spawn_id])
+    h.core.handle(LeaseEnded(other.spawn_id, revoked[other.spawn_id].lease_id))
+    h.tick(0.01)
+    assert [r.req_id for r in h.last_batch(other.spawn_id).routes] == [900]
+
+
+def test_a_bls_request_from_the_only_instance_leased_to_run_it_is_refused(repo):
+    h = leased_harness(repo)
+    h.submit("plain")
+    sid = sid_of(h, "plain")
+    h.finish(sid)
+    assert h.core.versions[("plain", 1)].instances[0].state is InstanceState.LEASED
+    h.core.handle(FrontendHello(BLS + sid, "inproc://bls", leases=False))
+    h.core.handle(SubmitRequest(901, BLS + sid, "plain", 1, 1, h.clock(), chain=["plain"]),
+                  [b"p"])
+    assert "would wait for itself" in h.results()[901].error
+
+
 def test_response_cache_records_reach_the_statistics(repo):
     """A frontend's cache records ride with its leased records: a hit counts as a success
     that ran nothing, a miss as its lookup plus its insert; a version that is gone is skipped."""
