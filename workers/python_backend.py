@@ -12,8 +12,10 @@ import inspect
 import json
 import logging
 import os
+import re
 import sys
 import traceback
+import types
 from functools import partial
 
 import numpy as np
@@ -34,8 +36,10 @@ sys.modules.setdefault("triton_python_backend_utils", pb_utils)
 def raised_at(e: BaseException) -> str:
     """Where a model's code raised, as Triton's stub appends it to the message: the Python
     frames below this module's call, innermost first ("\n\nAt:\n  file(line): function\n")."""
+    # an async execute's runners (asyncio, the future that carries it over, our loop)
+    skip = (os.sep + "asyncio" + os.sep, os.sep + "concurrent" + os.sep, "model_loop.py")
     frames = [f for f in traceback.extract_tb(e.__traceback__)[1:]
-              if os.sep + "asyncio" + os.sep not in f.filename]   # an async execute's runner
+              if not any(s in f.filename for s in skip)]
     if not frames:
         return ""
     return "\n\nAt:\n" + "".join(f"  {f.filename}({f.lineno}): {f.name}\n"
@@ -67,8 +71,15 @@ class PythonBackend:
         # model.py may import modules that sit next to it, as it can under Triton
         if version_dir not in sys.path:
             sys.path.insert(0, version_dir)
-        module_name = f"_shmserve_model_{spec.model_name}_{spec.version}"
+        # model.py is a module of a package whose directory is the version's: its relative
+        # imports (`from . import helper`) work, as under Triton's stub
+        package = "_shmserve_model_" + re.sub(r"\W", "_", f"{spec.model_name}_{spec.version}")
+        stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+        module_name = f"{package}.{stem}"
         try:
+            pkg = types.ModuleType(package)
+            pkg.__path__ = [version_dir]
+            sys.modules[package] = pkg
             mod_spec = importlib.util.spec_from_file_location(module_name, path)
             module = importlib.util.module_from_spec(mod_spec)
             sys.modules[module_name] = module

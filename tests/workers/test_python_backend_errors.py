@@ -39,3 +39,28 @@ def test_an_exception_in_execute_fails_each_request_naming_the_instance(tmp_path
                               f"RuntimeError: boom\n\nAt:\n  {path}(8): helper\n"
                               f"  {path}(4): execute\n")
     assert response.code == ErrorCode.INTERNAL
+
+
+def test_model_py_imports_its_neighbours_relatively_and_absolutely(tmp_path):
+    """As under Triton's stub (its multi_file test): `from . import file2` and `import file2`."""
+    d = tmp_path / "multi_file" / "1"
+    d.mkdir(parents=True)
+    (d / "file2.py").write_text("VALUE = 7\n")
+    (d / "model.py").write_text(
+        "import numpy as np\n"
+        "import triton_python_backend_utils as pb_utils\n"
+        "from . import file2\n"
+        "import file2 as absolute\n"
+        "class TritonPythonModel:\n"
+        "    def execute(self, requests):\n"
+        "        v = np.array([file2.VALUE + absolute.VALUE], np.float32)\n"
+        "        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUT', v)])\n"
+        "                for _ in requests]\n")
+    cfg = {"name": "multi_file", "backend": "python", "max_batch_size": 0,
+           "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}],
+           "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [1]}]}
+    backend = PythonBackend(InstanceSpec("multi_file", 1, str(tmp_path / "multi_file"),
+                                         json.dumps(cfg), "multi_file_0_0", "CPU", 0, "python"))
+    request = WorkRequest({"IN": np.zeros(1, np.float32)}, {"IN": "FP32"}, [])
+    [response] = backend.execute([request])
+    assert response.outputs[0][2].tolist() == [14.0]
