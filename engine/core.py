@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import Callable
 
 import msgspec
@@ -76,6 +77,9 @@ from .states import InstanceState, KillReason, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
 
+# decoupled requests whose worker is remembered for a cancel after their execution ended
+STREAMED_KEPT = 65536
+
 
 class SchedulerCore:
     def __init__(self, settings: ServerSettings, port: SchedulerPort,
@@ -103,6 +107,10 @@ class SchedulerCore:
         self.frontends: set[int] = set()
         self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
+        # the worker whose execution of a decoupled model's request has ended, which may still
+        # be answering it (the scheduler does not hear when it stops): for a cancel. Bounded:
+        # the oldest go first
+        self.streamed_by: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.accounting = Accounting(clock, self.ensembles.timings)
         # --rate-limit execution_count (engine/rate_limiter.py); None: off
         self.rate_limiter = RateLimiter(settings.rate_limit_resources) \
@@ -373,6 +381,13 @@ class SchedulerCore:
                         (r.frontend, r.req_id) == key for r in inst.batch):
                     self.port.send_worker(sid, msg)
                     return
+            # in no batch: a decoupled model's request may still be answered from a thread
+            # the model started (execute() returned before its first response, so its client
+            # has no worker to tell yet): the worker that ran it hears it
+            ran = self.streamed_by.get(key)
+            found = self.supervisor.by_spawn.get(ran) if ran is not None else None
+            if ran is not None and found is not None and found[1].connected:
+                self.port.send_worker(ran, msg)
             return
         req = ver.queue.cancel(msg.frontend, msg.req_id)
         if req is not None:
@@ -499,6 +514,12 @@ class SchedulerCore:
             return
         batch = inst.batch or []
         self.accounting.account(ver, batch, msg)
+        if ver.config.model_transaction_policy.decoupled:
+            streamed = self.streamed_by
+            for r in batch:
+                streamed[(r.frontend, r.req_id)] = msg.spawn_id
+            while len(streamed) > STREAMED_KEPT:
+                streamed.popitem(last=False)
         inst.answered.extend((r.frontend, r.req_id) for r in batch)
         inst.deaths_in_a_row = 0
         inst.batch = None

@@ -52,6 +52,9 @@ MODES = textwrap.dedent('''
                     threading.Thread(target=lambda: (time.sleep(0.2), os._exit(3))).start()
                 elif mode == "until_cancelled":
                     threading.Thread(target=self.until_cancelled, args=(s, p["flag"])).start()
+                elif mode == "silent_until_cancelled":  # no response before the cancel
+                    threading.Thread(target=self.silent_until_cancelled,
+                                     args=(s, p["flag"])).start()
                 elif mode == "twice":           # sending after FINAL is refused
                     s.send(out(1), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                     try:
@@ -59,6 +62,16 @@ MODES = textwrap.dedent('''
                     except pb_utils.TritonModelException as e:
                         open(p["flag"], "w").write(str(e))
             return None
+
+        @staticmethod
+        def silent_until_cancelled(sender, flag):
+            open(flag + ".started", "w").close()
+            deadline = time.monotonic() + 30
+            while not sender.is_cancelled() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            with open(flag, "w") as f:
+                f.write("cancelled" if sender.is_cancelled() else "never cancelled")
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
         @staticmethod
         def until_cancelled(sender, flag):
@@ -277,6 +290,20 @@ def test_a_client_that_leaves_cancels_the_stream_in_the_model(srv, tmp_path):
     _modes(s, "until_cancelled", flag=flag)
     s.get()                             # it is streaming
     s.close(cancel_requests=True)       # the client hangs up
+    wait_for(lambda: os.path.exists(flag) and open(flag).read(), 30,
+             "the model to see the request cancelled")
+    assert open(flag).read() == "cancelled"
+
+
+def test_a_cancel_before_the_first_response_reaches_the_models_thread(srv, tmp_path):
+    """Triton's execute_cancel test: execute() returned, a thread of the model answers later
+    and polls is_cancelled(); the client cancels before any response came (so it knows no
+    worker to tell: the scheduler has the request in no batch any more)."""
+    flag = str(tmp_path / "cancel")
+    s = Stream(srv)
+    _modes(s, "silent_until_cancelled", flag=flag)
+    wait_for(lambda: os.path.exists(flag + ".started"), 30, "the model's thread to start")
+    s.close(cancel_requests=True)
     wait_for(lambda: os.path.exists(flag) and open(flag).read(), 30,
              "the model to see the request cancelled")
     assert open(flag).read() == "cancelled"

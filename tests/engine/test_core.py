@@ -40,6 +40,8 @@ dynamic_batching {{
   default_queue_policy {{ default_timeout_microseconds: 1000000 timeout_action: REJECT
                           allow_timeout_override: true }}
 }}''')
+    write_model(r, "streams", f"max_batch_size: 0\n{IO}\n{ONE}\n"
+                              f"model_transaction_policy {{ decoupled: true }}")
     return r
 
 
@@ -471,6 +473,19 @@ def test_response_reports_count_in_their_workers_version(repo):
     assert sorted(m.response_stats) == ["0", "1"]
     assert (m.response_stats["0"].success.count, m.response_stats["0"].success.ns) == (1, 50)
     assert m.response_stats["1"].empty_response.ns == 20
+
+
+def test_a_cancel_after_a_decoupled_execution_reaches_the_worker_that_ran_it(repo):
+    """Its execute() returned, a thread of the model answers later: the cancel goes to that
+    worker (the request is in no batch any more), and to no other."""
+    h = Harness(repo).start()
+    sid = only(h, "streams")
+    rid = h.submit("streams")
+    h.finish(sid)
+    h.core.handle(CancelRequest(0, rid))
+    assert h.to_worker(CancelRequest) == [(sid, CancelRequest(0, rid))]
+    h.core.handle(CancelRequest(0, 12345))                  # no such request: nobody hears it
+    assert len(h.to_worker(CancelRequest)) == 1
 
 
 def test_statistics_errors_name_the_model(repo):
