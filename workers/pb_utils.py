@@ -110,6 +110,8 @@ class Tensor:
     def __init__(self, name, numpy_array, datatype=None):
         if not isinstance(name, str):
             raise TypeError(f"tensor name must be a str, got {type(name).__name__}")
+        if numpy_array is None:         # Triton's binding refuses it as an argument type
+            raise TypeError(f"tensor '{name}': expected a numpy array, got None")
         arr = numpy_array if isinstance(numpy_array, np.ndarray) else np.asarray(numpy_array)
         natural = _wire_of_dtype(arr.dtype)
         if natural is None:
@@ -194,6 +196,10 @@ class Tensor:
         """CPU tensors become numpy arrays (no copy); GPU tensors stay in GPU memory (``is_cpu()``
         is False), held through their capsule, and are copied to the host only when they leave
         the model as outputs."""
+        if not name or dlpack_tensor is None:
+            raise TritonModelException(f"Tensor.from_dlpack needs a tensor name and a DLPack "
+                                       f"tensor, got name {name!r} and "
+                                       f"{type(dlpack_tensor).__name__}")
         obj = dlpack_tensor
         is_capsule = type(obj).__name__ == "PyCapsule"
         device = _dlpack_device(name, obj, is_capsule)
@@ -296,19 +302,32 @@ class InferenceRequest:
                  "_parameters", "_model_name", "_model_version", "_timeout", "_preferred_memory",
                  "_trace", "_release_flags", "_cancel_key", "_poll_cancelled", "_sender")
 
-    def __init__(self, model_name="", requested_output_names=(), inputs=(), request_id="", correlation_id=0,
+    def __init__(self, model_name, requested_output_names, inputs, request_id="", correlation_id=0,
                  model_version=-1, flags=0, timeout=0, preferred_memory=None, trace=None, parameters=None):
+        # the argument types Triton's binding takes (TypeError), then its own checks
+        if isinstance(model_name, bytes):      # e.g. an element of a BYTES input, as Triton takes
+            model_name = model_name.decode()
+        for what, value, kinds in (("model_name", model_name, str),
+                                   ("request_id", request_id, str),
+                                   ("correlation_id", correlation_id, (int, str)),
+                                   ("model_version", model_version, int),
+                                   ("flags", flags, int), ("timeout", timeout, int)):
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise TypeError(f"InferenceRequest(): incompatible argument {what}: "
+                                f"{type(value).__name__}")
+        if inputs is None or requested_output_names is None:
+            raise TypeError("InferenceRequest(): inputs and requested_output_names must be "
+                            "lists, not None")
+        if any(not isinstance(n, str) for n in requested_output_names):
+            raise TypeError("InferenceRequest(): requested_output_names must be strings")
         inputs = list(inputs)
         for t in inputs:
             if not isinstance(t, Tensor):
-                raise TypeError(f"inputs must be pb_utils.Tensor objects, got {type(t).__name__}")
-        if not isinstance(correlation_id, (int, str)):
-            raise TypeError("correlation_id must be an int or a str")
+                raise TritonModelException(f"inputs must be pb_utils.Tensor objects, got "
+                                           f"{type(t).__name__}")
         self._inputs = inputs
         self._requested_output_names = [str(n) for n in requested_output_names]
         self._request_id, self._correlation_id = str(request_id), correlation_id
-        if isinstance(model_name, bytes):      # e.g. an element of a BYTES input, as Triton takes
-            model_name = model_name.decode()
         self._flags, self._parameters = int(flags), _params_json(parameters)
         self._model_name, self._model_version = str(model_name), int(model_version)
         self._timeout, self._preferred_memory, self._trace = int(timeout), preferred_memory, trace
@@ -455,7 +474,14 @@ class InferenceResponse:
     def __init__(self, output_tensors=(), error=None, parameters=None):
         if error is not None and not isinstance(error, TritonError):
             error = TritonError(str(error))  # tolerate a str or an exception where Triton wants TritonError
-        self._output_tensors, self._error = list(output_tensors), error
+        if output_tensors is None:
+            raise TypeError("InferenceResponse(): output_tensors must be a list, not None")
+        output_tensors = list(output_tensors)
+        for t in output_tensors:
+            if not isinstance(t, Tensor):
+                raise TritonModelException(f"output_tensors must be pb_utils.Tensor objects, "
+                                           f"got {type(t).__name__}")
+        self._output_tensors, self._error = output_tensors, error
         self._parameters = _params_json(parameters)
 
     def output_tensors(self): return self._output_tensors

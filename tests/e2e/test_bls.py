@@ -179,7 +179,7 @@ def test_a_model_calling_itself_is_refused_not_deadlocked(srv):
 def test_outside_a_server_exec_is_an_error():
     from shmserve.workers import pb_utils
     with pytest.raises(pb_utils.TritonModelException, match="BLS requests can only be made"):
-        pb_utils.InferenceRequest(model_name="m", inputs=[]).exec()
+        pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[]).exec()
 
 
 def test_a_bls_timeout_ends_the_request_while_it_waits(srv):

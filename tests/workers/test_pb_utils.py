@@ -183,19 +183,20 @@ def test_inference_request_accessors():
     assert pb.get_input_tensor_by_name(r, "x") is x
     assert pb.get_input_tensor_by_name(r, "nope") is None
 
-    d = pb.InferenceRequest()
+    need = dict(model_name="m", requested_output_names=[], inputs=[])
+    d = pb.InferenceRequest(**need)
     assert d.parameters() == "{}" and d.correlation_id() == 0 and d.model_version() == -1 and d.inputs() == []
     with pytest.raises(pb.TritonModelException, match="Expect dict, got <class 'str'>"):
-        pb.InferenceRequest(parameters='{"a": "b"}')          # Triton takes a dict only
+        pb.InferenceRequest(**need, parameters='{"a": "b"}')          # Triton takes a dict only
     with pytest.raises(pb.TritonModelException, match="values to have type bool/int/str, found "
                                                       "type <class 'list'>"):
-        pb.InferenceRequest(parameters={"a": [1]})
-    with pytest.raises(TypeError):
-        pb.InferenceRequest(inputs=[np.zeros(1)])
+        pb.InferenceRequest(**need, parameters={"a": [1]})
+    with pytest.raises(pb.TritonModelException):
+        pb.InferenceRequest(**{**need, "inputs": [np.zeros(1)]})
 
 
 def test_inference_request_unsupported_paths():
-    r = pb.InferenceRequest(model_name="other")
+    r = pb.InferenceRequest(model_name="other", requested_output_names=[], inputs=[])
     with pytest.raises(pb.TritonModelException, match="a request the model built has no "
                                                       "response sender"):
         r.get_response_sender()
@@ -455,7 +456,7 @@ def test_is_cancelled_asks_the_worker_with_the_request_key():
     assert r.is_cancelled() and asked == [(0, 42)]
     other = pb.InferenceRequest._from_worker([], [], "", 0, 0, "", "m", 1, (1, 42), poll)
     assert not other.is_cancelled()
-    assert not pb.InferenceRequest().is_cancelled()                # built by a model: no client
+    assert not pb.InferenceRequest("m", [], []).is_cancelled()                # built by a model: no client
 
 
 def test_response_sender_rules():
@@ -487,3 +488,40 @@ def test_response_sender_rules():
         once.send(r2)
     assert once._close() is True        # answered: execute()'s error is not sent after it
     assert sent == [(r1, True)] and once.is_cancelled()
+
+
+def test_argument_types_are_checked_as_tritons_binding_checks_them():
+    """Triton's argument_validation test: a wrong argument type is a TypeError, a list with a
+    non-tensor in it a TritonModelException."""
+    t = pb.Tensor("INPUT0", np.asarray([1, 2], np.int32))
+    ok = dict(model_name="m", requested_output_names=["o"], inputs=[t])
+    with pytest.raises(pb.TritonModelException):
+        pb.InferenceRequest(**{**ok, "inputs": [None]})
+    for change in ({"inputs": None}, {"model_name": None}, {"requested_output_names": [None]},
+                   {"requested_output_names": None}, {"correlation_id": None},
+                   {"request_id": None}, {"model_version": None}, {"flags": None}):
+        with pytest.raises(TypeError):
+            pb.InferenceRequest(**{**ok, **change})
+    for missing in ok:
+        with pytest.raises(TypeError):
+            pb.InferenceRequest(**{k: v for k, v in ok.items() if k != missing})
+    assert pb.InferenceRequest(**ok, correlation_id="id-5").correlation_id() == "id-5"
+    pb.InferenceRequest(model_name="m", requested_output_names=[], inputs=[])
+    with pytest.raises(pb.TritonModelException):
+        pb.InferenceResponse(output_tensors=[None])
+    with pytest.raises(TypeError):
+        pb.InferenceResponse(output_tensors=None)
+    pb.InferenceResponse([t])
+    for name, array in ((None, np.zeros(2)), ("OUTPUT0", None), ("", None)):
+        with pytest.raises(TypeError):
+            pb.Tensor(name, array)
+    for name in ("OUTPUT0", ""):
+        with pytest.raises(pb.TritonModelException):
+            pb.Tensor.from_dlpack(name, None)
+    for call in (lambda: pb.Logger.log("x", None), lambda: pb.Logger.log("x", 1),
+                 lambda: pb.Logger.log_info(None), lambda: pb.Logger.log_warn(None),
+                 lambda: pb.Logger.log_error(None), lambda: pb.Logger.log_verbose(None)):
+        with pytest.raises(TypeError):
+            call()
+    pb.Logger.log("level unspecified")
+    assert pb.Logger.INFO is pb.LogLevel.INFO and pb.Logger.VERBOSE is pb.LogLevel.VERBOSE
