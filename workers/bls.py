@@ -17,6 +17,7 @@ inbox and hands each answer to the queue of the request it belongs to.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -182,13 +183,25 @@ class BlsClient:
         return req_id, answers, slots
 
     def answers(self, req, decoupled: bool):
-        """Yield the answers of ``req`` as pb_utils.InferenceResponse objects; the last one of
-        a decoupled model's that ends with the FINAL flag alone is an empty response."""
+        """Send ``req`` now; its answers as pb_utils.InferenceResponse objects (the last one of
+        a decoupled model's that ends with the FINAL flag alone is an empty response), and a
+        callable that cancels it (None when it was refused before it left)."""
         try:
             req_id, answers, slots = self.submit(req)
         except InferError as e:
-            yield pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))
-            return
+            return iter([pb_utils.InferenceResponse(error=pb_utils.TritonError(e.message))]), None
+        return self._answers(req, decoupled, req_id, answers, slots), \
+            functools.partial(self.cancel, req_id)
+
+    def cancel(self, req_id: int) -> None:
+        """ResponseIterator.cancel(): the model that answers hears it (its is_cancelled() turns
+        true); the answers still come, the last one ends the iteration."""
+        with self.lock:
+            if req_id not in self.pending:
+                return
+        self.worker.tell(CancelRequest(self.fid, req_id))
+
+    def _answers(self, req, decoupled: bool, req_id: int, answers, slots):
         timeout_s = req.timeout() / 1e6 if req.timeout() > 0 else None
         deadline = time.monotonic() + timeout_s if timeout_s else 0.0
         try:

@@ -388,9 +388,9 @@ class InferenceRequest:
         if _bls is None:
             raise TritonModelException("BLS requests can only be made by a model that the "
                                        "server runs")
-        answers = _bls().answers(self, bool(decoupled))
+        answers, cancel = _bls().answers(self, bool(decoupled))
         if decoupled:
-            return answers
+            return ResponseIterator(answers, cancel)
         responses = list(answers)
         return responses[-1] if responses else InferenceResponse(
             error=TritonError("BLS: the model sent no response"))
@@ -406,6 +406,25 @@ class InferenceRequest:
 
 # the worker's BLS client, made on first use (workers/bls.py); None outside a worker
 _bls = None
+
+
+class ResponseIterator:
+    """What ``exec(decoupled=True)`` returns: the responses as they come, and ``cancel()``,
+    which asks the model answering to stop (its ``is_cancelled()`` turns true)."""
+    __slots__ = ("_answers", "_cancel")
+
+    def __init__(self, answers, cancel):
+        self._answers, self._cancel = answers, cancel
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self._answers)
+
+    def cancel(self):
+        if self._cancel is not None:
+            self._cancel()
 
 
 class InferenceResponseSender:

@@ -108,6 +108,57 @@ STREAM_CALLER = textwrap.dedent('''
             return out
 ''')
 
+# decoupled: sends IN[0] every 20 ms from execute() until its request is cancelled (then an
+# error with code CANCELLED, as Triton's response_sender_until_cancelled), at most 200 times
+UNTIL_CANCELLED = """
+import time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        r = requests[0]
+        x = pb_utils.get_input_tensor_by_name(r, "IN").as_numpy()[:1]
+        sender = r.get_response_sender()
+        for _ in range(200):
+            if r.is_cancelled():
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    "request has been cancelled", pb_utils.TritonError.CANCELLED)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return None
+            sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("OUT", x)]))
+            time.sleep(0.02)
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+# sums the stream of until_cancelled and cancels it once the sum reaches 10: OUT is
+# [sum, responses, cancelled]
+CANCELLER = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            stream = pb_utils.InferenceRequest(
+                model_name="until_cancelled", requested_output_names=["OUT"],
+                inputs=[pb_utils.get_input_tensor_by_name(r, "IN")]).exec(decoupled=True)
+            total, n, cancelled = 0, 0, 0
+            for resp in stream:
+                if resp.has_error():
+                    cancelled = int(resp.error().code() == pb_utils.TritonError.CANCELLED)
+                    break
+                if not resp.output_tensors():
+                    break
+                total += int(pb_utils.get_output_tensor_by_name(resp, "OUT").as_numpy()[0])
+                n += 1
+                if total >= 10:
+                    stream.cancel()
+            out.append(pb_utils.InferenceResponse([pb_utils.Tensor(
+                "OUT", np.array([total, n, cancelled], np.int32))]))
+        return out
+"""
 IO = '''
     input [ { name: "IN", data_type: TYPE_INT32, dims: [ -1 ] } ]
     output [ { name: "OUT", data_type: TYPE_INT32, dims: [ -1 ] } ]
@@ -129,6 +180,9 @@ def srv(tmp_path_factory):
     write_model(repo, "async_caller", 'backend: "python"\nmax_batch_size: 0\n' + IO, ASYNC_CALLER)
     write_model(repo, "stream_caller", 'backend: "python"\nmax_batch_size: 0\n' + IO,
                 STREAM_CALLER)
+    write_model(repo, "until_cancelled", 'backend: "python"\nmax_batch_size: 0\n'
+                'model_transaction_policy { decoupled: true }\n' + IO, UNTIL_CANCELLED)
+    write_model(repo, "canceller", 'backend: "python"\nmax_batch_size: 0\n' + IO, CANCELLER)
     s = Server(repo)
     yield s
     assert s.stop() == 0
@@ -193,3 +247,10 @@ def test_a_bls_timeout_ends_the_request_while_it_waits(srv):
         assert "Request timeout expired" in text
     finally:
         slow.join(30)
+
+
+def test_a_decoupled_bls_stream_is_cancelled_by_its_iterator(srv):
+    """Triton's ResponseIterator.cancel(): the model answering sees is_cancelled() and ends
+    its stream with CANCELLED; the caller stops early (well before 200 responses)."""
+    total, n, cancelled = _call(srv, "canceller", [2]).as_numpy("OUT").tolist()
+    assert cancelled == 1 and total >= 10 and n < 200
