@@ -385,6 +385,8 @@ class InferenceRequest:
     def exec(self, decoupled=False):
         """BLS: run this request on its model (workers/bls.py). One response; with
         ``decoupled``, an iterator of the model's responses (the last may be empty)."""
+        if _bls_refused_in is not None:
+            raise TritonModelException("BLS is only supported during the 'execute' function.")
         if _bls is None:
             raise TritonModelException("BLS requests can only be made by a model that the "
                                        "server runs")
@@ -406,6 +408,8 @@ class InferenceRequest:
 
 # the worker's BLS client, made on first use (workers/bls.py); None outside a worker
 _bls = None
+# "initialize" or "finalize" while the model runs one: Triton refuses BLS there
+_bls_refused_in: str | None = None
 
 
 class ResponseIterator:

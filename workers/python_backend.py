@@ -113,6 +113,7 @@ class PythonBackend:
             "model_name": spec.model_name,
         }
         if hasattr(self.model, "initialize"):
+            pb_utils._bls_refused_in = "initialize"
             try:
                 result = self.model.initialize(args)
                 if inspect.iscoroutine(result):
@@ -120,6 +121,8 @@ class PythonBackend:
             except Exception as e:
                 raise BackendLoadError(f"initialize() of model '{spec.model_name}' failed: "
                                        f"{type(e).__name__}: {e}") from e
+            finally:
+                pb_utils._bls_refused_in = None
 
     def execute(self, requests: list[WorkRequest]) -> list[WorkResponse | None]:
         """Run the requests; those the model releases with TRITONSERVER_REQUEST_RELEASE_RESCHEDULE
@@ -304,6 +307,7 @@ class PythonBackend:
     def finalize(self) -> None:
         fin = getattr(self.model, "finalize", None)
         if fin is not None:
+            pb_utils._bls_refused_in = "finalize"
             fin()
         if self.loop is not None:
             self.loop.close()

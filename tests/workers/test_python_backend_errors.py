@@ -64,3 +64,26 @@ def test_model_py_imports_its_neighbours_relatively_and_absolutely(tmp_path):
     request = WorkRequest({"IN": np.zeros(1, np.float32)}, {"IN": "FP32"}, [])
     [response] = backend.execute([request])
     assert response.outputs[0][2].tolist() == [14.0]
+
+
+def test_bls_in_initialize_fails_the_load_with_tritons_words(tmp_path):
+    """Triton's bls_init_error test: BLS is for execute() only."""
+    from shmserve.workers.backend import BackendLoadError
+    d = tmp_path / "bls_init_error" / "1"
+    d.mkdir(parents=True)
+    (d / "model.py").write_text(
+        "import numpy as np\n"
+        "import triton_python_backend_utils as pb_utils\n"
+        "class TritonPythonModel:\n"
+        "    def initialize(self, args):\n"
+        "        pb_utils.InferenceRequest(model_name='square_int32', requested_output_names=['OUT'],\n"
+        "            inputs=[pb_utils.Tensor('IN', np.array([1], np.int32))]).exec(decoupled=True)\n"
+        "    def execute(self, requests):\n"
+        "        return None\n")
+    cfg = {"name": "bls_init_error", "backend": "python", "max_batch_size": 0,
+           "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [1]}],
+           "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}
+    with pytest.raises(BackendLoadError) as e:
+        PythonBackend(InstanceSpec("bls_init_error", 1, str(tmp_path / "bls_init_error"),
+                                   json.dumps(cfg), "bls_init_error_0_0", "CPU", 0, "python"))
+    assert "BLS is only supported during the 'execute' function." in str(e.value)
