@@ -76,10 +76,12 @@ class MetricFamily:
             if buckets is None:
                 raise MetricArgumentError(f"metric family '{self.name}': buckets are required "
                                           "for histograms")
-            bounds = sorted(float(b) for b in buckets)
-            if any(not math.isfinite(b) for b in bounds) or len(set(bounds)) != len(bounds):
+            bounds = [float(b) for b in buckets]
+            if any(not math.isfinite(b) for b in bounds) or \
+                    any(a >= b for a, b in zip(bounds, bounds[1:])):
                 raise MetricArgumentError(f"metric family '{self.name}': buckets must be "
-                                          "distinct finite numbers (+Inf is always added)")
+                                          "finite numbers in ascending order, each once (+Inf "
+                                          "is always added)")
             if "le" in labels:
                 raise MetricArgumentError(f"metric family '{self.name}': a histogram cannot "
                                           "have a label named 'le'")
@@ -96,21 +98,25 @@ class MetricFamily:
 
 class _Metric:
     def __init__(self, family, labels, buckets):
-        self.family, self.labels, self.buckets = family, labels, buckets
+        # (a metric keeps its family: Triton fails a metric whose family object the model
+        # dropped, but nothing is gained by failing it here)
+        self.family = family
+        self.name, self.kind = family.name, family.kind
+        self.labels, self.buckets = labels, buckets
         self._value, self._sum, self._count = 0.0, 0.0, 0
         self._bucket_counts = [0] * (len(buckets) + 1) if buckets is not None else None  # +Inf last
         self._lock = threading.Lock()   # a model may update from its own threads
 
     def _require(self, op, *kinds):
-        if self.family.kind not in kinds:
-            raise TritonModelException(f"metric '{self.family.name}': {op} is not supported for "
+        if self.kind not in kinds:
+            raise TritonModelException(f"metric '{self.name}': {op} is not supported for "
                                        "this kind")
 
     def increment(self, value):
         self._require("increment", MetricFamily.COUNTER, MetricFamily.GAUGE)
         value = float(value)
-        if self.family.kind == MetricFamily.COUNTER and value < 0:
-            raise TritonModelException(f"metric '{self.family.name}': a counter cannot be "
+        if self.kind == MetricFamily.COUNTER and value < 0:
+            raise TritonModelException(f"metric '{self.name}': a counter cannot be "
                                        "decremented")
         with self._lock:
             self._value += value

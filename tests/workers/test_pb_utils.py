@@ -343,11 +343,13 @@ def test_metrics():
         m.increment(-1)
     with pytest.raises(pb.TritonModelException):
         m.set(1)
-    g = pb.MetricFamily("test_pb_gauge", "a gauge", pb.MetricFamily.GAUGE).Metric()
+    gf = pb.MetricFamily("test_pb_gauge", "a gauge", pb.MetricFamily.GAUGE)
+    g = gf.Metric()
     g.set(4)
     g.increment(-1.5)
     assert g.value() == 2.5
-    h = pb.MetricFamily("test_pb_hist", "a histogram", pb.MetricFamily.HISTOGRAM).Metric(buckets=[1, 5])
+    hf = pb.MetricFamily("test_pb_hist", "a histogram", pb.MetricFamily.HISTOGRAM)
+    h = hf.Metric(buckets=[1, 5])
     for v in (0.5, 1, 3, 10):
         h.observe(v)
     assert h._bucket_counts == [2, 1, 1] and h._count == 4 and h._sum == 14.5
@@ -361,7 +363,7 @@ def _state(name):
     """The snapshot entry of one family (the registry is process-wide; other tests add theirs)."""
     from shmserve.workers import pb_metrics
     pb_metrics.REGISTRY.dirty = True
-    return next(f for f in pb_metrics.snapshot_if_dirty() if f.name == name)
+    return next((f for f in pb_metrics.snapshot_if_dirty() if f.name == name), None)
 
 
 def test_metric_snapshot_carries_every_kind():
@@ -370,9 +372,10 @@ def test_metric_snapshot_carries_every_kind():
     c = pb.MetricFamily("snap_counter", "c", pb.MetricFamily.COUNTER)
     c.Metric(labels={"a": "1"}).increment(2)
     c.Metric(labels={"a": "2"}).increment(np.float32(1.5))     # numpy scalars are fine
-    pb.MetricFamily("snap_gauge", "g", pb.MetricFamily.GAUGE).Metric().set(-3)
-    h = pb.MetricFamily("snap_hist", "h", pb.MetricFamily.HISTOGRAM).Metric(
-        labels={"m": "x"}, buckets=[10, 1, 5])                   # sorted, as before
+    gf = pb.MetricFamily("snap_gauge", "g", pb.MetricFamily.GAUGE)
+    gf.Metric().set(-3)
+    hf = pb.MetricFamily("snap_hist", "h", pb.MetricFamily.HISTOGRAM)
+    h = hf.Metric(labels={"m": "x"}, buckets=[1, 5, 10])
     for v in (0.5, 1, 3, 10, 11):
         h.observe(v)
     f = _state("snap_counter")
@@ -389,14 +392,15 @@ def test_metric_snapshot_carries_every_kind():
     h.observe(100)
     assert hs.counts == [2, 1, 1, 1]
     # a family with no metric yet is still reported (it shows on /metrics with no samples)
-    pb.MetricFamily("snap_empty", "nothing yet", pb.MetricFamily.GAUGE)
-    assert _state("snap_empty").metrics == []
+    empty = pb.MetricFamily("snap_empty", "nothing yet", pb.MetricFamily.GAUGE)
+    assert _state("snap_empty").metrics == [] and empty.name == "snap_empty"
     assert pb_metrics.snapshot_if_dirty() is None                 # nothing changed since
 
 
 def test_metric_changes_mark_the_registry_dirty():
     from shmserve.workers import pb_metrics
-    g = pb.MetricFamily("dirty_gauge", "g", pb.MetricFamily.GAUGE).Metric()
+    gf = pb.MetricFamily("dirty_gauge", "g", pb.MetricFamily.GAUGE)
+    g = gf.Metric()
     pb_metrics.snapshot_if_dirty()
     assert pb_metrics.snapshot_if_dirty() is None
     for change in (lambda: g.set(1), lambda: g.increment(1),
@@ -416,7 +420,8 @@ def test_metric_family_rules_match_triton():
     m = first.Metric(labels={"k": "v"})
     assert second.Metric(labels={"k": "v"}) is m                  # one family, one metric
     assert _state("same_name").description == "first description"
-    h = pb.MetricFamily("empty_buckets", "h", pb.MetricFamily.HISTOGRAM).Metric(buckets=[])
+    hf = pb.MetricFamily("empty_buckets", "h", pb.MetricFamily.HISTOGRAM)
+    h = hf.Metric(buckets=[])
     h.observe(3)                                                  # only +Inf
     assert _state("empty_buckets").metrics[0].counts == [1]
     for v in (h.value, lambda: h.increment(1), lambda: h.set(1)):
@@ -525,3 +530,12 @@ def test_argument_types_are_checked_as_tritons_binding_checks_them():
             call()
     pb.Logger.log("level unspecified")
     assert pb.Logger.INFO is pb.LogLevel.INFO and pb.Logger.VERBOSE is pb.LogLevel.VERBOSE
+
+
+def test_histogram_buckets_ascend_each_once_as_in_triton():
+    """Triton's custom_metrics test: buckets are required, ascend, and appear once."""
+    fam = pb.MetricFamily("ascending_hist", "h", pb.MetricFamily.HISTOGRAM)
+    for bad in (None, [2.5, 0.1, 1.0], [1, 1, 2]):
+        with pytest.raises(pb.TritonModelException):
+            fam.Metric(labels={}, buckets=bad)
+    fam.Metric(labels={}, buckets=[])
