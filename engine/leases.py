@@ -27,7 +27,8 @@ alone or fails it with the reason, as for any request of a dead worker.
 
 The scheduler cannot time a leased worker's executions one by one; it sees its progress in
 the completion records frontends pass on (LeasedDone, every 50 ms). A lease with no progress
-for TERM_NS is revoked and granted again (an idle worker answers the revoke at once: it acts
+for TERM_NS (plus its dynamic batcher's max_queue_delay, which a request may rightly wait in
+the worker) is revoked and granted again (an idle worker answers the revoke at once: it acts
 as a ping). After a revoke, the worker must finish a request within the version's execution
 timeout plus PING_TIMEOUT_S, or it is killed as for a batch past the timeout. So a leased
 execution that hangs is killed at most TERM_NS + PING_TIMEOUT_S later than a dispatched one
@@ -218,7 +219,10 @@ class LeaseBook:
         hung = []
         for lease in [h for held in self.by_version.values() for h in held]:
             if not lease.revoked_ns:
-                left = max(lease.granted_ns, lease.progress_ns) + TERM_NS - now
+                # a request may rightly wait the batcher's delay in the worker before it runs:
+                # no progress for that long is not a hang (revoking would cut the wait short)
+                term = TERM_NS + getattr(lease.version.queue, "delay_ns", 0)
+                left = max(lease.granted_ns, lease.progress_ns) + term - now
                 if left > 0:
                     wait_ns = min(wait_ns, left)
                     continue

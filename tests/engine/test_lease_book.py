@@ -42,6 +42,8 @@ def repo(tmp_path):
                             f'parameters {{ key: "execution_timeout_ms" '
                             f'value {{ string_value: "1000" }} }}')
     write_model(r, "batched", f"max_batch_size: 8\n{IO}\n{ONE}\ndynamic_batching {{ }}")
+    write_model(r, "batched_slow", f"max_batch_size: 8\n{IO}\n{ONE}\n"
+                                   f"dynamic_batching {{ max_queue_delay_microseconds: 5000000 }}")
     write_model(r, "batched_pair", f"max_batch_size: 8\n{IO}\n{TWO}\ndynamic_batching {{ }}")
     write_model(r, "batched_levels", f"max_batch_size: 8\n{IO}\n{ONE}\n"
                                      f"dynamic_batching {{ priority_levels: 2 "
@@ -217,6 +219,21 @@ def test_leases_are_renewed_and_a_hung_leased_worker_is_killed(repo):
     h.kill_reported()
     [lost] = sent(h, LeaseLost, FRONTEND)
     assert not lost.retry and "execution timeout of 1 s" in lost.reason
+
+
+def test_a_lease_is_not_renewed_while_a_request_may_wait_the_batchers_delay(repo):
+    """Triton's optional-input test holds a lone request for a 5 s queue delay: a renewal
+    after 2 s would make the worker run it then (its inbox wakes the batch's wait)."""
+    h = leased_harness(repo)
+    sid = sid_of(h, "batched_slow")
+    h.submit("batched_slow")
+    h.tick(5.01)                                 # the scheduler's batcher waits its delay too
+    h.finish(sid)
+    [grant] = grants(h)
+    h.tick(TERM_NS / 1e9 + 1.0)
+    assert h.to_worker(RevokeLease) == []
+    h.tick(5.0)                                  # past the delay and the term: renewed
+    assert (sid, RevokeLease(grant.lease_id)) in h.to_worker(RevokeLease)
 
 
 def test_a_single_instance_plain_dynamic_batcher_is_leased_and_batches_count_once(repo):
