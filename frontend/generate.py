@@ -265,8 +265,7 @@ def prepare(model: ModelView, mapped: Mapped, arena: ShmArena,
             tensors.append(t)
         for key in mapped.parameters:
             if key.startswith("triton_") and key not in request.PROTOCOL_PARAMS:
-                raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' "
-                              f"cannot be set by a request")
+                raise invalid(request.RESERVED_WORDS)
         prepared = request.prepare(model, tensors, None, {}, mapped.request_id, scratch, [],
                                    limits=limits)
     except BaseException:

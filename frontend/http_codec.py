@@ -276,7 +276,8 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
             wanted.append(request.output_wanted(registry, o["name"], oparams, binary_default,
                                                 regions))
     return request.prepare(model, tensors, wanted, params, request_id, scratch, regions,
-                           binary_default, budget.limits, forwarded=forwarded)
+                           binary_default, budget.limits, forwarded=forwarded,
+                           protocol_params=("binary_data_output",))
 
 
 def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,

@@ -29,6 +29,9 @@ from .shm_registry import ShmRegistry
 
 # request parameters that steer the protocol layer (the only 'triton_' keys a request may send)
 PROTOCOL_PARAMS = ("binary_data_output", "triton_enable_empty_final_response")
+# Triton's words for a request parameter it keeps for itself
+RESERVED_WORDS = ("parameter keys starting with 'triton_' are reserved for Triton usage and "
+                  "should not be specified.")
 # parameters the server consumes (docs/triton-compat.md §1, "Request-level parameters"); every
 # other key reaches the model as a custom parameter, as in Triton
 RESERVED_PARAMS = frozenset(("sequence_id", "sequence_start", "sequence_end", "priority",
@@ -209,10 +212,13 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
             params: dict[str, Any], request_id: str, scratch: list[ShmRef],
             regions: list[Region], binary_default: bool = False,
             limits: RequestLimits = DEFAULT_LIMITS, json_outputs: bool = True,
-            forwarded: dict[str, str] | None = None) -> PreparedRequest:
+            forwarded: dict[str, str] | None = None,
+            protocol_params: tuple[str, ...] = PROTOCOL_PARAMS) -> PreparedRequest:
     """``json_outputs``: whether outputs not asked for as binary come back as JSON (HTTP);
     ``forwarded``: headers that become string parameters (frontend/header_forward.py; a
-    header overrides a request parameter of the same name)."""
+    header overrides a request parameter of the same name); ``protocol_params``: the
+    ``triton_`` keys the protocol itself takes (gRPC's triton_enable_empty_final_response;
+    HTTP takes none)."""
     if forwarded:
         params = {**params, **forwarded}
     batch = validation.validate_inputs(model, tensors, request_id)
@@ -234,9 +240,8 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
     model_params = params
     if params:
         for key in params:
-            if key.startswith("triton_") and key not in PROTOCOL_PARAMS:
-                raise invalid(f"parameter '{key}' is reserved: keys starting with 'triton_' "
-                              f"cannot be set by a request")
+            if key.startswith("triton_") and key not in protocol_params:
+                raise invalid(RESERVED_WORDS)
         priority = _unsigned(params, "priority")
         timeout_us = _unsigned(params, "timeout")
         correlation_id, flags = _sequence(params)

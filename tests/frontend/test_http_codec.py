@@ -503,9 +503,12 @@ def test_output_errors_name_the_output(catalog, arena, outputs, match):
         parse(catalog, arena, "multi", jbody(doc))
 
 
-def test_reserved_parameter(catalog, arena):
-    doc = {"inputs": [A_OK, B_OK], "parameters": {"triton_enable_x": 1}}
-    with pytest.raises(InferError, match="parameter 'triton_enable_x' is reserved"):
+@pytest.mark.parametrize("key", ["triton_enable_x", "triton_enable_empty_final_response"])
+def test_reserved_parameter(catalog, arena, key):
+    """Triton's words; over HTTP even the key its gRPC stream takes is refused."""
+    doc = {"inputs": [A_OK, B_OK], "parameters": {key: True}}
+    with pytest.raises(InferError, match="parameter keys starting with 'triton_' are reserved "
+                                         "for Triton usage and should not be specified."):
         parse(catalog, arena, "multi", jbody(doc))
 
 
