@@ -322,24 +322,32 @@ class SequenceBatcher(IdleInstances):
         self.count += 1
 
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
+        found = self.cancel_sequence(frontend, req_id)
+        return found[0] if found else None
+
+    def cancel_sequence(self, frontend: int, req_id: int) -> list[QueuedRequest]:
+        """The client cancelled a queued request of a sequence: as in Triton, the sequence's
+        other queued requests are cancelled with it (they could only run out of order, or
+        without their START); the cancelled one comes first."""
         for seq in self.sequences.values():
             for r in seq.queue:
                 if r.req_id == req_id and r.frontend == frontend:
-                    seq.queue.remove(r)
-                    self.count -= 1
-                    if seq.instance is None and not seq.queue and seq in self.backlog:
+                    out = [r] + [q for q in seq.queue if q is not r]
+                    self.count -= len(seq.queue)
+                    seq.queue.clear()
+                    if seq.instance is None and seq in self.backlog:
                         # nothing of it ran or waits to: it gives up its place in the backlog
                         # (else it would take a slot, and hold it until it idled out)
                         self.backlog.remove(seq)
                         self.sequences.pop(seq.cid, None)
-                    elif not seq.queue and not seq.ran:
+                    elif not seq.ran:
                         # its START never ran and nothing else waits: it never began, and
                         # its slot goes to the next (a request without START is refused)
                         self.release(seq)
-                    elif seq.instance is not None and not seq.queue and not seq.running:
+                    elif seq.instance is not None and not seq.running:
                         self.calm(seq, self.clock())
-                    return r
-        return None
+                    return out
+        return []
 
     def pending(self) -> Iterator[QueuedRequest]:
         for seq in self.sequences.values():

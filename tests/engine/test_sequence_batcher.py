@@ -477,16 +477,17 @@ def test_next_deadline_is_the_earliest_of_all_kinds(clock, req):
 
 # ---- cancel, queue size, drain ----------------------------------------------------------------------
 
-def test_cancel_of_a_queued_request(clock, req):
+def test_cancel_of_a_queued_request_cancels_its_sequences_queue(clock, req):
+    """As in Triton: the sequence's other queued requests go with it (the cancelled first)."""
     b = make(clock, capacity=1, max_batch=1)
     send(b, req(1, S), req(1), req(1, E))
     assert ids(b.next_batches()) == [("a", [1])]
-    assert b.cancel(0, 2).req_id == 2
+    assert [r.req_id for r in b.cancel_sequence(0, 2)] == [2, 3]
     assert b.cancel(0, 2) is None and b.cancel(1, 3) is None    # gone; another frontend's
     assert b.cancel(0, 1) is None                   # running: not queued
-    assert len(b) == 1
+    assert len(b) == 0
     b.instance_idle("a")
-    assert ids(b.next_batches()) == [("a", [3])]
+    assert ids(b.next_batches()) == []
 
 
 def test_cancel_in_the_backlog(clock, req):
