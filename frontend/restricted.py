@@ -29,11 +29,13 @@ def parse(specs: list[str]) -> dict[str, tuple[str, str]]:
         if not sep or not eq or not key.strip() or not groups.strip():
             raise RestrictionError(f"'{spec}': expected <api>[,<api>...]:<header>=<value>")
         for group in (g.strip() for g in groups.split(",")):
+            # Triton's words first (its L0_http test greps the log for them), then ours
             if group not in GROUPS:
-                raise RestrictionError(f"'{spec}': unknown API '{group}' (one of "
+                raise RestrictionError(f"unknown restricted api '{group}' in '{spec}' (one of "
                                        f"{', '.join(GROUPS)})")
             if group in out:
-                raise RestrictionError(f"'{spec}': API '{group}' is restricted more than once")
+                raise RestrictionError(f"api '{group}' can not be specified in multiple config "
+                                       f"groups ('{spec}')")
             out[group] = (key.strip().lower(), value)
     return out
 

@@ -78,4 +78,4 @@ def test_a_bad_restriction_stops_the_start():
     p = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
                         "--http-restricted-api", "inferencing:k=v"], capture_output=True, text=True,
                        timeout=60)
-    assert p.returncode == 2 and "unknown API 'inferencing'" in p.stderr
+    assert p.returncode == 2 and "unknown restricted api 'inferencing'" in p.stderr
