@@ -412,6 +412,8 @@ class Connection(asyncio.Protocol):
 
     def abandon(self, call: Call) -> None:
         """The client reset the stream or went away: stop the handler, answer nothing."""
+        if log.isEnabledFor(logging.DEBUG):     # Triton's verbose line for it
+            log.debug("Cancellation notification received for stream %d", call.stream_id)
         call.done = True
         call.context.cancelled_ = True
         self._forget(call)
