@@ -77,6 +77,27 @@ class Run:
     held: list[ShmRef] = field(default_factory=list)
     responses: int = 0
     done: bool = False
+    # tensors that will never exist: ensemble inputs the client left out, and what only
+    # steps that can never run would make (absent())
+    absent: frozenset = frozenset()
+
+
+def absent(plan: EnsemblePlan, given: set[str]) -> frozenset:
+    """The tensors a request without some ensemble inputs will never have: those inputs, and,
+    step by step, the outputs of a step one of whose required (non-optional) inputs is absent.
+    A step reads an absent tensor for an optional input as left out, as Triton does."""
+    gone = {t for t in plan.inputs if t not in given}
+    changed = bool(gone)
+    while changed:
+        changed = False
+        for step in plan.steps:
+            if any(tensor in gone and own not in step.optional_inputs
+                   for own, tensor in step.inputs.items()):
+                new = set(step.outputs.values()) - gone
+                if new:
+                    gone |= new
+                    changed = True
+    return frozenset(gone)
 
 
 class EnsembleRunner:
@@ -128,7 +149,9 @@ class EnsembleRunner:
                               f"so it cannot be returned as a classification")
                 return
         root = Branch({t.name: t for t in payload.inputs}, set())
-        run = Run(ver, plan, head, payload, list(payload.outputs), root)
+        run = Run(ver, plan, head, payload, list(payload.outputs), root,
+                  absent=absent(plan, set(root.tensors)) if len(root.tensors) < len(plan.inputs)
+                  else frozenset())
         self.runs[(head.frontend, head.req_id)] = run
         self.advance(run, root)
 
@@ -145,8 +168,7 @@ class EnsembleRunner:
         for step in run.plan.steps:
             if run.done:
                 return
-            if step.index in branch.launched or \
-                    not all(t in branch.tensors for t in step.inputs.values()):
+            if step.index in branch.launched or not self.ready(run, branch, step):
                 continue
             self.mark_launched(branch, step.index)
             self.launch(run, branch, step)
@@ -158,6 +180,20 @@ class EnsembleRunner:
             self.respond(run, branch, final=False)
         if finish and not run.inflight:
             self.finish(run)
+
+    @staticmethod
+    def ready(run: Run, branch: Branch, step: Step) -> bool:
+        """Every input of ``step`` is there, or optional and absent for good; and not all of
+        them absent (a step that would read nothing is not run)."""
+        if not run.absent:
+            return all(t in branch.tensors for t in step.inputs.values())
+        present = 0
+        for own, tensor in step.inputs.items():
+            if tensor in branch.tensors:
+                present += 1
+            elif tensor not in run.absent or own not in step.optional_inputs:
+                return False
+        return present > 0 or not step.inputs
 
     @staticmethod
     def mark_launched(branch: Branch, index: int) -> None:
@@ -174,7 +210,9 @@ class EnsembleRunner:
             return
         inputs = []
         for own, tensor in step.inputs.items():
-            t = branch.tensors[tensor]
+            t = branch.tensors.get(tensor)
+            if t is None:           # an optional input absent for good: left out (ready())
+                continue
             inputs.append(Tensor(own, t.datatype, t.shape, t.data, t.shm, t.cuda))
         problem = step_input_problem(step, inputs)
         if problem:

@@ -319,3 +319,21 @@ def test_a_cached_ensemble_with_a_decoupled_step_does_not_load():
     bind(plan(cached), cached, configs(model("a"), model("b")))      # plain steps: it loads
     plain = ensemble(CHAIN)
     bind(plan(plain), plain, configs(model("a"), streaming))        # no cache: it loads
+
+
+def test_absent_tensors_follow_the_steps_that_can_never_run():
+    """Triton's optional-input ensembles: a left-out ensemble input is absent; a step whose
+    required input is absent never runs, so its outputs are absent too; an optional input
+    that is absent does not hold its step back."""
+    from shmserve.engine.ensemble import absent
+    from shmserve.engine.ensemble_plan import EnsemblePlan, Step
+    a = Step(0, "m", -1, {"IN0": "X", "IN1": "Y"}, {"OUT": "t"}, optional_inputs=frozenset({"IN1"}))
+    b = Step(1, "m", -1, {"IN0": "Y"}, {"OUT": "u"})                 # Y required here
+    c = Step(2, "m", -1, {"IN0": "u", "IN1": "t"}, {"OUT": "v"},
+             optional_inputs=frozenset({"IN0"}))
+    plan = EnsemblePlan("E", [a, b, c], ["X", "Y"], ["t", "v"])
+    assert absent(plan, {"X", "Y"}) == frozenset()
+    assert absent(plan, {"X"}) == frozenset({"Y", "u"})    # b never runs; a and c still do
+    # a's X is required: a never runs, and c's t (required) never comes either
+    assert absent(plan, {"Y"}) == frozenset({"X", "t", "v"})
+    assert absent(plan, set()) == frozenset({"X", "Y", "t", "u", "v"})
