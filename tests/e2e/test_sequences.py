@@ -636,7 +636,7 @@ def test_perf_analyzer_sequence_mode(srv, http, perf_analyzer, case):
     cmd = [perf_analyzer, "-m", model, "-u", f"127.0.0.1:{port}", *PERF_CASES[case],
            "--sequence-length", "5", "--num-of-sequences", "4",
            "--sequence-id-range", "500000:900000", "--concurrency-range", "4",
-           "--measurement-interval", "500", "--max-trials", "3", "--stability-percentage", "999"]
+           "--measurement-interval", "500", "--max-trials", "8", "--stability-percentage", "999"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
     assert "error" not in done.stdout.lower(), done.stdout
