@@ -164,28 +164,28 @@ def test_a_plain_request_is_answered_after_its_rescheduled_run(server, protocol)
     assert int(res.as_numpy("RUNS")[0]) == 2        # its second execution answered it
 
 
-def test_without_iterative_sequence_a_rescheduled_request_fails(server):
-    c = httpclient.InferenceServerClient(server.url)
+def _ones(client_module) -> list:
+    """INPUT0 and INPUT1 of the addsub models, four ones each."""
     inputs = []
     for name in ("INPUT0", "INPUT1"):
-        i = httpclient.InferInput(name, [4], "FP32")
+        i = client_module.InferInput(name, [4], "FP32")
         i.set_data_from_numpy(np.ones(4, np.float32))
         inputs.append(i)
+    return inputs
+
+
+def test_without_iterative_sequence_a_rescheduled_request_fails(server):
+    c = httpclient.InferenceServerClient(server.url)
     with pytest.raises(InferenceServerException) as e:
-        c.infer("not_iterative", inputs)
+        c.infer("not_iterative", _ones(httpclient))
     assert "rescheduled a request, which needs sequence_batching { iterative_sequence: " \
            "true }" in str(e.value)
 
 
 def test_a_rescheduled_request_with_a_response_returned_for_it_fails(server):
     c = grpcclient.InferenceServerClient(server.grpc_url)
-    inputs = []
-    for name in ("INPUT0", "INPUT1"):
-        i = grpcclient.InferInput(name, [4], "FP32")
-        i.set_data_from_numpy(np.ones(4, np.float32))
-        inputs.append(i)
     with pytest.raises(InferenceServerException) as e:
-        c.infer("wrong_return", inputs, client_timeout=60)
+        c.infer("wrong_return", _ones(grpcclient), client_timeout=60)
     assert "Expected a None object in the execute function return list for reschduled " \
            "request" in str(e.value)
 

@@ -41,6 +41,15 @@ def test_an_exception_in_execute_fails_each_request_naming_the_instance(tmp_path
     assert response.code == ErrorCode.INTERNAL
 
 
+def _load(root, name: str, dtype: str) -> PythonBackend:
+    """The python model ``root/name/1/model.py`` with one input IN and one output OUT [1]."""
+    cfg = {"name": name, "backend": "python", "max_batch_size": 0,
+           "input": [{"name": "IN", "data_type": dtype, "dims": [1]}],
+           "output": [{"name": "OUT", "data_type": dtype, "dims": [1]}]}
+    return PythonBackend(InstanceSpec(name, 1, str(root / name), json.dumps(cfg), f"{name}_0_0",
+                                      "CPU", 0, "python"))
+
+
 def test_model_py_imports_its_neighbours_relatively_and_absolutely(tmp_path):
     """As under Triton's stub (its multi_file test): `from . import file2` and `import file2`."""
     d = tmp_path / "multi_file" / "1"
@@ -56,11 +65,7 @@ def test_model_py_imports_its_neighbours_relatively_and_absolutely(tmp_path):
         "        v = np.array([file2.VALUE + absolute.VALUE], np.float32)\n"
         "        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUT', v)])\n"
         "                for _ in requests]\n")
-    cfg = {"name": "multi_file", "backend": "python", "max_batch_size": 0,
-           "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [1]}],
-           "output": [{"name": "OUT", "data_type": "TYPE_FP32", "dims": [1]}]}
-    backend = PythonBackend(InstanceSpec("multi_file", 1, str(tmp_path / "multi_file"),
-                                         json.dumps(cfg), "multi_file_0_0", "CPU", 0, "python"))
+    backend = _load(tmp_path, "multi_file", "TYPE_FP32")
     request = WorkRequest({"IN": np.zeros(1, np.float32)}, {"IN": "FP32"}, [])
     [response] = backend.execute([request])
     assert response.outputs[0][2].tolist() == [14.0]
@@ -80,10 +85,6 @@ def test_bls_in_initialize_fails_the_load_with_tritons_words(tmp_path):
         "            inputs=[pb_utils.Tensor('IN', np.array([1], np.int32))]).exec(decoupled=True)\n"
         "    def execute(self, requests):\n"
         "        return None\n")
-    cfg = {"name": "bls_init_error", "backend": "python", "max_batch_size": 0,
-           "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [1]}],
-           "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}]}
     with pytest.raises(BackendLoadError) as e:
-        PythonBackend(InstanceSpec("bls_init_error", 1, str(tmp_path / "bls_init_error"),
-                                   json.dumps(cfg), "bls_init_error_0_0", "CPU", 0, "python"))
+        _load(tmp_path, "bls_init_error", "TYPE_INT32")
     assert "BLS is only supported during the 'execute' function." in str(e.value)
