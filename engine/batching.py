@@ -64,6 +64,7 @@ class RequestQueue(Protocol):
     def requeue(self, req: QueuedRequest) -> None: ...
     def take_failed(self) -> list[tuple[QueuedRequest, str]]: ...
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None: ...
+    def take_cancelled(self, frontend: int, req_id: int) -> list[QueuedRequest]: ...
     def drain(self) -> list[QueuedRequest]: ...
     def pending(self) -> Iterable[QueuedRequest]: ...     # queued, without taking them out
     def instance_idle(self, key: Hashable) -> None: ...
@@ -87,6 +88,15 @@ class IdleInstances:
     def take_failed(self) -> list[tuple[QueuedRequest, str]]:
         """Queued requests that can no longer run, with why (the sequence batcher's)."""
         return []
+
+    def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
+        raise NotImplementedError
+
+    def take_cancelled(self, frontend: int, req_id: int) -> list[QueuedRequest]:
+        """What a client's cancel of a queued request takes out of the queue: that request
+        (the sequence batcher's also takes its sequence's other queued requests)."""
+        r = self.cancel(frontend, req_id)
+        return [] if r is None else [r]
 
 
 class DefaultQueue(IdleInstances):

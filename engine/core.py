@@ -72,7 +72,7 @@ from .on_demand import OnDemand
 from .port import SchedulerPort
 from .rate_limiter import RateLimiter
 from .repository import ModelRepository
-from .sequence_batcher import SequenceBatcher, SequenceError
+from .sequence_batcher import SequenceError
 from .states import InstanceState, KillReason, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
@@ -389,13 +389,7 @@ class SchedulerCore:
             if ran is not None and found is not None and found[1].connected:
                 self.port.send_worker(ran, msg)
             return
-        queue = ver.queue
-        if isinstance(queue, SequenceBatcher):      # the sequence's other queued ones too
-            reqs = queue.cancel_sequence(msg.frontend, msg.req_id)
-        else:
-            one = queue.cancel(msg.frontend, msg.req_id)
-            reqs = [one] if one is not None else []
-        for req in reqs:
+        for req in ver.queue.take_cancelled(msg.frontend, msg.req_id):
             self.queued_in.pop((req.frontend, req.req_id), None)
             ver.stats.failed("CANCELED", self.clock() - req.received_ns)
             self.reply_error(req.frontend, req.req_id, ver.name, ver.version,

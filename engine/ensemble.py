@@ -150,8 +150,7 @@ class EnsembleRunner:
                 return
         root = Branch({t.name: t for t in payload.inputs}, set())
         run = Run(ver, plan, head, payload, list(payload.outputs), root,
-                  absent=absent(plan, set(root.tensors)) if len(root.tensors) < len(plan.inputs)
-                  else frozenset())
+                  absent=absent(plan, set(root.tensors)))
         self.runs[(head.frontend, head.req_id)] = run
         self.advance(run, root)
 

@@ -322,10 +322,10 @@ class SequenceBatcher(IdleInstances):
         self.count += 1
 
     def cancel(self, frontend: int, req_id: int) -> QueuedRequest | None:
-        found = self.cancel_sequence(frontend, req_id)
+        found = self.take_cancelled(frontend, req_id)
         return found[0] if found else None
 
-    def cancel_sequence(self, frontend: int, req_id: int) -> list[QueuedRequest]:
+    def take_cancelled(self, frontend: int, req_id: int) -> list[QueuedRequest]:
         """The client cancelled a queued request of a sequence: as in Triton, the sequence's
         other queued requests are cancelled with it (they could only run out of order, or
         without their START); the cancelled one comes first."""

@@ -297,6 +297,19 @@ class PreferredMemory:
         self.preferred_device_id = preferred_device_id
 
 
+def _tensor_list(values, owner: str, what: str) -> list:
+    """A list of tensors, checked as Triton's binding checks it: None where the list goes is
+    a TypeError, anything but a Tensor in it a TritonModelException."""
+    if values is None:
+        raise TypeError(f"{owner}(): {what} must be a list, not None")
+    values = list(values)
+    for t in values:
+        if not isinstance(t, Tensor):
+            raise TritonModelException(f"{what} must be pb_utils.Tensor objects, got "
+                                       f"{type(t).__name__}")
+    return values
+
+
 class InferenceRequest:
     __slots__ = ("_inputs", "_requested_output_names", "_request_id", "_correlation_id", "_flags",
                  "_parameters", "_model_name", "_model_version", "_timeout", "_preferred_memory",
@@ -315,17 +328,12 @@ class InferenceRequest:
             if not isinstance(value, kinds) or isinstance(value, bool):
                 raise TypeError(f"InferenceRequest(): incompatible argument {what}: "
                                 f"{type(value).__name__}")
-        if inputs is None or requested_output_names is None:
-            raise TypeError("InferenceRequest(): inputs and requested_output_names must be "
-                            "lists, not None")
+        if requested_output_names is None:
+            raise TypeError("InferenceRequest(): requested_output_names must be a list, not "
+                            "None")
         if any(not isinstance(n, str) for n in requested_output_names):
             raise TypeError("InferenceRequest(): requested_output_names must be strings")
-        inputs = list(inputs)
-        for t in inputs:
-            if not isinstance(t, Tensor):
-                raise TritonModelException(f"inputs must be pb_utils.Tensor objects, got "
-                                           f"{type(t).__name__}")
-        self._inputs = inputs
+        self._inputs = _tensor_list(inputs, "InferenceRequest", "inputs")
         self._requested_output_names = [str(n) for n in requested_output_names]
         self._request_id, self._correlation_id = str(request_id), correlation_id
         self._flags, self._parameters = int(flags), _params_json(parameters)
@@ -497,14 +505,9 @@ class InferenceResponse:
     def __init__(self, output_tensors=(), error=None, parameters=None):
         if error is not None and not isinstance(error, TritonError):
             error = TritonError(str(error))  # tolerate a str or an exception where Triton wants TritonError
-        if output_tensors is None:
-            raise TypeError("InferenceResponse(): output_tensors must be a list, not None")
-        output_tensors = list(output_tensors)
-        for t in output_tensors:
-            if not isinstance(t, Tensor):
-                raise TritonModelException(f"output_tensors must be pb_utils.Tensor objects, "
-                                           f"got {type(t).__name__}")
-        self._output_tensors, self._error = output_tensors, error
+        self._output_tensors = _tensor_list(output_tensors, "InferenceResponse",
+                                            "output_tensors")
+        self._error = error
         self._parameters = _params_json(parameters)
 
     def output_tensors(self): return self._output_tensors

@@ -192,15 +192,12 @@ class PythonBackend:
                     return [None] * len(requests), False
                 responses = self._loop().run(responses)
         except Exception as e:
-            msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
-                  f"message: {type(e).__name__}: {e}{raised_at(e)}"
+            msg = self._raised(e)
             log.error("%s", msg)    # also when every request had its answer already (Triton)
             return self._fail_open(pb_requests, msg), True
         if self.decoupled or responses is None:
             if responses is not None:
-                return self._fail_open(pb_requests, f"Python model '{self.spec.instance_name}' is "
-                                                f"using the decoupled mode and the execute "
-                                                f"function must return None."), True
+                return self._fail_open(pb_requests, self._not_none()), True
             return [None] * len(requests), False    # answered through the response senders
         if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
             n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
@@ -282,6 +279,15 @@ class PythonBackend:
         params = resp.parameters()
         return WorkResponse(outputs=outputs, parameters=json.loads(params) if params and params != "{}" else {})
 
+    def _raised(self, e: BaseException) -> str:
+        """Triton's words for an execute() that raised, and where it raised."""
+        return f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
+               f"message: {type(e).__name__}: {e}{raised_at(e)}"
+
+    def _not_none(self) -> str:
+        return f"Python model '{self.spec.instance_name}' is using the decoupled mode and the " \
+               f"execute function must return None."
+
     def _loop(self) -> ModelLoop:
         if self.loop is None:
             self.loop = ModelLoop()
@@ -292,11 +298,9 @@ class PythonBackend:
         returned something, the requests it left open get the error, and the log says why."""
         e = done.exception() if not done.cancelled() else None
         if e is not None:
-            msg = f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
-                  f"message: {type(e).__name__}: {e}{raised_at(e)}"
+            msg = self._raised(e)
         elif not done.cancelled() and done.result() is not None:
-            msg = f"Python model '{self.spec.instance_name}' is using the decoupled mode and " \
-                  f"the execute function must return None."
+            msg = self._not_none()
         else:
             return
         log.error("%s", msg)

@@ -1,8 +1,10 @@
 """Start-up with bad models, command-line errors, and shutdown that leaves nothing behind."""
+import glob
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -194,6 +196,10 @@ def test_sigterm_answers_every_request_in_flight(test_repo):
     wait_for(lambda: arrived() >= 8, 20, "all 8 requests to reach the server")
     t = time.monotonic()
     srv.proc.send_signal(signal.SIGTERM)
+    # the launcher's handler marks the stop for the frontends at once (ipc/proc.py)
+    [mark] = glob.glob(os.path.join(tempfile.gettempdir(), f"shmserve-{srv.proc.pid}-*",
+                                    "stopping"))
+    wait_for(lambda: open(mark, "rb").read() == b"\x01", 10, "the launcher's stopping mark")
     # not ready any more as soon as the drain starts
     wait_for(lambda: not srv.ready(), 10, "readiness to turn off")
     for i, p in enumerate(pending):

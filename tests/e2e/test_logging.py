@@ -182,6 +182,19 @@ def test_failed_requests_are_logged_at_verbose_level(server, log_path):
     assert "INVALID_ARGUMENT" in failed[1]
 
 
+def test_a_cancelled_grpc_call_is_logged_at_verbose_level(server, log_path):
+    """Triton's verbose 'Cancellation notification received for' line (its request
+    cancellation test counts it): a stream the client cancels."""
+    c = httpclient.InferenceServerClient(server.url)
+    c.update_log_settings({"log_verbose_level": 1})
+    g = grpcclient.InferenceServerClient(server.grpc_url)
+    g.start_stream(callback=lambda result, error: None)
+    g.stop_stream(cancel_requests=True)         # the open stream is reset by the client
+    g.close()
+    wait_for(lambda: any("Cancellation notification received for" in line
+                         for line in _read(log_path)), WAIT_S, "the cancellation line")
+
+
 def test_format_and_levels_set_over_grpc(server, log_path):
     c = grpcclient.InferenceServerClient(server.grpc_url)
     resp = c.update_log_settings({"log_format": "default", "log_info": True, "log_error": False},

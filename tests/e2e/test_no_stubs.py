@@ -79,6 +79,19 @@ SEQUENCE_ECHO = textwrap.dedent('''
             return out
 ''')
 
+# what the model sees as sys.argv (Triton's embedded stub: [""])
+ARGV_ECHO = textwrap.dedent('''
+    import json, sys
+    import numpy as np
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def execute(self, requests):
+            text = np.array([json.dumps(sys.argv).encode()], dtype=np.object_)
+            return [pb_utils.InferenceResponse([pb_utils.Tensor("SEEN", text)])
+                    for _ in requests]
+''')
+
 IO = '''
     backend: "python"
     max_batch_size: 0
@@ -93,6 +106,12 @@ def repo(tmp_path_factory):
     write_model(root, "custom_metrics", IO + "instance_group [ { count: 2, kind: KIND_CPU } ]",
                 METRICS_MODEL)
     write_model(root, "wait_cancel", IO, WAIT_CANCEL)
+    write_model(root, "argv_echo", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "SEEN", data_type: TYPE_STRING, dims: [ 1 ] } ]
+    ''', ARGV_ECHO)
     write_model(root, "sequence_echo", '''
         backend: "python"
         max_batch_size: 0
@@ -332,3 +351,12 @@ def test_bad_sequence_parameters_name_the_field(srv):
         r = requests.post(f"{srv.base}/v2/models/sequence_echo/infer",
                           json={**body, "parameters": params}, timeout=30)
         assert r.status_code == 400 and f"'{field}'" in r.json()["error"]
+
+
+def test_a_model_sees_the_argv_of_tritons_stub(srv):
+    """Not the worker's own arguments, which unittest.main() in a model took for test names."""
+    c = httpclient.InferenceServerClient(srv.url)
+    inp = httpclient.InferInput("INPUT0", [1], "FP32")
+    inp.set_data_from_numpy(np.ones(1, dtype=np.float32))
+    seen = c.infer("argv_echo", [inp]).as_numpy("SEEN")[0]
+    assert json.loads(seen) == [""]

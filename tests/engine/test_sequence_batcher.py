@@ -482,7 +482,7 @@ def test_cancel_of_a_queued_request_cancels_its_sequences_queue(clock, req):
     b = make(clock, capacity=1, max_batch=1)
     send(b, req(1, S), req(1), req(1, E))
     assert ids(b.next_batches()) == [("a", [1])]
-    assert [r.req_id for r in b.cancel_sequence(0, 2)] == [2, 3]
+    assert [r.req_id for r in b.take_cancelled(0, 2)] == [2, 3]
     assert b.cancel(0, 2) is None and b.cancel(1, 3) is None    # gone; another frontend's
     assert b.cancel(0, 1) is None                   # running: not queued
     assert len(b) == 0
