@@ -63,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "has written them all; normal: never; realtime: always. Needs "
                         "CAP_SYS_NICE or an RLIMIT_RTPRIO; without, the frontend stays at "
                         "normal priority")
+    p.add_argument("--colocate", default=D["colocate"], type=str.lower, choices=["auto", "off"],
+                   help="auto: while requests come one at a time, a frontend and the worker "
+                        "it sends them to wait on one CPU (its own), so that each hop between "
+                        "them is a switch on that CPU, not a wake-up of another; from the "
+                        "first request that finds another in flight, both may run anywhere "
+                        "again. Only the frontend's loop thread is pinned, and a worker's "
+                        "thread only while it waits; off: never")
     p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
                    help="lend an idle instance of a model without dynamic batching to the "
                         "frontend that uses it, which then sends it requests directly (one hop "
@@ -306,7 +313,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         execution_timeout_secs=a.execution_timeout_secs,
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
-        frontends=a.frontends, frontend_priority=a.frontend_priority,
+        frontends=a.frontends, frontend_priority=a.frontend_priority, colocate=a.colocate,
         cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
         grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a),
         response_cache_bytes=compat_flags.cache_bytes(parser, a),

@@ -62,6 +62,7 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.messages import encode as encode_message
 
 from .catalog import ModelCatalog
+from .colocation import NO_CPU, Colocation
 from .deadlines import Deadlines
 from .priority import DrainPriority
 from .request import PreparedRequest
@@ -96,9 +97,11 @@ SWEEP_S = 0.5
 class EngineClient:
     def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop,
                  max_inflight: int = 0, request_deadline_secs: float = 3600.0,
-                 priority: DrainPriority | None = None):
+                 priority: DrainPriority | None = None, colocation: Colocation | None = None):
         self.max_inflight = max_inflight
         self.priority = priority
+        self.colocation = colocation
+        self.cpu = NO_CPU       # the CPU leased requests name (frontend/colocation.py)
         self.deadlines = Deadlines(request_deadline_secs)
         self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
@@ -151,6 +154,8 @@ class EngineClient:
         """Send a request; ``on_result`` gets its InferResult. With ``ordered`` (the model's
         preserve_ordering), results are handed over in submission order."""
         req_id = next(self.ids)
+        if self.colocation is not None:
+            self.cpu = self.colocation.on_request(len(self.pending))
         if self.max_inflight and len(self.pending) >= self.max_inflight:
             on_result(InferResult(req_id, model, version, code=ErrorCode.UNAVAILABLE,
                                   error=f"the server is overloaded: {len(self.pending)} requests "
@@ -385,7 +390,8 @@ class EngineClient:
                    held: list[tuple[Lease, SubmitRequest, bytes]]) -> None:
         """Send leased requests to one worker; one it cannot take now (gone, or its inbox
         full) goes to the scheduler instead."""
-        sent = box.send_many([(LeasedExecute(lease.lease_id, head), (payload,))
+        cpu = self.cpu
+        sent = box.send_many([(LeasedExecute(lease.lease_id, head, cpu), (payload,))
                               for lease, head, payload in held], channel.NOBLOCK)
         if sent == len(held):
             return

@@ -21,6 +21,7 @@ from shmserve.ipc.proc import StoppingMark, die_with_parent, freeze_startup_heap
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 from . import grpc_service, http_server, restricted
+from .colocation import ColocateMode, Colocation
 from .engine_client import EngineClient
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
@@ -56,8 +57,9 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     priority = DrainPriority(PriorityMode(settings.frontend_priority))
+    colocation = Colocation(ColocateMode(settings.colocate))
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
-                          settings.request_deadline_secs, priority)
+                          settings.request_deadline_secs, priority, colocation)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
     maps = ShmMapCache()
     shm_timer = _ShmTimer(loop, arena, maps)
@@ -148,6 +150,7 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         tracer.flush()          # log_frequency 0: every trace is written now, at the stop
         shm_timer.cancel()
         priority.close()
+        colocation.close()
         client.close()
         arena.close()
         maps.close()

@@ -422,9 +422,12 @@ class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
 
 class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
     """A request sent straight to a leased worker (no scheduler hop); its payload frame
-    follows. The head is what the scheduler would have got, for its statistics."""
+    follows. The head is what the scheduler would have got, for its statistics. ``cpu``: the
+    CPU the worker should wait for its next request on, the frontend's own while requests come
+    one at a time (frontend/colocation.py); -1: anywhere."""
     lease_id: int
     head: SubmitRequest
+    cpu: int = -1
 
 
 # ---- frontend -> scheduler -> every worker -----------------------------------------------------
@@ -710,6 +713,7 @@ class ServerSettings(msgspec.Struct):
     worker_start: str = "fork"             # fork (from the fork server, engine/forkserver.py) | spawn
     frontends: int = 1                     # frontend processes sharing the ports (SO_REUSEPORT)
     frontend_priority: str = "auto"        # auto | normal | realtime (frontend/priority.py)
+    colocate: str = "auto"                 # auto | off (frontend/colocation.py)
     log_verbose: int = 0
     log_info: bool = True
     log_warning: bool = True

@@ -66,6 +66,7 @@ from .device_arena import DeviceArena
 from .device_arena import to_host as device_to_host
 from .gpu import CudaError, DeviceTensor
 from .lease_batch import LeasedBatcher
+from .waiting_cpu import WaitingCpu
 
 log = logging.getLogger("shmserve.worker")
 
@@ -108,6 +109,7 @@ class Worker:
         self.metrics_due = 0.0                  # the first custom-metrics message goes at once
         self.revoked_upto = 0                   # leases up to this id have ended (RevokeLease)
         self.main_thread = threading.get_ident()
+        self.waiting = WaitingCpu()             # the CPU to wait on (workers/waiting_cpu.py)
         # Requests a python model answers through request.get_response_sender() (a decoupled
         # model's, until their FINAL flag): (frontend, req_id) -> (route, regions, top K, outputs
         # that may stay on the GPU).
@@ -234,6 +236,7 @@ class Worker:
         # a poll followed by a non-blocking receive (bench/zmq_options.py). A stop signal ends
         # the receive with a Wake (InboxWaker).
         inbox, backlog, registry = self.inbox, self.backlog, pb_metrics.REGISTRY
+        waiting = self.waiting
         armed = None
         while not stop.set:
             if backlog:
@@ -244,9 +247,11 @@ class Worker:
                 if ms != armed:
                     inbox.set_timeout(ms)
                     armed = ms
+                waiting.before_wait()
                 try:
                     msg, frames = inbox.recv()
                 except zmq.Again:
+                    waiting.after_wait()
                     self.send_metrics()
                     # idle: give back arena chunks nothing has used for a while, and mappings
                     # of segments their owner unlinked (they pin its pages in /dev/shm)
@@ -254,10 +259,13 @@ class Worker:
                         self.arena.trim()
                     self.maps.sweep()
                     continue
+                waiting.after_wait()
             kind = type(msg)
             if kind is LeasedExecute:
+                waiting.hint(msg.cpu)
                 self.leased(msg, frames)
             elif kind is ExecuteBatch:
+                waiting.hint(-1)        # from the scheduler: requests are queueing
                 self.execute(msg, frames)
             elif kind is Shutdown:
                 self.bounce_leased()

@@ -1,0 +1,130 @@
+"""Keeping the frontend and the worker it feeds on one CPU while requests come one at a time
+(--colocate).
+
+At concurrency 1 a request crosses two processes of ours: the frontend wakes the worker and the
+worker wakes the frontend. Left to itself the kernel wakes each on whichever CPU is idle, which
+at concurrency 1 is always the other one, so every hop is a wake-up of an idle CPU (an
+inter-processor interrupt, and on a virtual machine the host waking a halted virtual CPU), and
+each process starts with the other's data in another CPU's cache. On one CPU the same hop is a
+switch from the process that has just gone to sleep to the one it woke. Measured on a 2-CPU
+virtual machine (docs/performance.md, ninth round): identity over HTTP at concurrency 1, p50
+334-362 µs with both processes on one CPU against 414-417 µs left to the kernel; gRPC
+2,308-2,373 infer/s against 1,993-2,035.
+
+It only pays while nothing runs in parallel: with two requests in flight the frontend and the
+worker have work at the same time, and one CPU would serialise them. So ``Colocation`` watches
+how many requests are in flight when each new one arrives:
+
+- SPREAD (the start): nothing pinned. After ``ENTER`` requests in a row that each found no
+  other in flight, the frontend's loop thread is pinned to the CPU it is on, and the state is
+  PAIRED.
+- PAIRED: each request sent straight to a worker (under a lease) names that CPU, and the worker
+  waits for its next request pinned there (workers/main.py pins only its own thread, only while
+  it waits, and gives its full mask back before it runs the model, so threads a model starts
+  are never confined). The first request that finds another in flight unpins the frontend and
+  goes back to SPREAD; so does the passing of ``REPICK_NS``, so that a CPU that another
+  program has since taken is not kept.
+
+The core decides; the system calls (which CPU the thread is on, pinning and unpinning it) are
+injected, so tests drive it without moving their own threads. Where the calls fail (a CPU
+taken away by a cgroup) it says so once and stays SPREAD.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from typing import Callable
+
+log = logging.getLogger("shmserve.frontend")
+
+ENTER = 32                      # requests in a row with no other in flight before pairing
+REPICK_NS = 1_000_000_000       # how long a pairing holds before the CPU is chosen again
+NO_CPU = -1                     # the hint of a request sent while not paired
+
+
+class Pairing(enum.Enum):
+    SPREAD = "spread"
+    PAIRED = "paired"
+
+
+class ColocateMode(enum.Enum):
+    AUTO = "auto"               # pair while requests come one at a time
+    OFF = "off"                 # never
+
+
+def current_cpu() -> int:
+    """The CPU the calling thread runs on (field 39 of /proc/thread-self/stat)."""
+    with open("/proc/thread-self/stat", "rb") as f:
+        return int(f.read().rsplit(b")", 1)[1].split()[36])
+
+
+def pin_thread(cpu: int | None, everywhere: set[int]) -> None:
+    """Confine the calling thread to ``cpu``, or (None) give it ``everywhere`` back. Linux: pid
+    0 is the calling thread, not the process."""
+    os.sched_setaffinity(0, everywhere if cpu is None else {cpu})
+
+
+class Colocation:
+    """Decides, per request, whether the frontend and the worker should share a CPU."""
+
+    def __init__(self, mode: ColocateMode, enter: int = ENTER, repick_ns: int = REPICK_NS,
+                 cpu: Callable[[], int] = current_cpu,
+                 pin: Callable[[int | None], None] | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns):
+        self.mode, self.enter, self.repick_ns = mode, enter, repick_ns
+        self.cpu, self.clock = cpu, clock
+        if pin is None:
+            everywhere = os.sched_getaffinity(0)
+            pin = lambda c: pin_thread(c, everywhere)   # noqa: E731
+            if len(everywhere) < 2:
+                self.mode = ColocateMode.OFF            # nothing to choose between
+        self.pin = pin
+        self.state = Pairing.SPREAD
+        self.paired_cpu = NO_CPU
+        self.alone = 0              # requests in a row that found no other in flight
+        self.since_ns = 0
+        self.pairings = 0
+
+    def on_request(self, in_flight: int) -> int:
+        """A new request arrives with ``in_flight`` others still unanswered: the CPU to name
+        when it is sent to a worker (NO_CPU: none)."""
+        if self.mode is ColocateMode.OFF:
+            return NO_CPU
+        if in_flight:
+            self.alone = 0
+            if self.state is Pairing.PAIRED:
+                self._spread()
+            return NO_CPU
+        if self.state is Pairing.PAIRED:
+            if self.clock() - self.since_ns < self.repick_ns:
+                return self.paired_cpu
+            self._spread()
+        self.alone += 1
+        if self.alone >= self.enter:
+            self._pair()
+        return self.paired_cpu
+
+    def _pair(self) -> None:
+        try:
+            cpu = self.cpu()
+            self.pin(cpu)
+        except (OSError, ValueError, IndexError) as e:
+            log.warning("cannot keep the frontend on one CPU (%s); --colocate is off", e)
+            self.mode = ColocateMode.OFF
+            return
+        self.state, self.paired_cpu, self.since_ns = Pairing.PAIRED, cpu, self.clock()
+        self.pairings += 1
+
+    def _spread(self) -> None:
+        self.state, self.paired_cpu, self.alone = Pairing.SPREAD, NO_CPU, 0
+        try:
+            self.pin(None)
+        except OSError as e:
+            log.warning("cannot give the frontend its CPUs back (%s); --colocate is off", e)
+            self.mode = ColocateMode.OFF
+
+    def close(self) -> None:
+        if self.state is Pairing.PAIRED:
+            self._spread()

@@ -1,0 +1,140 @@
+"""--colocate: while requests come one at a time, the frontend's loop thread and the worker it
+sends them to wait on one CPU; the model itself always runs, and starts threads, with every CPU
+the server may use; and from the first request that finds another in flight the frontend may
+run anywhere again. Read from the outside: /proc/<pid>/task/<tid>/status of the frontend's and
+the worker's main threads, and the masks the model reports from inside execute()."""
+import os
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from repo_builder import write_model
+from serverproc import Server, descendants, frontend_pids, wait_for
+
+from shmserve.frontend.colocation import ENTER
+
+EVERYWHERE = os.sched_getaffinity(0)
+
+pytestmark = pytest.mark.skipif(len(EVERYWHERE) < 2,
+                                reason="one CPU: there is nothing to pair or spread")
+
+# Reports the CPUs its own thread may use, and those of a thread it starts, during execute().
+AFFINITY = '''
+import os, threading, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        if pb_utils.get_input_tensor_by_name(requests[0], "INPUT0").as_numpy()[0] > 0:
+            time.sleep(0.05)        # long enough for requests sent together to overlap
+        seen = {}
+        t = threading.Thread(target=lambda: seen.update(mask=os.sched_getaffinity(0)))
+        t.start()
+        t.join()
+        mine = np.array(sorted(os.sched_getaffinity(0)), dtype=np.int32)
+        child = np.array(sorted(seen["mask"]), dtype=np.int32)
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("MINE", mine),
+                                            pb_utils.Tensor("CHILD", child)])
+                for _ in requests]
+'''
+
+
+def allowed(pid: int) -> set[int]:
+    """The CPUs the main thread of ``pid`` may run on."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Cpus_allowed_list:"):
+                cpus = set()
+                for part in line.split(":", 1)[1].strip().split(","):
+                    lo, _, hi = part.partition("-")
+                    cpus.update(range(int(lo), int(hi or lo) + 1))
+                return cpus
+    raise AssertionError(f"no Cpus_allowed_list for {pid}")
+
+
+def worker_pid(server, model: str) -> int:
+    needle = f'"model_name":"{model}"'.encode()
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if needle in f.read():
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no worker for {model}")
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("colocate"))
+    write_model(root, "aff", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "MINE", data_type: TYPE_INT32, dims: [ -1 ] },
+                 { name: "CHILD", data_type: TYPE_INT32, dims: [ -1 ] } ]
+        instance_group [ { count: 1, kind: KIND_CPU } ]
+    ''', AFFINITY)
+    return root
+
+
+def _input(mod, slow: bool = False):
+    inp = mod.InferInput("INPUT0", [1], "FP32")
+    inp.set_data_from_numpy(np.full(1, float(slow), dtype=np.float32))
+    return [inp]
+
+
+def _masks(res):
+    return set(res.as_numpy("MINE").tolist()), set(res.as_numpy("CHILD").tolist())
+
+
+def _one(client, mod):
+    return _masks(client.infer("aff", _input(mod)))
+
+
+def test_one_at_a_time_pairs_them_and_the_model_still_runs_everywhere(repo):
+    srv = Server(repo)
+    try:
+        (fe,) = frontend_pids(srv)
+        wk = worker_pid(srv, "aff")
+        assert allowed(fe) == EVERYWHERE and allowed(wk) == EVERYWHERE
+        client = httpclient.InferenceServerClient(srv.url, concurrency=4)
+        for _ in range(ENTER - 1):
+            assert _one(client, httpclient) == (EVERYWHERE, EVERYWHERE)
+            assert allowed(fe) == EVERYWHERE
+
+        def paired():
+            # one more request alone each time (a pairing is chosen again every second)
+            assert _one(client, httpclient) == (EVERYWHERE, EVERYWHERE)
+            cpus = allowed(fe)
+            return len(cpus) == 1 and allowed(wk) == cpus
+
+        wait_for(paired, 20, "the frontend on one CPU and the worker waiting on it")
+        # gRPC goes the same way, and the model keeps its full mask there too
+        gclient = grpcclient.InferenceServerClient(srv.grpc_url)
+        for _ in range(8):
+            assert _one(gclient, grpcclient) == (EVERYWHERE, EVERYWHERE)
+
+        wait_for(paired, 20, "paired again")
+        # four at once (each runs 50 ms): the frontend may run anywhere again from the second
+        sent = [client.async_infer("aff", _input(httpclient, slow=True)) for _ in range(4)]
+        assert [_masks(p.get_result(timeout=60)) for p in sent] == [(EVERYWHERE, EVERYWHERE)] * 4
+        assert allowed(fe) == EVERYWHERE
+        # the worker was told with the requests themselves: it waits anywhere from now on
+        wait_for(lambda: allowed(wk) == EVERYWHERE, 10, "the worker waiting anywhere")
+    finally:
+        srv.stop()
+
+
+def test_off_pins_nothing(repo):
+    srv = Server(repo, "--colocate", "off")
+    try:
+        (fe,) = frontend_pids(srv)
+        wk = worker_pid(srv, "aff")
+        client = httpclient.InferenceServerClient(srv.url)
+        for _ in range(ENTER + 8):
+            assert _one(client, httpclient) == (EVERYWHERE, EVERYWHERE)
+            assert allowed(fe) == EVERYWHERE and allowed(wk) == EVERYWHERE
+    finally:
+        srv.stop()
