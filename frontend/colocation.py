@@ -12,12 +12,14 @@ virtual machine (docs/performance.md, ninth round): identity over HTTP at concur
 2,308-2,373 infer/s against 1,993-2,035.
 
 It only pays while nothing runs in parallel: with two requests in flight the frontend and the
-worker have work at the same time, and one CPU would serialise them. So ``Colocation`` watches
-how many requests are in flight when each new one arrives:
+worker have work at the same time, and one CPU would serialise them. And it only matters while
+requests are short: a hop costs tens of microseconds, nothing beside a request of milliseconds
+(4 MiB over HTTP), whose frontend is better left free to move. So ``Colocation`` watches how
+many requests are in flight when each new one arrives, and how often they come:
 
 - SPREAD (the start): nothing pinned. After ``ENTER`` requests in a row that each found no
-  other in flight, the frontend's loop thread is pinned to the CPU it is on, and the state is
-  PAIRED.
+  other in flight and came at most ``MAX_GAP_NS`` apart on average, the frontend's loop thread
+  is pinned to the CPU it is on, and the state is PAIRED.
 - PAIRED: each request sent straight to a worker (under a lease) names that CPU, and the worker
   waits for its next request pinned there (workers/main.py pins only its own thread, only while
   it waits, and gives its full mask back before it runs the model, so threads a model starts
@@ -34,13 +36,13 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import time
 from typing import Callable
 
 log = logging.getLogger("shmserve.frontend")
 
 ENTER = 32                      # requests in a row with no other in flight before pairing
 REPICK_NS = 1_000_000_000       # how long a pairing holds before the CPU is chosen again
+MAX_GAP_NS = 1_000_000          # mean time between those requests, at most
 NO_CPU = -1                     # the hint of a request sent while not paired
 
 
@@ -70,11 +72,11 @@ class Colocation:
     """Decides, per request, whether the frontend and the worker should share a CPU."""
 
     def __init__(self, mode: ColocateMode, enter: int = ENTER, repick_ns: int = REPICK_NS,
-                 cpu: Callable[[], int] = current_cpu,
-                 pin: Callable[[int | None], None] | None = None,
-                 clock: Callable[[], int] = time.monotonic_ns):
+                 max_gap_ns: int = MAX_GAP_NS, cpu: Callable[[], int] = current_cpu,
+                 pin: Callable[[int | None], None] | None = None):
         self.mode, self.enter, self.repick_ns = mode, enter, repick_ns
-        self.cpu, self.clock = cpu, clock
+        self.max_gap_ns = max_gap_ns
+        self.cpu = cpu
         if pin is None:
             everywhere = os.sched_getaffinity(0)
             pin = lambda c: pin_thread(c, everywhere)   # noqa: E731
@@ -84,12 +86,13 @@ class Colocation:
         self.state = Pairing.SPREAD
         self.paired_cpu = NO_CPU
         self.alone = 0              # requests in a row that found no other in flight
+        self.first_ns = 0           # when the first of them came
         self.since_ns = 0
         self.pairings = 0
 
-    def on_request(self, in_flight: int) -> int:
-        """A new request arrives with ``in_flight`` others still unanswered: the CPU to name
-        when it is sent to a worker (NO_CPU: none)."""
+    def on_request(self, in_flight: int, now_ns: int) -> int:
+        """A new request arrives at ``now_ns`` (monotonic) with ``in_flight`` others still
+        unanswered: the CPU to name when it is sent to a worker (NO_CPU: none)."""
         if self.mode is ColocateMode.OFF:
             return NO_CPU
         if in_flight:
@@ -98,15 +101,20 @@ class Colocation:
                 self._spread()
             return NO_CPU
         if self.state is Pairing.PAIRED:
-            if self.clock() - self.since_ns < self.repick_ns:
+            if now_ns - self.since_ns < self.repick_ns:
                 return self.paired_cpu
             self._spread()
+        if not self.alone:
+            self.first_ns = now_ns
         self.alone += 1
         if self.alone >= self.enter:
-            self._pair()
+            if now_ns - self.first_ns <= (self.enter - 1) * self.max_gap_ns:
+                self._pair(now_ns)
+            else:                   # alone, but far apart: start counting from this one
+                self.alone, self.first_ns = 1, now_ns
         return self.paired_cpu
 
-    def _pair(self) -> None:
+    def _pair(self, now_ns: int) -> None:
         try:
             cpu = self.cpu()
             self.pin(cpu)
@@ -114,7 +122,7 @@ class Colocation:
             log.warning("cannot keep the frontend on one CPU (%s); --colocate is off", e)
             self.mode = ColocateMode.OFF
             return
-        self.state, self.paired_cpu, self.since_ns = Pairing.PAIRED, cpu, self.clock()
+        self.state, self.paired_cpu, self.since_ns = Pairing.PAIRED, cpu, now_ns
         self.pairings += 1
 
     def _spread(self) -> None:

@@ -154,8 +154,9 @@ class EngineClient:
         """Send a request; ``on_result`` gets its InferResult. With ``ordered`` (the model's
         preserve_ordering), results are handed over in submission order."""
         req_id = next(self.ids)
+        now = time.monotonic_ns()
         if self.colocation is not None:
-            self.cpu = self.colocation.on_request(len(self.pending))
+            self.cpu = self.colocation.on_request(len(self.pending), now)
         if self.max_inflight and len(self.pending) >= self.max_inflight:
             on_result(InferResult(req_id, model, version, code=ErrorCode.UNAVAILABLE,
                                   error=f"the server is overloaded: {len(self.pending)} requests "
@@ -163,7 +164,7 @@ class EngineClient:
             return req_id
         p = prepared.payload
         head = SubmitRequest(req_id, self.frontend_id, model, version, prepared.batch_size,
-                             time.monotonic_ns(), prepared.priority, prepared.timeout_us,
+                             now, prepared.priority, prepared.timeout_us,
                              prepared.shape_key, sequence_id=p.correlation_id,
                              sequence_flags=p.flags, trace=prepared.trace is not None)
         payload = encode_message(prepared.payload)

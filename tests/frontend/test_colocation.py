@@ -1,10 +1,20 @@
-"""Colocation, the frontend's choice to share a CPU with its worker while requests come one at
-a time: driven request by request with the CPU, the pinning and the clock injected, so nothing
-here moves this test's own thread."""
+"""Colocation, the frontend's choice to share a CPU with its worker while short requests come
+one at a time: driven request by request with the CPU and the pinning injected and the time
+given with each request, so nothing here moves this test's own thread."""
 import errno
 import logging
 
-from shmserve.frontend.colocation import ENTER, NO_CPU, ColocateMode, Colocation, Pairing
+from shmserve.frontend.colocation import (
+    ENTER,
+    MAX_GAP_NS,
+    NO_CPU,
+    ColocateMode,
+    Colocation,
+    Pairing,
+)
+
+US = 1000
+STEP = 400 * US         # identity at concurrency 1: a request every 400 µs
 
 
 class Pins:
@@ -18,77 +28,103 @@ class Pins:
         self.calls.append(cpu)
 
 
-class Clock:
-    def __init__(self):
-        self.now = 0
+class Feed:
+    """Requests at a fixed pace."""
 
-    def __call__(self) -> int:
-        return self.now
+    def __init__(self, c: Colocation, step: int = STEP):
+        self.c, self.step, self.now = c, step, 0
+
+    def __call__(self, in_flight: int = 0) -> int:
+        self.now += self.step
+        return self.c.on_request(in_flight, self.now)
 
 
-def make(mode=ColocateMode.AUTO, cpu=3, pins=None, clock=None, **kw):
+def make(mode=ColocateMode.AUTO, cpu=3, pins=None, **kw):
     pins = pins if pins is not None else Pins()
-    clock = clock if clock is not None else Clock()
-    return Colocation(mode, cpu=lambda: cpu, pin=pins, clock=clock, **kw), pins, clock
+    c = Colocation(mode, cpu=lambda: cpu, pin=pins, **kw)
+    return c, pins, Feed(c)
 
 
 def test_pairs_after_enough_requests_that_came_alone_and_names_its_cpu():
-    c, pins, _ = make()
-    hints = [c.on_request(0) for _ in range(ENTER - 1)]
+    c, pins, feed = make()
+    hints = [feed() for _ in range(ENTER - 1)]
     assert hints == [NO_CPU] * (ENTER - 1) and pins.calls == []
-    assert c.on_request(0) == 3                 # the ENTER-th pins and is sent with the CPU
+    assert feed() == 3                          # the ENTER-th pins and is sent with the CPU
     assert pins.calls == [3] and c.state is Pairing.PAIRED
-    assert [c.on_request(0) for _ in range(100)] == [3] * 100
+    assert [feed() for _ in range(100)] == [3] * 100
     assert pins.calls == [3]                    # pinned once, not per request
 
 
 def test_a_request_that_finds_another_in_flight_spreads_at_once_and_starts_the_count_again():
-    c, pins, _ = make(enter=4)
+    c, pins, feed = make(enter=4)
     for _ in range(4):
-        c.on_request(0)
+        feed()
     assert c.state is Pairing.PAIRED
-    assert c.on_request(1) == NO_CPU
+    assert feed(1) == NO_CPU
     assert pins.calls == [3, None] and c.state is Pairing.SPREAD
     # three alone, one crowded, three alone: never four in a row, never paired
     for n in (0, 0, 0, 2, 0, 0, 0):
-        assert c.on_request(n) == NO_CPU
+        assert feed(n) == NO_CPU
     assert pins.calls == [3, None]
-    assert c.on_request(0) == 3 and c.pairings == 2
+    assert feed() == 3 and c.pairings == 2
+
+
+def test_requests_far_apart_are_not_paired():
+    # 4 MiB over HTTP at concurrency 1: one every 6 ms; a hop is nothing beside that
+    c, pins, feed = make(enter=4)
+    feed.step = 6 * MAX_GAP_NS
+    assert [feed() for _ in range(50)] == [NO_CPU] * 50
+    assert pins.calls == []
+    # the pace picks up: once a run of four is quick (the run under way when it changed may
+    # still hold a slow gap), they are paired
+    feed.step = MAX_GAP_NS // 2
+    hints = [feed() for _ in range(8)]
+    assert hints[-1] == 3 and hints.index(3) >= 3
+
+
+def test_the_pace_is_a_mean_over_the_run():
+    c, _, feed = make(enter=4)
+    feed.step = MAX_GAP_NS * 3 // 2             # a little slow each time: never
+    assert {feed() for _ in range(40)} == {NO_CPU}
+    c2, _, feed2 = make(enter=4)
+    # one long gap early in the run and three quick ones: 3 gaps average past the limit
+    for step in (1, 3 * MAX_GAP_NS, 10, 10):
+        feed2.step = step
+        hint = feed2()
+    assert hint == NO_CPU and c2.state is Pairing.SPREAD
 
 
 def test_a_pairing_is_chosen_again_after_repick_ns():
-    c, pins, clock = make(enter=2, repick_ns=1000)
-    c.on_request(0)
-    assert c.on_request(0) == 3
-    clock.now = 999
-    assert c.on_request(0) == 3
-    clock.now = 1000                            # the CPU may since have been taken by others
-    assert c.on_request(0) == NO_CPU and c.state is Pairing.SPREAD
-    assert c.on_request(0) == 3                 # where the thread is now
+    c, pins, feed = make(enter=2, repick_ns=STEP * 3)
+    feed()
+    assert feed() == 3
+    assert feed() == 3 and feed() == 3          # 2 steps after pairing
+    assert feed() == NO_CPU and c.state is Pairing.SPREAD   # 3: the CPU may be taken now
+    assert feed() == 3                          # where the thread is now
     assert pins.calls == [3, None, 3]
 
 
 def test_off_never_pins():
-    c, pins, _ = make(mode=ColocateMode.OFF)
-    assert {c.on_request(0) for _ in range(3 * ENTER)} == {NO_CPU}
+    c, pins, feed = make(mode=ColocateMode.OFF)
+    assert {feed() for _ in range(3 * ENTER)} == {NO_CPU}
     assert pins.calls == []
 
 
 def test_a_pin_refused_turns_it_off_and_says_so_once(caplog):
     pins = Pins(fail=OSError(errno.EINVAL, "Invalid argument"))
-    c, _, _ = make(pins=pins, enter=2)
+    c, _, feed = make(pins=pins, enter=2)
     with caplog.at_level(logging.WARNING, logger="shmserve.frontend"):
-        assert [c.on_request(0) for _ in range(10)] == [NO_CPU] * 10
+        assert [feed() for _ in range(10)] == [NO_CPU] * 10
     assert c.mode is ColocateMode.OFF and c.state is Pairing.SPREAD
     assert [r.getMessage() for r in caplog.records] == [
         "cannot keep the frontend on one CPU ([Errno 22] Invalid argument); --colocate is off"]
 
 
 def test_close_gives_the_cpus_back_only_when_paired():
-    c, pins, _ = make(enter=1)
+    c, pins, feed = make(enter=1)
     c.close()
     assert pins.calls == []
-    c.on_request(0)
+    feed()
     c.close()
     assert pins.calls == [3, None]
 
@@ -105,9 +141,9 @@ def test_the_real_calls_pin_and_unpin_the_calling_thread_only():
         if c.mode is ColocateMode.OFF:          # a machine with one CPU: nothing to pair
             seen["off"] = True
             return
-        cpu = c.on_request(0)
+        cpu = c.on_request(0, 0)
         seen["paired"] = (cpu, os.sched_getaffinity(0))
-        c.on_request(1)
+        c.on_request(1, 1)
         seen["spread"] = os.sched_getaffinity(0)
 
     t = threading.Thread(target=run)
