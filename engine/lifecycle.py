@@ -570,9 +570,13 @@ def instances_of(config):
         # as Triton (since 2.37) names them: the group's name and the instance's index, also
         # for a group's only one (a python model sees it as args["model_instance_name"];
         # Triton's init_args test expects "init_args_0_0")
+        # the index runs over the group's devices too (gpus [0, 1], count 1: _0 on GPU 0, _1
+        # on GPU 1): every instance of a model has a name of its own
+        i = 0
         for device in devices:
-            for i in range(group.count):
+            for _ in range(group.count):
                 yield Instance(f"{group.name}_{i}", kind, device, group=index)
+                i += 1
 
 
 def fingerprint(dirs: list[str]) -> tuple:

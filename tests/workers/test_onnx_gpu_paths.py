@@ -169,8 +169,9 @@ def test_instances_are_placed_on_their_gpus():
     group.kind, group.count = group.KIND_GPU, 2
     group.gpus.extend([1, 3])
     cfg = model_config.normalize(cfg, "mlp_onnx")
-    assert [(i.kind, i.device_id) for i in instances_of(cfg)] == \
-        [("GPU", 1), ("GPU", 1), ("GPU", 3), ("GPU", 3)]
+    assert [(i.name, i.kind, i.device_id) for i in instances_of(cfg)] == \
+        [("mlp_onnx_0_0", "GPU", 1), ("mlp_onnx_0_1", "GPU", 1), ("mlp_onnx_0_2", "GPU", 3),
+         ("mlp_onnx_0_3", "GPU", 3)]      # names of their own, the index running over the gpus
 
 
 def test_tensorrt_models_default_to_kind_gpu():
