@@ -57,7 +57,8 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
 
     loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     priority = DrainPriority(PriorityMode(settings.frontend_priority))
-    colocation = Colocation(ColocateMode(settings.colocate))
+    colocation = Colocation(ColocateMode(settings.colocate),
+                            max_gap_ns=settings.colocate_max_gap_us * 1000)
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
                           settings.request_deadline_secs, priority, colocation)
     arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")

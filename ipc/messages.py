@@ -714,6 +714,7 @@ class ServerSettings(msgspec.Struct):
     frontends: int = 1                     # frontend processes sharing the ports (SO_REUSEPORT)
     frontend_priority: str = "auto"        # auto | normal | realtime (frontend/priority.py)
     colocate: str = "auto"                 # auto | off (frontend/colocation.py)
+    colocate_max_gap_us: int = 1000        # mean gap between requests, at most, to pair
     log_verbose: int = 0
     log_info: bool = True
     log_warning: bool = True

@@ -74,6 +74,19 @@ def frontend_pids(server: "Server") -> list[int]:
     return sorted(pids)
 
 
+def worker_pid(server: "Server", model: str) -> int:
+    """The pid of a worker of ``model`` (its first found), 0 if none runs."""
+    label = f'"model_name":"{model}"'.encode()
+    for pid in descendants(server.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if label in f.read():
+                    return pid
+        except OSError:
+            continue
+    return 0
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` and its live descendants (a server's whole tree: workers,
     Triton's python backend stubs), from /proc: what the benches charge a server."""

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from handoff_models import write_handoff_models
-from serverproc import Server, alive, descendants, wait_for
+from serverproc import Server, alive, descendants, wait_for, worker_pid
 from tritonclient.utils import InferenceServerException
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,18 +62,6 @@ def infer(server, x: np.ndarray):
         return res.as_numpy("OUT"), bool(res.as_numpy("ON_GPU")[0])
     finally:
         c.close()
-
-
-def worker_pid(server, model: str) -> int:
-    label = f'"model_name":"{model}"'.encode()
-    for pid in descendants(server.proc.pid):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if label in f.read():
-                    return pid
-        except OSError:
-            continue
-    return 0
 
 
 def maps_device_memory_of(pid: int, owner: int) -> bool:
