@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "first request that finds another in flight, both may run anywhere "
                         "again. Only the frontend's loop thread is pinned, and a worker's "
                         "thread only while it waits; off: never")
-    p.add_argument("--colocate-max-gap-us", type=int, default=D["colocate_max_gap_us"],
+    p.add_argument("--colocate-max-gap-us", type=gap_us, default=D["colocate_max_gap_us"],
                    help="--colocate auto pairs only requests that came at most this many "
                         "microseconds apart on average")
     p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
@@ -207,6 +207,18 @@ def metrics_config(parser: argparse.ArgumentParser, items: list[str]) -> dict[st
     return known
 
 
+def gap_us(text: str) -> int:
+    """--colocate-max-gap-us: microseconds, 0 or more."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of microseconds, got "
+                                         f"{text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {n}")
+    return n
+
+
 def frontend_count(text: str) -> int:
     if text == "auto":
         cpus = len(os.sched_getaffinity(0))
@@ -317,7 +329,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         max_inflight_requests=a.max_inflight_requests, instance_leases=a.instance_leases,
         worker_start=a.worker_start,
         frontends=a.frontends, frontend_priority=a.frontend_priority, colocate=a.colocate,
-        colocate_max_gap_us=max(0, a.colocate_max_gap_us),
+        colocate_max_gap_us=a.colocate_max_gap_us,
         cuda_memory_pool=dict(a.cuda_memory_pool_byte_size),
         grpc_options=compat_flags.grpc_options(a), trace=compat_flags.trace_config(parser, a),
         response_cache_bytes=compat_flags.cache_bytes(parser, a),
