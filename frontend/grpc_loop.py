@@ -19,6 +19,7 @@ import random
 import ssl
 import time
 from types import SimpleNamespace
+from typing import Callable
 
 import grpc
 from google.protobuf.message import Message as pb_message
@@ -68,8 +69,13 @@ class Keepalive:
 
 
 class GrpcLoopServer:
-    def __init__(self, generic_handlers, max_message: int, options: dict[str, int] | None = None):
+    def __init__(self, generic_handlers, max_message: int, options: dict[str, int] | None = None,
+                 now: dict | None = None):
         self.generic_handlers = list(generic_handlers)
+        # unary methods served by a callback rather than a task, by path: ``now(request, call,
+        # answer)`` starts the call and arranges ``answer(call, response, error)`` (the
+        # servicer's model_infer_now); the generic handler still says how to (de)serialize
+        self.now = dict(now or {})
         self.max_message = max_message
         self.keepalive = Keepalive(options or {})
         self.methods: dict[bytes, object] = {}
@@ -110,7 +116,7 @@ class GrpcLoopServer:
 
 class Call:
     __slots__ = ("stream_id", "handler", "context", "reader", "task", "queue", "timer",
-                 "done", "sent_headers")
+                 "done", "sent_headers", "now", "started", "request", "cancel")
 
     def __init__(self, stream_id: int, handler, context: CallContext, reader: MessageReader):
         self.stream_id = stream_id
@@ -122,6 +128,10 @@ class Call:
         self.timer: asyncio.TimerHandle | None = None
         self.done = False
         self.sent_headers = False
+        self.now: Callable | None = None   # the method's callback handler (GrpcLoopServer.now), if any
+        self.started = False    # its request came (``request`` until the stream ends)
+        self.request: bytes | None = None
+        self.cancel: Callable[[], None] | None = None  # what stops a callback-handled call's request if it ends first
 
 
 class Connection(asyncio.Protocol):
@@ -265,6 +275,8 @@ class Connection(asyncio.Protocol):
             return
         if seconds is not None:
             call.timer = asyncio.get_running_loop().call_later(seconds, self.expire, call)
+        if not handler.request_streaming and not handler.response_streaming:
+            call.now = self.server.now.get(path)
         if handler.request_streaming:
             call.queue = asyncio.Queue()
             call.task = asyncio.ensure_future(self.run(call))
@@ -287,12 +299,19 @@ class Connection(asyncio.Protocol):
         if call.queue is None:
             self.core.ack(sid, length)
             if messages:
-                if call.task is not None or len(messages) > 1:
-                    self.fail(call, grpc.StatusCode.INTERNAL,
-                              "more than one request message on a unary call")
-                    return
-                call.task = asyncio.ensure_future(self.run(call, messages[0]))
-            if end and call.task is None:
+                if call.task is not None or call.started:
+                    return      # gRPC's servers read a unary call's first message only
+                if call.now is not None:
+                    call.started = True
+                    call.request = messages[0]      # run at the end of the stream (below)
+                else:
+                    call.task = asyncio.ensure_future(self.run(call, messages[0]))
+            if end and call.request is not None:
+                # a callback handler starts its request only once the call is whole: it is
+                # not cancelled as easily as a task that has not run yet
+                self.run_now(call, call.request)
+                call.request = None
+            elif end and call.task is None and not call.started:
                 self.fail(call, grpc.StatusCode.INTERNAL,
                           "the stream ended inside a message" if call.reader.pending()
                           else "a unary call ended without a request")
@@ -345,6 +364,49 @@ class Connection(asyncio.Protocol):
             return
         self.finish(call, grpc.StatusCode.OK)
 
+    def run_now(self, call: Call, message: bytes) -> None:
+        """A unary call whose method has a callback handler: started here, no task."""
+        now = call.now
+        assert now is not None
+        try:
+            now(call.handler.request_deserializer(message), call, self.answer)
+        except Exception as e:
+            self.answer(call, None, e)
+
+    def answer(self, call: Call, response, error: BaseException | None) -> None:
+        """A callback handler's answer: the response, or the exception that ends the call
+        (with the status ``run`` would give it)."""
+        call.cancel = None
+        if call.done:
+            return
+        if error is None:
+            try:
+                payload = self.serialize(call, response)
+            except CallError as e:
+                error = e
+        if error is not None:
+            code, details = failure_status(error, call.context)
+            if log.isEnabledFor(logging.DEBUG):
+                logs.written_before_answer(log, "gRPC call failed: %s: %s", code.name, details)
+            self.finish(call, code, details)
+            return
+        core, sid = self.core, call.stream_id
+        call.sent_headers = True
+        core.send_headers(sid, RESPONSE_HEADERS)
+        data = grpc_call.frame(payload)
+        sent = core.send_data(sid, data)
+        if sent == len(data):
+            self.finish(call, grpc.StatusCode.OK)
+        else:       # the peer's window is short of it: the rest waits for it in a task
+            call.task = asyncio.ensure_future(self._answer_rest(call, data[sent:]))
+
+    async def _answer_rest(self, call: Call, data: bytes) -> None:
+        try:
+            await self._send_data(call, data)
+        except asyncio.CancelledError:
+            return
+        self.finish(call, grpc.StatusCode.OK)
+
     def serialize(self, call: Call, response) -> bytes:
         payload = call.handler.response_serializer(response)
         if len(payload) > self.server.max_message:
@@ -374,19 +436,23 @@ class Connection(asyncio.Protocol):
         if not call.sent_headers:
             call.sent_headers = True
             core.send_headers(sid, RESPONSE_HEADERS)
-        data = grpc_call.frame(payload)
+        await self._send_data(call, grpc_call.frame(payload))
+        if flush:
+            self.flush()
+
+    async def _send_data(self, call: Call, data: bytes) -> None:
+        """Sends ``data`` on the call's stream as the peer's windows allow."""
+        core, sid = self.core, call.stream_id
         while True:
             sent = core.send_data(sid, data)
             if sent == len(data):
-                break
+                return
             data = data[sent:]
             self.flush()
             self.window.clear()
             await self.window.wait()
             if call.done:
                 raise asyncio.CancelledError
-        if flush:
-            self.flush()
 
     def finish(self, call: Call, code: grpc.StatusCode, details: str = "") -> None:
         """Ends the call with its status (trailers, or headers and trailers in one frame)."""
@@ -404,6 +470,7 @@ class Connection(asyncio.Protocol):
     def fail(self, call: Call, code: grpc.StatusCode, details: str) -> None:
         if call.task is not None:
             call.task.cancel()
+        self._stop(call)
         self.finish(call, code, details)
 
     def expire(self, call: Call) -> None:
@@ -419,6 +486,14 @@ class Connection(asyncio.Protocol):
         self._forget(call)
         if call.task is not None:
             call.task.cancel()
+        self._stop(call)
+
+    @staticmethod
+    def _stop(call: Call) -> None:
+        """A callback-handled call ended before its answer: its request is dropped."""
+        cancel, call.cancel = call.cancel, None
+        if cancel is not None:
+            cancel()
 
     def _forget(self, call: Call) -> None:
         self.calls.pop(call.stream_id, None)

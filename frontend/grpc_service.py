@@ -109,6 +109,9 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             if restrictions and group in restrictions:
                 guard = _guard_stream if name == "ModelStreamInfer" else _guard_unary
                 setattr(self, name, guard(getattr(self, name), group, restrictions))
+        # handlers the loop server runs without a task (grpc_loop.GrpcLoopServer.now)
+        self.now = {} if restrictions and RPC_GROUPS["ModelInfer"] in restrictions else \
+            {b"/inference.GRPCInferenceService/ModelInfer": self.model_infer_now}
 
     # ---- health and metadata -------------------------------------------------------------------
     async def ServerLive(self, request, context):
@@ -157,6 +160,12 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                      forwarded: dict[str, str] | None = None) -> pb.ModelInferResponse:
         """One request through the service; raises InferError. ``unary``: see infer_target;
         ``forwarded``: metadata that becomes parameters (``forwarded()``)."""
+        view, v, prepared, traced = self._admit(req, unary, forwarded)
+        return self._response(await self.service.infer(view, v, prepared), prepared, traced)
+
+    def _admit(self, req: pb.ModelInferRequest, unary: str, forwarded: dict[str, str] | None):
+        """The model, version and prepared request of a call, and its trace (or None); raises
+        Refused."""
         svc = self.service
         traced = None
         try:
@@ -171,7 +180,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             raise Refused(e.code, e.message) from None
         if traced is not None:
             traced.queued(prepared, svc.maps)
-        result = await svc.infer(view, v, prepared)
+        return view, v, prepared, traced
+
+    def _response(self, result, prepared, traced) -> pb.ModelInferResponse:
+        svc = self.service
         refs = svc.release_inputs(prepared, result)
         if traced is not None:
             traced.answered(result, svc.maps)
@@ -186,12 +198,36 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request, context):
-        # written out rather than @translated: this is the hot path
+        # written out rather than @translated: this is the hot path (on the loop server,
+        # model_infer_now is, and this serves grpc.aio)
         try:
             forwarded = self.forwarded(context) if self.forward.regex is not None else None
             return await self._infer(request, "ModelInfer RPC", forwarded)
         except InferError as e:
             await context.abort(grpc_status(e.code), e.message)
+
+    def model_infer_now(self, request: pb.ModelInferRequest, call, answer) -> None:
+        """ModelInfer without a task: submitted here, answered from the result's callback
+        through ``answer(call, response, error)`` (grpc_loop: a call's ``now`` handler). Sets
+        ``call.cancel``, which the connection calls if the call ends first (a reset stream, its
+        deadline). Saves the loop server a task, a future and a turn of the loop per call."""
+        svc = self.service
+        forwarded = self.forwarded(call.context) if self.forward.regex is not None else None
+        view, v, prepared, traced = self._admit(request, "ModelInfer RPC", forwarded)
+
+        def answered(result) -> None:
+            call.cancel = None
+            if call.done:       # the call ended first
+                svc.drop(result, prepared)
+                return
+            try:
+                response = self._response(result, prepared, traced)
+            except Exception as e:      # noqa: BLE001 - the call's status says what it was
+                answer(call, None, e)
+                return
+            answer(call, response, None)
+        req_id = svc.submit(view, v, prepared, answered)
+        call.cancel = lambda: svc.abandon(req_id, prepared)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Many requests on one stream (frontend/grpc_stream.py: order, decoupled answers,
@@ -330,12 +366,13 @@ async def serve(service: FrontendService, address: str, port: int,
     compression), grpc.aio serves. ``tls`` (--grpc-use-ssl): either serves over TLS, with the
     PEM files it names (read here, at start)."""
     handlers = _GenericHandlers()
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(
-        InferenceService(service, restrictions, max_message, header_forward), handlers)
+    inference = InferenceService(service, restrictions, max_message, header_forward)
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(inference, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(HealthService(service), handlers)
     unsupported = sorted(set(options or {}) - grpc_loop.OPTIONS)
     if kind == "loop" and not unsupported:
-        loop_server = grpc_loop.GrpcLoopServer(handlers.handlers, max_message, options)
+        loop_server = grpc_loop.GrpcLoopServer(handlers.handlers, max_message, options,
+                                               inference.now)
         try:
             bound = await loop_server.start(address.strip("[]"), port, reuse_port,
                                             _ssl_context(tls) if tls is not None else None)

@@ -294,7 +294,7 @@ class FrontendService:
 
         def answered(result: InferResult) -> None:
             if fut.cancelled():     # the call ended while its task was being cancelled
-                self._drop(result, prepared)
+                self.drop(result, prepared)
             else:
                 fut.set_result(result)
         req_id = self.submit(view, version, prepared, answered)
@@ -302,11 +302,16 @@ class FrontendService:
             return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():     # answered, then cancelled
-                self._drop(fut.result(), prepared)
-            else:                       # its answer, when it comes, only gives memory back
-                self.cancel(req_id)
-                self.client.drain_abandoned(req_id, lambda r: self._drop(r, prepared))
+                self.drop(fut.result(), prepared)
+            else:
+                self.abandon(req_id, prepared)
             raise
+
+    def abandon(self, req_id: int, prepared: PreparedRequest) -> None:
+        """Nobody waits for a request's answer any more: it is cancelled where it still
+        waits, and its answer, when it comes, only gives memory back."""
+        self.cancel(req_id)
+        self.client.drain_abandoned(req_id, lambda r: self.drop(r, prepared))
 
     async def infer_stream(self, view: ModelView, version: int,
                            prepared: PreparedRequest) -> AsyncIterator[InferResult]:
@@ -328,11 +333,11 @@ class FrontendService:
         finally:
             if not final:
                 self.cancel(req_id)
-                self.client.drain_abandoned(req_id, lambda r: self._drop(r, prepared))
+                self.client.drain_abandoned(req_id, lambda r: self.drop(r, prepared))
                 while not answers.empty():
-                    self._drop(answers.get_nowait(), prepared)
+                    self.drop(answers.get_nowait(), prepared)
 
-    def _drop(self, result: InferResult, prepared: PreparedRequest) -> None:
+    def drop(self, result: InferResult, prepared: PreparedRequest) -> None:
         """An answer nobody will send (its call or stream ended first): its slots go back,
         and with the last the request's inputs."""
         if result.final:

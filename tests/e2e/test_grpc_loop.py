@@ -277,3 +277,47 @@ def test_a_stream_client_that_stops_reading_is_held_then_loses_nothing(server):
     np.testing.assert_array_equal(np.frombuffer(answers[-1].infer_response.raw_output_contents[0],
                                                 dtype=np.float32), values)
     client.sock.close()
+
+
+def _raw_infer_call(port: int, *messages: bytes) -> dict:
+    """One ModelInfer call sent frame by frame: the given gRPC messages, then the end of the
+    stream; returns the call's trailers (grpc-status, grpc-message)."""
+    import h2.events
+    c = RawClient(port)
+    c.conn.send_headers(1, [(":method", "POST"), (":scheme", "http"), (":authority", "x"),
+                            (":path", "/inference.GRPCInferenceService/ModelInfer"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+    for m in messages:
+        c.conn.send_data(1, b"\x00" + len(m).to_bytes(4, "big") + m)
+    c.conn.end_stream(1)
+    c.sock.sendall(c.conn.data_to_send())
+    c.read_until(lambda: c.count(h2.events.StreamEnded), 30)
+    c.sock.close()
+    blocks = [e.headers for e in c.events
+              if isinstance(e, (h2.events.TrailersReceived, h2.events.ResponseReceived))]
+    return {k.decode(): v.decode() for k, v in blocks[-1]}
+
+
+@pytest.mark.parametrize("kind", ["loop", "aio"])
+def test_a_unary_call_that_is_not_one_request(example_repo, kind):
+    """Two request messages on a ModelInfer call: answered from the first, as gRPC's own
+    servers do; bytes that are no ModelInferRequest: an error status, the model never asked.
+    The server goes on serving either way."""
+    srv = Server([example_repo], "--grpc-server", kind)
+    try:
+        request = service_pb2.ModelInferRequest(model_name="identity_fp32")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1, 4])
+        request.raw_input_contents.append(np.ones(4, np.float32).tobytes())
+        one = request.SerializeToString()
+        trailers = _raw_infer_call(srv.grpc_port, one, one)
+        assert trailers["grpc-status"] == "0", trailers
+        trailers = _raw_infer_call(srv.grpc_port, b"\xff\xff\xff")
+        assert trailers["grpc-status"] == str(grpc.StatusCode.UNKNOWN.value[0]), trailers
+        assert "Error parsing message" in trailers["grpc-message"]
+        with grpcclient.InferenceServerClient(srv.grpc_url) as c:
+            values = np.ones((1, 4), dtype=np.float32)
+            np.testing.assert_array_equal(_identity(c, values), values)
+            stats = c.get_inference_statistics("identity_fp32", as_json=True)
+            assert int(stats["model_stats"][0]["inference_stats"]["success"]["count"]) == 2
+    finally:
+        assert srv.stop() == 0
