@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 import ssl
+from typing import Callable
 
 # gRPC's EventEngine listener (its default) reads each request on an event-engine thread that
 # hands it to another, which completes it to the completion-queue thread, which wakes the event
@@ -163,6 +164,25 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         view, v, prepared, traced = self._admit(req, unary, forwarded)
         return self._response(await self.service.infer(view, v, prepared), prepared, traced)
 
+    def start_infer(self, req: pb.ModelInferRequest, done: Callable, unary: str = "",
+                    forwarded: dict[str, str] | None = None) -> Callable[[], None]:
+        """``_infer`` without a task: the request is submitted now (raises Refused if it is
+        refused before that) and ``done(response, None)`` or ``done(None, exception)`` is
+        called with its answer, never before this returns. Returns what drops the request
+        when nobody waits for its answer any more; call it only before ``done``."""
+        svc = self.service
+        view, v, prepared, traced = self._admit(req, unary, forwarded)
+
+        def answered(result) -> None:
+            try:
+                response = self._response(result, prepared, traced)
+            except Exception as e:      # noqa: BLE001 - the caller says what it was
+                done(None, e)
+                return
+            done(response, None)
+        req_id = svc.submit(view, v, prepared, answered)
+        return lambda: svc.abandon(req_id, prepared)
+
     def _admit(self, req: pb.ModelInferRequest, unary: str, forwarded: dict[str, str] | None):
         """The model, version and prepared request of a call, and its trace (or None); raises
         Refused."""
@@ -207,27 +227,16 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             await context.abort(grpc_status(e.code), e.message)
 
     def model_infer_now(self, request: pb.ModelInferRequest, call, answer) -> None:
-        """ModelInfer without a task: submitted here, answered from the result's callback
-        through ``answer(call, response, error)`` (grpc_loop: a call's ``now`` handler). Sets
-        ``call.cancel``, which the connection calls if the call ends first (a reset stream, its
-        deadline). Saves the loop server a task, a future and a turn of the loop per call."""
-        svc = self.service
+        """ModelInfer without a task (grpc_loop: a call's ``now`` handler), answered through
+        ``answer(call, response, error)``. Sets ``call.cancel``, which the connection calls if
+        the call ends first (a reset stream, its deadline). Saves the loop server a task, a
+        future and a turn of the loop per call."""
         forwarded = self.forwarded(call.context) if self.forward.regex is not None else None
-        view, v, prepared, traced = self._admit(request, "ModelInfer RPC", forwarded)
 
-        def answered(result) -> None:
+        def done(response, error) -> None:
             call.cancel = None
-            if call.done:       # the call ended first
-                svc.drop(result, prepared)
-                return
-            try:
-                response = self._response(result, prepared, traced)
-            except Exception as e:      # noqa: BLE001 - the call's status says what it was
-                answer(call, None, e)
-                return
-            answer(call, response, None)
-        req_id = svc.submit(view, v, prepared, answered)
-        call.cancel = lambda: svc.abandon(req_id, prepared)
+            answer(call, response, error)
+        call.cancel = self.start_infer(request, done, "ModelInfer RPC", forwarded)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Many requests on one stream (frontend/grpc_stream.py: order, decoupled answers,
@@ -236,9 +245,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             forwarded = self.forwarded(context)     # the stream's metadata, for its requests
         except InferError as e:
             await context.abort(grpc_status(e.code), e.message)
-        infer = functools.partial(self._infer, forwarded=forwarded) if forwarded else self._infer
+        start = functools.partial(self.start_infer, forwarded=forwarded) if forwarded \
+            else self.start_infer
         session = StreamSession(self.service, context, stream_error_mode(context),
-                                STREAM_MAX_INFLIGHT, infer, self.max_message, forwarded)
+                                STREAM_MAX_INFLIGHT, start, self.max_message, forwarded)
         async for response in session.run(request_iterator):
             yield response
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Awaitable, Callable
+from collections import deque
+from typing import Callable
 
 from tritonclient.grpc import service_pb2 as pb
 
@@ -60,18 +61,23 @@ def _final_param(response: pb.ModelInferResponse, final: bool) -> pb.ModelInferR
 
 class StreamSession:
     def __init__(self, service: FrontendService, context, error_mode: bool, max_inflight: int,
-                 infer: Callable[[pb.ModelInferRequest], Awaitable[pb.ModelInferResponse]],
+                 start: Callable[..., Callable[[], None]],
                  max_message: int, forwarded: dict[str, str] | None = None):
         self.service = service
         self.forwarded = forwarded      # the stream's metadata that becomes parameters
         self.context = context
         self.error_mode = error_mode
         self.slots = asyncio.Semaphore(max_inflight)
-        self.infer = infer              # one request, one answer (InferenceService._infer)
+        # one request, one answer, from a callback (InferenceService.start_infer)
+        self.start = start
         self.max_message = max_message
         # (response or None, final, error to end the stream with or None)
         self.out: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
+        # the one-answer requests not yet answered or not yet passed on, in request order:
+        # [request, its item once answered]; answers go out in that order
+        self.waiting: deque[list] = deque()
+        self.cancels: dict[int, Callable[[], None]] = {}    # id(slot) -> drops its request
 
     async def run(self, request_iterator):
         reader = asyncio.ensure_future(self.read(request_iterator))
@@ -98,9 +104,11 @@ class StreamSession:
             reader.cancel()
             for task in self.tasks:     # the stream ended early: drop what it still runs
                 task.cancel()
+            cancels, self.cancels = self.cancels, {}
+            for cancel in cancels.values():
+                cancel()
 
     async def read(self, request_iterator):
-        previous = None         # the last one-answer request: answers keep request order
         async for req in request_iterator:
             await self.slots.acquire()
             self.out.put_nowait(1)
@@ -112,11 +120,10 @@ class StreamSession:
                 refusal = None
             if view is not None and view.decoupled:
                 task = asyncio.ensure_future(self.streamed(req, view, version))
+                self.tasks.add(task)
+                task.add_done_callback(self.tasks.discard)
             else:
-                task = asyncio.ensure_future(self.ordered(req, previous, refusal))
-                previous = task
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+                self.ordered(req, refusal)
         self.out.put_nowait(_END)
 
     def _failed(self, req: pb.ModelInferRequest, e: InferError) -> tuple:
@@ -131,23 +138,33 @@ class StreamSession:
         return pb.ModelStreamInferResponse(error_message=e.message,
                                            infer_response=response), True, None
 
-    async def ordered(self, req: pb.ModelInferRequest, previous: asyncio.Task | None,
-                      refusal: Refused | None) -> None:
+    def ordered(self, req: pb.ModelInferRequest, refusal: Refused | None) -> None:
+        """A request with one answer: submitted now, answered from a callback (no task)."""
+        slot = [req, None]
+        self.waiting.append(slot)
+        if refusal is not None:
+            self._answered(slot, None, refusal)
+            return
         try:
-            if refusal is not None:
-                raise refusal
-            response = pb.ModelStreamInferResponse(
-                infer_response=_final_param(await self.infer(req), True))
-            item: tuple = (response, True, None)
-        except InferError as e:
-            item = self._failed(req, e)
-        except Exception as e:      # a bug must cost one request, not the stream
-            log.exception("error answering a ModelStreamInfer request")
-            item = self._failed(req, InferError(ErrorCode.INTERNAL,
-                                                f"internal error: {type(e).__name__}: {e}"))
-        if previous is not None:
-            await asyncio.wait([previous])
-        self.out.put_nowait(item)
+            self.cancels[id(slot)] = self.start(req, lambda r, e: self._answered(slot, r, e))
+        except Exception as e:      # noqa: BLE001 - refused (or a bug): one answer says so
+            self._answered(slot, None, e)
+
+    def _answered(self, slot: list, response, error: BaseException | None) -> None:
+        self.cancels.pop(id(slot), None)
+        req = slot[0]
+        if error is None:
+            slot[1] = (pb.ModelStreamInferResponse(infer_response=_final_param(response, True)),
+                       True, None)
+        elif isinstance(error, InferError):
+            slot[1] = self._failed(req, error)
+        else:                       # a bug must cost one request, not the stream
+            log.error("error answering a ModelStreamInfer request", exc_info=error)
+            slot[1] = self._failed(req, InferError(
+                ErrorCode.INTERNAL, f"internal error: {type(error).__name__}: {error}"))
+        waiting = self.waiting
+        while waiting and waiting[0][1] is not None:
+            self.out.put_nowait(waiting.popleft()[1])
 
     async def streamed(self, req: pb.ModelInferRequest, view, version: int) -> None:
         """A decoupled model's request: each answer goes out as it comes."""
