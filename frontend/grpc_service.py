@@ -232,11 +232,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         the call ends first (a reset stream, its deadline). Saves the loop server a task, a
         future and a turn of the loop per call."""
         forwarded = self.forwarded(call.context) if self.forward.regex is not None else None
-
-        def done(response, error) -> None:
-            call.cancel = None
-            answer(call, response, error)
-        call.cancel = self.start_infer(request, done, "ModelInfer RPC", forwarded)
+        call.cancel = self.start_infer(request, functools.partial(answer, call),
+                                       "ModelInfer RPC", forwarded)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Many requests on one stream (frontend/grpc_stream.py: order, decoupled answers,

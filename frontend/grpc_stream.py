@@ -75,9 +75,8 @@ class StreamSession:
         self.out: asyncio.Queue = asyncio.Queue()
         self.tasks: set[asyncio.Task] = set()
         # the one-answer requests not yet answered or not yet passed on, in request order:
-        # [request, its item once answered]; answers go out in that order
+        # [request, its item once answered, what drops it until then]; answers go out in order
         self.waiting: deque[list] = deque()
-        self.cancels: dict[int, Callable[[], None]] = {}    # id(slot) -> drops its request
 
     async def run(self, request_iterator):
         reader = asyncio.ensure_future(self.read(request_iterator))
@@ -104,9 +103,10 @@ class StreamSession:
             reader.cancel()
             for task in self.tasks:     # the stream ended early: drop what it still runs
                 task.cancel()
-            cancels, self.cancels = self.cancels, {}
-            for cancel in cancels.values():
-                cancel()
+            for slot in self.waiting:
+                cancel, slot[2] = slot[2], None
+                if cancel is not None:
+                    cancel()
 
     async def read(self, request_iterator):
         async for req in request_iterator:
@@ -140,18 +140,18 @@ class StreamSession:
 
     def ordered(self, req: pb.ModelInferRequest, refusal: Refused | None) -> None:
         """A request with one answer: submitted now, answered from a callback (no task)."""
-        slot = [req, None]
+        slot: list = [req, None, None]
         self.waiting.append(slot)
         if refusal is not None:
             self._answered(slot, None, refusal)
             return
         try:
-            self.cancels[id(slot)] = self.start(req, lambda r, e: self._answered(slot, r, e))
+            slot[2] = self.start(req, lambda r, e: self._answered(slot, r, e))
         except Exception as e:      # noqa: BLE001 - refused (or a bug): one answer says so
             self._answered(slot, None, e)
 
     def _answered(self, slot: list, response, error: BaseException | None) -> None:
-        self.cancels.pop(id(slot), None)
+        slot[2] = None
         req = slot[0]
         if error is None:
             slot[1] = (pb.ModelStreamInferResponse(infer_response=_final_param(response, True)),
