@@ -118,7 +118,8 @@ def one_pass(a, setting: str) -> dict[str, float]:
             time.sleep(0.1)
         pa = subprocess.Popen(
             [PA, "-m", a.model, "-u", f"127.0.0.1:{ports[a.protocol]}", "-i", a.protocol,
-             "--concurrency-range", str(a.concurrency), "-p", "3000", "-s", "20"],
+             "--concurrency-range", str(a.concurrency), "-p", "3000", "-s", "20",
+             *(["-a", "--max-threads", str(a.async_threads)] if a.async_threads else [])],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(a.warmup)
         roles = _roles(server.pid, pa.pid, a.model)
@@ -153,6 +154,9 @@ def main() -> None:
     ap.add_argument("--setting", action="append", default=None,
                     help="server flags for one configuration (repeatable; the first is the "
                          "baseline); default: the defaults, and --instance-leases false")
+    ap.add_argument("--async-threads", type=int, default=0,
+                    help="perf_analyzer in async mode with this many threads, as "
+                         "side_by_side.sh runs it at c=32 (0: sync, one thread per request)")
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--warmup", type=float, default=4.0)
     ap.add_argument("--window", type=float, default=8.0)

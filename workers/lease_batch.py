@@ -10,8 +10,11 @@ batcher would have formed it from its queue:
 - at most ``max_batch_size`` inferences, and never past the largest preferred batch size;
 - only requests with the same shape key (equal variable dimensions) and the same lease in
   force, in arrival order (the first that does not fit ends the batch and runs next);
-- a batch that is not full waits for more until ``max_queue_delay_microseconds`` after its
-  oldest request reached the frontend (the clock frontends stamp with), as Triton's would.
+- a batch that has reached a preferred batch size goes as soon as nothing more is waiting,
+  cut back to its longest prefix of a preferred size (the rest runs next), as the scheduler's
+  batcher sends the longest such prefix of its queue without waiting;
+- any other batch that is not full waits for more until ``max_queue_delay_microseconds`` after
+  its oldest request reached the frontend (the clock frontends stamp with), as Triton's would.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ class LeasedBatcher:
         max_batch = int(config.get("max_batch_size") or 0)
         preferred = [int(p) for p in (db or {}).get("preferred_batch_size") or []
                      if 0 < int(p) <= max_batch]
+        self.preferred = frozenset(preferred)
         # 0: the model does not batch (nothing joins a leased request)
         self.limit = (max(preferred) if preferred else max_batch) if db is not None else 0
         self.delay_ns = int((db or {}).get("max_queue_delay_microseconds") or 0) * 1000
@@ -48,8 +52,11 @@ class LeasedBatcher:
             return batch
         key, lease = first.head.shape_key, first.lease_id
         deadline = first.head.received_ns + self.delay_ns
+        preferred = self.preferred
+        best = 1 if size in preferred else 0    # the longest prefix of a preferred size
         while size < self.limit:
-            if not backlog and not self._arrived(inbox, deadline):
+            if not backlog and not inbox.has_message() and \
+                    (best or not self._arrived(inbox, deadline)):
                 break
             if not backlog:
                 try:
@@ -64,6 +71,12 @@ class LeasedBatcher:
             backlog.popleft()
             batch.append((msg, more))
             size += msg.head.batch_size
+            if size in preferred:
+                best = len(batch)
+        if best and best < len(batch) and time.monotonic_ns() < deadline:
+            for item in reversed(batch[best:]):     # they run next, in arrival order
+                backlog.appendleft(item)
+            del batch[best:]
         return batch
 
     @staticmethod

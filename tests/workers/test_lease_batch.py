@@ -128,3 +128,35 @@ def test_no_wait_once_the_oldest_request_waited_its_delay(link):
     t0 = time.monotonic()
     ids, _, _ = gather(LeasedBatcher(config(delay_us=60 * 10**6)), inbox)
     assert ids == [1] and time.monotonic() - t0 < 30     # not another minute of delay
+
+
+def test_a_batch_of_a_preferred_size_goes_without_waiting_for_the_delay(link):
+    inbox, out = link
+    for i in range(1, 5):
+        out.send(leased(i), [b"x"])
+    t0 = time.monotonic()
+    # a minute of delay and room for 8: four is a preferred size and nothing more is waiting
+    ids, _, backlog = gather(LeasedBatcher(config(max_batch=8, delay_us=60 * 10**6,
+                                                  preferred=(4, 8))), inbox)
+    assert ids == [1, 2, 3, 4] and not backlog and time.monotonic() - t0 < 30
+
+
+def test_past_a_preferred_size_the_batch_is_cut_back_to_it_and_the_rest_runs_next(link):
+    inbox, out = link
+    for i in range(1, 4):
+        out.send(leased(i), [f"p{i}".encode()])
+    # as the scheduler's batcher: the longest prefix of a preferred size goes at once
+    ids, frames, backlog = gather(LeasedBatcher(config(max_batch=8, delay_us=60 * 10**6,
+                                                       preferred=(2, 8))), inbox)
+    assert ids == [1, 2] and frames == [b"p1", b"p2"]
+    assert [m.head.req_id for m, _ in backlog] == [3]
+
+
+def test_once_the_delay_has_passed_a_batch_is_not_cut_back(link):
+    inbox, out = link
+    old = time.monotonic_ns() - 120 * 10**9
+    for i in range(1, 4):
+        out.send(leased(i, received_ns=old), [b"x"])
+    ids, _, backlog = gather(LeasedBatcher(config(max_batch=8, delay_us=1000,
+                                                  preferred=(2, 8))), inbox)
+    assert ids == [1, 2, 3] and not backlog
