@@ -74,7 +74,8 @@ def _infer_response(header_len: int, body: bytes) -> bytes:
     tensor = body[header_len:]
     req = json.loads(body[:header_len]) if header_len else json.loads(body)
     shape = req["inputs"][0]["shape"]
-    head = json.dumps({"model_name": MODEL, "model_version": "1", "outputs": [
+    answer = {"id": req["id"]} if "id" in req else {}     # perf_analyzer's async mode checks it
+    head = json.dumps({**answer, "model_name": MODEL, "model_version": "1", "outputs": [
         {"name": "OUTPUT0", "datatype": "FP32", "shape": shape,
          "parameters": {"binary_data_size": len(tensor)}}]}).encode()
     return head, tensor
