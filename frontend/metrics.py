@@ -296,8 +296,9 @@ class CustomCollector:
 
     Triton keeps one registry for the whole server, so two instances (or two models) that use the
     same family and labels update one metric. We merge the per-worker snapshots the same way:
-    counters and histograms add up, and a gauge shows the value of the worker listed last in the
-    reply (one value is all a gauge has; which instance set it last is not known here). Labels
+    counters and histograms add up, and so does a gauge that is only ever incremented; a gauge
+    that was set() shows the value of the instance that set it last (with that instance's own
+    increments since; another instance's increments after that set are not seen). Labels
     are exactly the model's: Triton adds none. A family whose names would collide with a built-in
     family (nv_*, shmserve_*) or that is not valid Prometheus is left out, and logged once, so a
     model can never break the page."""
@@ -328,11 +329,15 @@ class CustomCollector:
                     key = tuple(sorted(m.labels.items()))
                     cur = fam.samples.get(key)
                     if cur is None:
-                        fam.samples[key] = [m.labels, m.value, list(m.buckets), list(m.counts), m.sum]
+                        fam.samples[key] = [m.labels, m.value, list(m.buckets), list(m.counts),
+                                            m.sum, m.set_ns]
                     elif fam.kind == MetricKind.COUNTER:
                         cur[1] += m.value
                     elif fam.kind == MetricKind.GAUGE:
-                        cur[1] = m.value
+                        if not cur[5] and not m.set_ns:
+                            cur[1] += m.value       # increments only: one shared gauge's sum
+                        elif m.set_ns > cur[5]:
+                            cur[1], cur[5] = m.value, m.set_ns
                     elif cur[2] == m.buckets and len(cur[3]) == len(m.counts):
                         cur[3] = [a + b for a, b in zip(cur[3], m.counts)]
                         cur[4] += m.sum
@@ -345,7 +350,7 @@ class CustomCollector:
         if not _METRIC_NAME.match(fam.name):
             raise ValueError("not a valid metric name")
         metric = Metric(fam.name, fam.description, fam.kind.value)
-        for labels, value, bounds, counts, total in fam.samples.values():
+        for labels, value, bounds, counts, total, _ in fam.samples.values():
             if not all(_LABEL_NAME.match(k) for k in labels):
                 raise ValueError(f"invalid label name in {sorted(labels)}")
             if fam.kind != MetricKind.HISTOGRAM:

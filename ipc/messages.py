@@ -474,6 +474,7 @@ class MetricSample(msgspec.Struct, array_like=True):
     buckets: list[float] = []           # histogram upper bounds (without +Inf)
     counts: list[int] = []              # histogram: per bucket, the last one is +Inf
     sum: float = 0.0                    # histogram
+    set_ns: int = 0                     # gauge: time.monotonic_ns() of its last set(), 0: never
 
 
 class MetricFamilyState(msgspec.Struct, array_like=True):

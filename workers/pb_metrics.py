@@ -17,6 +17,7 @@ import bisect
 import math
 import re
 import threading
+import time
 
 from shmserve.ipc.messages import MetricFamilyState, MetricKind, MetricSample
 
@@ -104,6 +105,7 @@ class _Metric:
         self.name, self.kind = family.name, family.kind
         self.labels, self.buckets = labels, buckets
         self._value, self._sum, self._count = 0.0, 0.0, 0
+        self._set_ns = 0            # a gauge's last set(): the latest across instances wins
         self._bucket_counts = [0] * (len(buckets) + 1) if buckets is not None else None  # +Inf last
         self._lock = threading.Lock()   # a model may update from its own threads
 
@@ -125,6 +127,7 @@ class _Metric:
     def set(self, value):
         self._require("set", MetricFamily.GAUGE)
         self._value = float(value)
+        self._set_ns = time.monotonic_ns()
         REGISTRY.dirty = True
 
     def observe(self, value):
@@ -141,7 +144,7 @@ class _Metric:
 
     def _sample(self) -> MetricSample:
         if self._bucket_counts is None:
-            return MetricSample(self.labels, self._value)
+            return MetricSample(self.labels, self._value, set_ns=self._set_ns)
         with self._lock:
             return MetricSample(self.labels, buckets=list(self.buckets),
                                 counts=list(self._bucket_counts), sum=self._sum)

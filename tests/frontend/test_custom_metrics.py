@@ -31,14 +31,18 @@ def _worker(instance, *families):
     return CustomMetrics(instance, list(families))
 
 
-def test_instances_merge_counters_and_histograms_add_gauges_take_the_last():
+def test_instances_merge_counters_and_histograms_add_a_gauge_takes_the_latest_set():
+    # Triton shares one gauge between instances: the latest set() wins, whichever instance is
+    # listed last; a gauge that is only incremented adds up
     a = _worker(1, MetricFamilyState("reqs", "requests", C, [MetricSample({"m": "x"}, 3)]),
-                MetricFamilyState("temp", "a gauge", G, [MetricSample({}, 1.5)]),
+                MetricFamilyState("temp", "a gauge", G, [MetricSample({}, 1.5, set_ns=200)]),
+                MetricFamilyState("level", "incremented", G, [MetricSample({}, 2.0)]),
                 MetricFamilyState("lat", "latency", H, [MetricSample(
                     {"m": "x"}, buckets=[0.1, 1.0], counts=[1, 2, 0], sum=1.6)]))
     b = _worker(2, MetricFamilyState("reqs", "other text", C, [MetricSample({"m": "x"}, 4),
                                                               MetricSample({"m": "y"}, 1)]),
-                MetricFamilyState("temp", "a gauge", G, [MetricSample({}, 7.0)]),
+                MetricFamilyState("temp", "a gauge", G, [MetricSample({}, 7.0, set_ns=100)]),
+                MetricFamilyState("level", "incremented", G, [MetricSample({}, -0.5)]),
                 MetricFamilyState("lat", "latency", H, [MetricSample(
                     {"m": "x"}, buckets=[0.1, 1.0], counts=[0, 1, 5], sum=30.5)]))
     text, fams = _page([a, b])
@@ -47,7 +51,11 @@ def test_instances_merge_counters_and_histograms_add_gauges_take_the_last():
                                       ("reqs_total", (("m", "y"),)): 1}
     assert "reqs{m=\"x\"} 7.0" in text                  # on the page: the model's own name
     assert "# TYPE reqs counter" in text and "# HELP reqs requests" in text
-    assert _samples(fams["temp"]) == {("temp", ()): 7.0}
+    assert _samples(fams["temp"]) == {("temp", ()): 1.5}
+    assert _samples(fams["level"]) == {("level", ()): 1.5}
+    # a set() after the other's wins in either order
+    later = _worker(3, MetricFamilyState("temp", "a gauge", G, [MetricSample({}, 9.0, set_ns=300)]))
+    assert _samples(_page([later, a, b])[1]["temp"]) == {("temp", ()): 9.0}
     assert _samples(fams["lat"]) == {
         ("lat_bucket", (("le", "0.1"), ("m", "x"))): 1, ("lat_bucket", (("le", "1"), ("m", "x"))): 4,
         ("lat_bucket", (("le", "+Inf"), ("m", "x"))): 9, ("lat_count", (("m", "x"),)): 9,

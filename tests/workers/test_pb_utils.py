@@ -4,6 +4,7 @@ import json
 import logging
 import re
 import struct
+import time
 
 import ml_dtypes
 import numpy as np
@@ -373,7 +374,9 @@ def test_metric_snapshot_carries_every_kind():
     c.Metric(labels={"a": "1"}).increment(2)
     c.Metric(labels={"a": "2"}).increment(np.float32(1.5))     # numpy scalars are fine
     gf = pb.MetricFamily("snap_gauge", "g", pb.MetricFamily.GAUGE)
+    before = time.monotonic_ns()
     gf.Metric().set(-3)
+    gf.Metric(labels={"k": "up"}).increment(2)
     hf = pb.MetricFamily("snap_hist", "h", pb.MetricFamily.HISTOGRAM)
     h = hf.Metric(labels={"m": "x"}, buckets=[1, 5, 10])
     for v in (0.5, 1, 3, 10, 11):
@@ -382,7 +385,9 @@ def test_metric_snapshot_carries_every_kind():
     assert f.kind == MetricKind.COUNTER and f.description == "c"
     assert {tuple(m.labels.items()): m.value for m in f.metrics} == {(("a", "1"),): 2.0,
                                                                      (("a", "2"),): 1.5}
-    assert [m.value for m in _state("snap_gauge").metrics] == [-3.0]
+    # a set() carries its time (the latest across instances wins on /metrics), an increment not
+    assert [(m.value, m.set_ns >= before) for m in _state("snap_gauge").metrics] == [
+        (-3.0, True), (2.0, False)]
     (hs,) = _state("snap_hist").metrics
     assert hs.labels == {"m": "x"} and hs.buckets == [1.0, 5.0, 10.0]
     assert hs.counts == [2, 1, 1, 1] and hs.sum == 25.5           # per bucket, +Inf last
