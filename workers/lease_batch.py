@@ -55,8 +55,9 @@ class LeasedBatcher:
         preferred = self.preferred
         best = 1 if size in preferred else 0    # the longest prefix of a preferred size
         while size < self.limit:
+            # nothing more waiting: a preferred size goes now, any other batch waits for more
             if not backlog and not inbox.has_message() and \
-                    (best or not self._arrived(inbox, deadline)):
+                    (best or not self._arrives(inbox, deadline)):
                 break
             if not backlog:
                 try:
@@ -73,16 +74,17 @@ class LeasedBatcher:
             size += msg.head.batch_size
             if size in preferred:
                 best = len(batch)
-        if best and best < len(batch) and time.monotonic_ns() < deadline:
+        # as the scheduler's batcher: cut back unless the oldest has waited out a delay
+        if best and best < len(batch) and (not self.delay_ns or time.monotonic_ns() < deadline):
             for item in reversed(batch[best:]):     # they run next, in arrival order
                 backlog.appendleft(item)
             del batch[best:]
         return batch
 
     @staticmethod
-    def _arrived(inbox, deadline_ns: int) -> bool:
-        """Whether a message is in the inbox now, or by ``deadline_ns``."""
-        while not inbox.has_message():
+    def _arrives(inbox, deadline_ns: int) -> bool:
+        """Whether a message arrives by ``deadline_ns`` (the caller found none waiting)."""
+        while True:
             left = (deadline_ns - time.monotonic_ns()) / 1e9
             if left <= 0:
                 return False
@@ -92,4 +94,5 @@ class LeasedBatcher:
                 # epoll waits whole milliseconds; a shorter rest is slept out (a spin would
                 # take the CPU from the frontend that is sending the next requests)
                 time.sleep(left)
-        return True
+            if inbox.has_message():
+                return True

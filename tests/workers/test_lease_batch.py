@@ -160,3 +160,12 @@ def test_once_the_delay_has_passed_a_batch_is_not_cut_back(link):
     ids, _, backlog = gather(LeasedBatcher(config(max_batch=8, delay_us=1000,
                                                   preferred=(2, 8))), inbox)
     assert ids == [1, 2, 3] and not backlog
+
+
+def test_without_a_delay_a_batch_is_cut_back_to_a_preferred_size_too(link):
+    inbox, out = link
+    for i in range(1, 4):
+        out.send(leased(i), [b"x"])
+    # the scheduler's batcher sends the longest preferred prefix when the delay is 0 as well
+    ids, _, backlog = gather(LeasedBatcher(config(max_batch=8, preferred=(2, 8))), inbox)
+    assert ids == [1, 2] and [m.head.req_id for m, _ in backlog] == [3]
