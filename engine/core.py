@@ -49,13 +49,11 @@ from shmserve.ipc.messages import (
     SetLogSettings,
     SetTraceSettings,
     ShmRef,
-    StateCause,
     StatsQuery,
     StatsReply,
     SubmitRequest,
     TraceChanges,
     Wake,
-    WorkerGone,
     WorkerLoadFailed,
     WorkerReady,
 )
@@ -63,11 +61,12 @@ from shmserve.workers import gpu
 
 from .accounting import Accounting
 from .batching import QueuedRequest, QueueFull, RequestQueue
+from .deaths import WorkerDeaths
 from .ensemble import EnsembleRunner
-from .instances import Death, InstanceSupervisor, Outcome
+from .instances import InstanceSupervisor
 from .leases import LeaseBook, unlimited
 from .lifecycle import ModelLifecycle, Waiter
-from .models import Instance, ModelVersion
+from .models import ModelVersion
 from .on_demand import OnDemand
 from .port import SchedulerPort
 from .rate_limiter import RateLimiter
@@ -111,6 +110,7 @@ class SchedulerCore:
         # be answering it (the scheduler does not hear when it stops): for a cancel. Bounded:
         # the oldest go first
         self.streamed_by: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.deaths = WorkerDeaths(self)        # what a worker's death means (engine/deaths.py)
         self.accounting = Accounting(clock, self.ensembles.timings)
         # --rate-limit execution_count (engine/rate_limiter.py); None: off
         self.rate_limiter = RateLimiter(settings.rate_limit_resources) \
@@ -176,6 +176,8 @@ class SchedulerCore:
             self.flush_table()
 
     def frontend_hello(self, msg: FrontendHello) -> None:
+        if msg.frontend in self.frontends:      # a frontend process died; this one replaces it
+            self.frontend_restarted(msg.frontend)
         self.frontends.add(msg.frontend)
         if msg.leases:
             self.lease_takers.add(msg.frontend)
@@ -186,6 +188,27 @@ class SchedulerCore:
             self.port.send_frontend(msg.frontend, SetLogSettings(self.log_settings))
         for model, changes in sorted(self.trace_changes.items()):     # the global ones first
             self.port.send_frontend(msg.frontend, SetTraceSettings(changes, model))
+
+    def frontend_restarted(self, fid: int) -> None:
+        """The launcher started a new frontend under the id of one that died. The dead one's
+        requests are cancelled wherever they are (queued, held for an on-demand load, in an
+        ensemble, running: their clients' connections died with it; a running model sees
+        ``is_cancelled()``), and its leases are taken back, so that nothing it held keeps an
+        instance. (What still answers it is dropped by the new one, whose request ids are its
+        own, and whose arena has another name: frontend/main.py.)"""
+        log.warning("frontend %d was restarted: dropping the requests and leases of the one "
+                    "that died", fid)
+        keys = {k for k in self.queued_in if k[0] == fid}
+        keys.update(k for k in self.ensembles.runs if k[0] == fid)
+        keys.update(k for k in self.streamed_by if k[0] == fid)
+        for _, inst in self.supervisor.by_spawn.values():
+            keys.update((r.frontend, r.req_id) for r in inst.batch or () if r.frontend == fid)
+        if self.on_demand is not None:
+            keys.update(self.on_demand.held_from(fid))
+        for key in sorted(keys):
+            self.cancel(CancelRequest(*key))
+        self.deaths.forget_frontend(fid)
+        self.leases.frontend_gone(fid)
 
     def publish(self) -> None:
         if self.on_demand is not None:
@@ -339,10 +362,12 @@ class SchedulerCore:
                             sequence_id=msg.sequence_id, flags=msg.sequence_flags,
                             trace=msg.trace)
         if msg.lost:        # it went to a leased worker that died: retried alone, or failed
-            if not (msg.lost_retry and ver.retry_on_death and not self.stopping):
+            blamed = self.deaths.blamed(msg.frontend, msg.req_id)
+            retry = msg.lost_retry and ver.retry_on_death and not self.stopping
+            if not retry or blamed:
                 ver.stats.failed("BACKEND", self.clock() - msg.received_ns)
                 self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
-                                 ErrorCode.INTERNAL, msg.lost)
+                                 ErrorCode.INTERNAL, blamed if retry else msg.lost)
                 return
             req.alone = True
         elif self.leases.by_version and not msg.no_lease and not msg.chain and \
@@ -583,92 +608,8 @@ class SchedulerCore:
             inst.state = InstanceState.STOPPED
 
     def process_exited(self, spawn_id: int) -> None:
-        """The shell saw the worker process of ``spawn_id`` end."""
-        death = self.supervisor.exited(spawn_id)
-        if death is None:
-            return
-        self.housekeeping_at = 0.0             # a restart may be due at once
-        self.accounting.worker_gone(spawn_id)
-        ver, inst = death.version, death.instance
-        # ensemble steps it ran (a decoupled one may still have owed answers from a thread)
-        steps = [rid for fid, rid in inst.answered if fid == ENSEMBLE_FRONTEND]
-        for address in [a for a, sid in self.worker_addresses.items() if sid == spawn_id]:
-            del self.worker_addresses[address]
-            handles = self.ensembles.worker_gone(address)
-            if handles:         # its device arena: workers that opened it close it
-                self.forget_segments(ForgetSegments([], handles))
-        self.leases.worker_exited(spawn_id, self.death_reason(death), death.kill_reason.retries)
-        if inst.answered:
-            by_frontend: dict[int, list[int]] = {}
-            for fid, rid in inst.answered:
-                by_frontend.setdefault(fid, []).append(rid)
-            inst.answered.clear()
-            for fid, rids in by_frontend.items():
-                self.port.send_frontend(fid, WorkerGone(spawn_id, rids))
-        if ver.config.model_transaction_policy.decoupled:
-            # its requests may still be streaming after their batch was done: every frontend
-            # ends the ones this worker answered with the reason
-            reason = (f"the worker process of instance '{inst.name}' of model '{ver.name}' "
-                      f"{death.how} while sending responses")
-            for fid in self.frontends:
-                self.port.send_frontend(fid, WorkerGone(spawn_id, [], reason))
-            self.ensembles.streams_ended(spawn_id, reason, steps)
-        if death.batch:
-            self.requests_of_dead_worker(death)
-        now = self.clock()
-        for r, why in ver.queue.take_failed():     # sequences whose state died with it
-            self.queued_in.pop((r.frontend, r.req_id), None)
-            ver.stats.failed("OTHER", now - r.received_ns)
-            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
-                             why)
-        if death.outcome == Outcome.LOAD_FAILED:
-            self.lifecycle.version_failed(ver, death.load_error or (
-                f"worker process of instance '{inst.name}' {death.how} while loading the model"))
-        elif death.outcome == Outcome.NOT_SERVING:
-            self.lifecycle.drain_progress(ver)
-        elif death.outcome == Outcome.CRASH_LOOP:
-            self.crash_loop(ver, inst, death.how)
-        if self.on_demand is not None:
-            self.on_demand.exited(ver.name)     # its memory may be free now
-            if self.table_dirty:
-                self.flush_table()
-
-    def requests_of_dead_worker(self, death: Death) -> None:
-        """Stateless models get one retry, unless we killed the worker for running too long.
-        Each request of the dead batch is retried alone (one by one, on another or the
-        restarted instance): a poison request then kills at most one more worker and fails by
-        itself, while the others of its batch succeed. A request that already had its retry,
-        or a model that turned retries off, gets the error."""
-        ver = death.version
-        reason = self.death_reason(death)
-        now = self.clock()
-        retry = ver.retry_on_death and ver.state == ModelState.READY and not self.stopping \
-            and death.kill_reason.retries
-        for r in reversed(death.batch or []):   # requeued at the head, in their order
-            if retry and not r.alone:
-                r.alone = True
-                ver.queue.requeue(r)
-                self.queued_in[(r.frontend, r.req_id)] = ver
-                continue
-            ver.stats.failed("BACKEND", now - r.received_ns)
-            self.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
-                             reason + ("; it had been retried alone after an earlier worker "
-                                       "death, so it is not retried again" if r.alone else ""))
-        self.dispatch(ver)
-
-    @staticmethod
-    def death_reason(death: Death) -> str:
-        return (f"the worker process of instance '{death.instance.name}' of model "
-                f"'{death.version.name}' {death.how} while executing this request")
-
-    def crash_loop(self, ver: ModelVersion, inst: Instance, how: str) -> None:
-        """Stop restarting: the version is UNAVAILABLE with the reason until it is reloaded."""
-        reason = (f"crash loop: instance '{inst.name}' {how}; it died {inst.deaths_in_a_row} "
-                  f"times in a row without finishing an execution")
-        # the table goes first: a client told "crash loop" must find the model not ready
-        self.lifecycle.fail_version(ver, reason, StateCause.CRASH_LOOP)
-        self.fail_queued(ver, ErrorCode.UNAVAILABLE, "OTHER",
-                         f"model '{ver.name}' version {ver.version} is unavailable: {reason}")
+        """The shell saw the worker process of ``spawn_id`` end (engine/deaths.py)."""
+        self.deaths.exited(spawn_id)
 
     def fail_queued(self, ver: ModelVersion, code: ErrorCode, stat: str, message: str) -> None:
         now = self.clock()

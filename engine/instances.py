@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import signal
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -50,6 +51,25 @@ class Death:
     kill_reason: KillReason         # why we killed it, NONE if nobody did
     batch: list | None              # the requests it was executing
     load_error: str = ""            # what a worker that failed to load wrote before it exited
+    # the one request it was executing, when it ended by itself while running that alone:
+    # (frontend, request id), the likely poison (``culprit_of``); None otherwise
+    culprit: tuple[int, int] | None = None
+
+
+# Signals that come from outside the worker (the OOM killer, an operator, a container runtime):
+# a death by one says nothing about the request it was running
+OUTSIDE_SIGNALS = (-signal.SIGKILL, -signal.SIGTERM)
+
+
+def culprit_of(reason: KillReason, rc: int | None, count: int, frontend: int,
+               req_id: int) -> tuple[int, int] | None:
+    """The request a worker's death is blamed on: the only one it was running, when the
+    worker ended by itself (an exit, a crash signal such as SIGSEGV or SIGABRT), not when
+    the scheduler or something outside killed it. A batch of several names none (each is
+    retried alone, which finds the poison among them)."""
+    if reason != KillReason.NONE or rc is None or rc in OUTSIDE_SIGNALS or count != 1:
+        return None
+    return frontend, req_id
 
 
 class SpawnFailed(Exception):
@@ -147,6 +167,7 @@ class InstanceSupervisor:
             return None                     # a stale report
         ver, inst = found
         last_words = self.port.last_words(spawn_id)
+        count, frontend, req_id = self.port.last_execution(spawn_id)
         rc = self.port.reap(spawn_id)
         self.port.unlink(spawn_id)
         inst.connected = False
@@ -156,6 +177,11 @@ class InstanceSupervisor:
         how = detail or f"exited unexpectedly ({describe_exit(rc)})"
         batch, inst.batch = inst.batch, None
         death = Death(ver, inst, Outcome.STOPPED, how, reason, batch)
+        # a leased worker's requests are known only to it and their frontend: its record
+        executing = bool(batch) or count > 0
+        if batch is not None and len(batch) == 1:
+            count, frontend, req_id = 1, batch[0].frontend, batch[0].req_id
+        death.culprit = culprit_of(reason, rc, count, frontend, req_id)
         if inst.state == InstanceState.STOPPED or self.stopping:
             inst.state = InstanceState.STOPPED
             return death
@@ -169,11 +195,16 @@ class InstanceSupervisor:
             death.outcome = Outcome.NOT_SERVING
             return death
         now = self.now()
-        inst.deaths_in_a_row += 1
-        if inst.deaths_in_a_row >= CRASH_LOOP_DEATHS:
-            inst.state = InstanceState.STOPPED
-            death.outcome = Outcome.CRASH_LOOP
-            return death
+        # a death while running requests is theirs (or an outside kill's), never a crash
+        # loop: else a client that keeps sending a poison request would take the model down
+        # for everyone (the poison fails alone, see the core's requests_of_dead_worker). Only
+        # deaths while idle or loading count, and grow the restart backoff.
+        if not executing:
+            inst.deaths_in_a_row += 1
+            if inst.deaths_in_a_row >= CRASH_LOOP_DEATHS:
+                inst.state = InstanceState.STOPPED
+                death.outcome = Outcome.CRASH_LOOP
+                return death
         inst.state = InstanceState.BACKOFF
         inst.restart_at = now + restart_delay(inst.deaths_in_a_row)
         self.backoff.add((ver, inst))

@@ -12,10 +12,12 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
+from collections import deque
 
 import msgspec
 
-from shmserve.ipc import logs, shm
+from shmserve.ipc import channel, logs, shm
 from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import StopFlag, StoppingMark
 
@@ -43,13 +45,18 @@ def reserve_ports(settings: ServerSettings) -> list[socket.socket]:
     """With several frontends, each listens on the same HTTP and gRPC port with SO_REUSEPORT.
     A port of 0 must become one port for all of them, so the launcher binds a socket of that
     group first (never listening: the kernel hands connections only to listening members) and
-    keeps it open until the end, which also keeps the port from going to another program."""
+    keeps it open until the end, which also keeps the port from going to another program. The
+    metrics port too, which frontend 0 alone serves: a frontend 0 started in the place of one
+    that died finds its port again."""
     held = []
-    for allowed, host_field, port_field in ((settings.allow_http, "http_address", "http_port"),
-                                            (settings.allow_grpc, "grpc_address", "grpc_port")):
+    for allowed, host, port_field in (
+            (settings.allow_http, settings.http_address, "http_port"),
+            (settings.allow_grpc, settings.grpc_address, "grpc_port"),
+            (settings.allow_metrics, settings.metrics_address or settings.http_address,
+             "metrics_port")):
         if not allowed:
             continue
-        host, port = getattr(settings, host_field), getattr(settings, port_field)
+        port = getattr(settings, port_field)
         family, kind, proto, _, addr = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
         sock = socket.socket(family, kind, proto)
@@ -77,6 +84,38 @@ def remove_stale_run_dirs() -> int:
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
     return removed
+
+
+# With several frontends (--frontends N), one that dies is replaced at once: the others keep
+# serving, the scheduler and its models stay as they are, and the new one listens on the same
+# ports (the launcher holds them, reserve_ports). More than FRONTEND_RESTARTS deaths within
+# FRONTEND_RESTART_WINDOW_S is a loop a restart does not mend: the server then exits 1, as when
+# the scheduler dies, so that its supervisor starts it afresh. A server's only frontend is not
+# replaced: nothing would serve meanwhile anyway, and its ports are not held (a port the OS
+# picked could change), so the server exits 1 then too.
+FRONTEND_RESTARTS = 5
+FRONTEND_RESTART_WINDOW_S = 60.0
+
+
+class FrontendRestarts:
+    """Counts frontend deaths, and each frontend id's incarnations (frontend/main.py)."""
+
+    def __init__(self, limit: int = FRONTEND_RESTARTS,
+                 window_s: float = FRONTEND_RESTART_WINDOW_S):
+        self.limit, self.window_s = limit, window_s
+        self.deaths: deque[float] = deque()
+        self.incarnations: dict[int, int] = {}
+
+    def allow(self, now: float) -> bool:
+        """One more death now; whether a restart is still in order."""
+        self.deaths.append(now)
+        while now - self.deaths[0] > self.window_s:
+            self.deaths.popleft()
+        return len(self.deaths) <= self.limit
+
+    def next_incarnation(self, frontend: int) -> int:
+        n = self.incarnations[frontend] = self.incarnations.get(frontend, 0) + 1
+        return n
 
 
 def frontend_name(i: int) -> str:
@@ -187,13 +226,43 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
             fd = os.pidfd_open(p.pid)
             fds[fd] = name
             poller.register(fd, select.POLLIN)
+        restarts = FrontendRestarts()
+        index = {frontend_name(i): i for i in range(settings.frontends)} \
+            if settings.frontends > 1 else {}
+
+        def replace(fd: int) -> bool:
+            """A child exited: start a frontend again in its place; False: stop the server."""
+            name = fds.pop(fd)
+            poller.unregister(fd)
+            os.close(fd)
+            how = describe_exit(children[name].wait())
+            if name not in index or stop.set:
+                log.error("%s process exited (%s); stopping the server", name, how)
+                return False
+            if not restarts.allow(time.monotonic()):
+                log.error("%s process exited (%s); frontends died %d times within %g s, which "
+                          "restarting them does not mend: stopping the server", name, how,
+                          len(restarts.deaths), restarts.window_s)
+                return False
+            i = index[name]
+            incarnation = restarts.next_incarnation(i)
+            # the dead one's arena: nobody else will unlink it (workers' mappings of it stay
+            # valid until they drop them); the new one's segments have other names
+            n = shm.unlink_prefixed(channel.frontend_segment_prefix(
+                settings.segment_prefix, i, incarnation - 1))
+            log.error("%s process exited (%s); starting another in its place (%d shared-memory "
+                      "segment(s) of the dead one unlinked)", name, how, n)
+            children[name] = p = _spawn("shmserve.frontend.main", settings, str(i),
+                                        str(incarnation))
+            fd = os.pidfd_open(p.pid)
+            fds[fd] = name
+            poller.register(fd, select.POLLIN)
+            return True
+
         while not stop.set:
-            exited = [fds[fd] for fd, _ in poller.poll() if fd in fds]
+            exited = [fd for fd, _ in poller.poll() if fd in fds]
             logs.reload(settings.run_dir)   # the settings a client set since (logging extension)
-            if exited:
-                rc = children[exited[0]].wait()
-                log.error("%s process exited (%s); stopping the server", exited[0],
-                          describe_exit(rc))
+            if not all(replace(fd) for fd in exited):
                 code = 1
                 break
         if stop.set:

@@ -187,6 +187,18 @@ class LeaseBook:
         for lease in held:
             self._revoke(lease)
 
+    def frontend_gone(self, frontend: int) -> None:
+        """A frontend process died (a new one takes its id): its leases are taken back, and
+        the workers it held leases on no longer tell it of their end."""
+        for held in list(self.by_version.values()):
+            for lease in held:
+                if lease.frontend == frontend:
+                    self._revoke(lease)
+        for holders in self.holders.values():
+            holders.discard(frontend)
+        for key in [k for k, f in self.last_frontend.items() if f == frontend]:
+            del self.last_frontend[key]
+
     def _revoke(self, lease: Lease) -> None:
         if lease.revoked_ns:
             return

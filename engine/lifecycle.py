@@ -114,7 +114,15 @@ class ModelLifecycle:
                 self.entries[name] = ModelEntry(name=name, path="", error=(
                     f"failed to load '{name}', no such model in the model repository"))
                 continue
-            self.start_load(name)
+            try:
+                self.start_load(name)
+            except Exception as e:      # one bad model never stops the start of the others
+                log.exception("error loading model '%s'", name)
+                load = self.loads.pop(name, None)
+                for ver in load.versions if load is not None else ():
+                    self.supervisor.stop(ver, kill=True)
+                self.entries[name] = ModelEntry(name=name, path=found[name][0], error=(
+                    failed_to_load(name, f"{type(e).__name__}: {e}")))
         self.starting = False
         self.check_ensembles()
         self.check_startup()
@@ -148,6 +156,14 @@ class ModelLifecycle:
                 self.start_load(req.name, req.config, waiter, req.upload_dir)
             else:
                 self.unload(req.name, waiter, req.unload_dependents)
+        except Exception as e:
+            # a bug must cost this request, never leave its client waiting for an answer
+            log.exception("error handling a %s of model '%s'", req.action.name, req.name)
+            if not any(waiter in load.waiters for load in self.loads.values()):
+                error = f"{type(e).__name__}: {e}"
+                self.reply(waiter, ErrorCode.INTERNAL, failed_to_load(req.name, error)
+                           if req.action == ControlAction.LOAD else
+                           f"failed to unload '{req.name}': {error}")
         finally:
             if req.upload_dir and self.sweep_uploads():    # refused, or joined another load
                 self.publish()
@@ -580,15 +596,21 @@ def instances_of(config):
 
 
 def fingerprint(dirs: list[str]) -> tuple:
-    """What a poll compares: names, sizes and mtimes of everything under the model directory."""
+    """What a poll compares: names, sizes and mtimes of everything under the model directory.
+    The walk does not enter symlinked directories (so a symlink loop cannot trap it); a file
+    that cannot be looked at (a symlink loop, no permission) counts by its name alone."""
     out = []
     for d in dirs:
-        for root, subdirs, files in os.walk(d):
+        for root, subdirs, files in os.walk(d, followlinks=False):
             subdirs.sort()
             for f in sorted(files):
+                path = os.path.join(root, f)
                 try:
-                    st = os.stat(os.path.join(root, f))
+                    st = os.stat(path)
                 except FileNotFoundError:
                     continue
-                out.append((os.path.relpath(os.path.join(root, f), d), st.st_size, st.st_mtime_ns))
+                except OSError:
+                    out.append((os.path.relpath(path, d), -1, -1))
+                    continue
+                out.append((os.path.relpath(path, d), st.st_size, st.st_mtime_ns))
     return tuple(out)

@@ -7,6 +7,8 @@ import os
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from shmserve.workers import model_files
+
 ModelConfig = mc.ModelConfig
 
 # backend -> (platform Triton reports, default model file name)
@@ -38,10 +40,12 @@ def read_config(model_dir: str, name: str, config_name: str | None = None) -> mc
     if config_name and not os.path.exists(path):
         path = os.path.join(model_dir, "config.pbtxt")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        # never open() it blindly: a FIFO would block the scheduler for ever (workers/model_files.py)
+        text = model_files.read_bytes(path, model_files.CONFIG_MAX_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise ConfigMissing(f"model configuration is not provided: {path} does not exist") from None
+    except OSError as e:        # Triton's words for a config it cannot read
+        raise ConfigError(f"failed to open text file for read {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"failed to parse {path}: it is not UTF-8 text ({e.reason} at byte "
                           f"{e.start})") from None
@@ -201,8 +205,7 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
             group.count = 1
         if group.count < 0:
             raise ConfigError(f"instance_group '{group.name}' of model '{name}' has a negative count")
-    total = sum(g.count * (max(1, len(g.gpus)) if g.kind == mc.ModelInstanceGroup.KIND_GPU else 1)
-                for g in cfg.instance_group)
+    total = instance_count(cfg)
     if total > MAX_INSTANCES_PER_MODEL:
         raise ConfigError(f"model '{name}': instance_group asks for {total} instances, more than "
                           f"the limit of {MAX_INSTANCES_PER_MODEL} (each is a process)")
@@ -217,6 +220,23 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
     if not cfg.optimization.HasField("output_pinned_memory"):
         cfg.optimization.output_pinned_memory.enable = True
     return cfg
+
+
+def instance_count(cfg: mc.ModelConfig) -> int:
+    """Worker processes one version of the model runs: a KIND_GPU group's count is per GPU."""
+    return sum(g.count * (max(1, len(g.gpus)) if g.kind == mc.ModelInstanceGroup.KIND_GPU else 1)
+               for g in cfg.instance_group)
+
+
+def check_process_count(cfg: mc.ModelConfig, versions: int) -> None:
+    """Each version runs its own instances, so the bound holds for all the versions a load
+    starts together (``version_policy: { all: {} }`` over 1,000 version directories would
+    otherwise start 1,000 processes per instance)."""
+    total = instance_count(cfg) * versions
+    if versions > 1 and total > MAX_INSTANCES_PER_MODEL:
+        raise ConfigError(f"model '{cfg.name}': version_policy selects {versions} versions of "
+                          f"{instance_count(cfg)} instance(s) each (instance_group), {total} "
+                          f"worker processes, more than the limit of {MAX_INSTANCES_PER_MODEL}")
 
 
 def _check_io_and_versions(cfg: mc.ModelConfig) -> None:

@@ -113,6 +113,11 @@ class OnDemand:
         self.schedule()
         return True
 
+    def held_from(self, frontend: int) -> list[tuple[int, int]]:
+        """(frontend, request id) of the requests of ``frontend`` waiting for a load."""
+        return [(h.msg.frontend, h.msg.req_id) for items in self.held.values() for h in items
+                if h.msg.frontend == frontend]
+
     def cancel(self, frontend: int, req_id: int) -> bool:
         for name, items in self.held.items():
             for i, h in enumerate(items):

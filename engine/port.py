@@ -14,7 +14,9 @@ from shmserve.ipc.messages import InstanceSpec, LogSettings
 
 class SchedulerPort(Protocol):
     def connect_frontend(self, frontend: int, address: str) -> None:
-        """A frontend said hello: messages for it go to ``address`` from now on."""
+        """A frontend said hello: messages for it go to ``address`` from now on. A second
+        hello under the same id is a new process in the place of one that died: the
+        connection is made again."""
 
     def send_frontend(self, frontend: int, msg) -> None:
         """Best effort: a frontend that never said hello is skipped."""
@@ -40,6 +42,10 @@ class SchedulerPort(Protocol):
         """Why a worker that failed to load said it failed (it writes that to a file before it
         exits), or "". Its WorkerLoadFailed message says the same, but may come after the
         report of its exit: the two travel different ways."""
+
+    def last_execution(self, spawn_id: int) -> tuple[int, int, int]:
+        """What the worker was executing when it ended (workers/exec_record.py): (requests,
+        frontend and request id of the first); (0, 0, 0) when nothing. Read before ``reap``."""
 
     def reap(self, spawn_id: int) -> int | None:
         """The worker has exited: kill what is left of its process group (what the model

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from shmserve.workers import model_files
+
 from . import model_config
 from .model_config import ConfigError
 
@@ -28,12 +30,22 @@ class ModelEntry:
     auto_complete: bool = False  # workers fill in the config from the model when they load it
 
 
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether a directory entry is a directory, or a symlink to one; a symlink loop (which
+    ``DirEntry.is_dir`` raises ELOOP for) or an entry gone meanwhile is not."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
 def version_dirs(model_dir: str) -> list[int]:
     """Numeric subdirectories; names with a leading zero are ignored as Triton ignores them."""
     out = []
     for entry in os.scandir(model_dir):
         name = entry.name
-        if entry.is_dir() and name.isascii() and name.isdigit() and (name == "0" or name[0] != "0"):
+        if name.isascii() and name.isdigit() and (name == "0" or name[0] != "0") and \
+                _is_dir(entry):
             out.append(int(name))
     return sorted(out)
 
@@ -55,7 +67,7 @@ class ModelRepository:
         found: dict[str, list[str]] = {}
         for repo in self.paths:
             for entry in sorted(os.scandir(repo), key=lambda e: e.name):
-                if entry.is_dir() and not entry.name.startswith("."):
+                if not entry.name.startswith(".") and _is_dir(entry):
                     found.setdefault(entry.name, []).append(entry.path)
         return found
 
@@ -65,6 +77,14 @@ class ModelRepository:
     def read_model(self, name: str, dirs: list[str],
                    override: model_config.ModelConfig | None = None) -> ModelEntry:
         """``override``: a config given with a load request, used instead of config.pbtxt."""
+        try:
+            return self._read_model(name, dirs, override)
+        except OSError as e:    # the directory itself cannot be listed or looked at
+            return ModelEntry(name=name, path=dirs[0], error=(
+                f"cannot read the model directory {dirs[0]}: {e.strerror or e}"))
+
+    def _read_model(self, name: str, dirs: list[str],
+                    override: model_config.ModelConfig | None) -> ModelEntry:
         entry = ModelEntry(name=name, path=dirs[0])
         if len(dirs) > 1:
             entry.error = f"model '{name}' appears in more than one repository: {', '.join(dirs)}"
@@ -89,6 +109,12 @@ class ModelRepository:
             entry.error = f"model '{name}' has no version directory (e.g. {entry.path}/1)"
             return entry
         chosen, missing = model_config.select_versions(entry.config, available)
+        if entry.config.platform != "ensemble":     # an ensemble runs no process of its own
+            try:
+                model_config.check_process_count(entry.config, len(chosen))
+            except ConfigError as e:
+                entry.error = str(e)
+                return entry
         for v in missing:
             entry.versions.append(VersionPlan(v, "", f"version {v} named by version_policy does "
                                                      f"not exist in {entry.path}"))
@@ -96,8 +122,9 @@ class ModelRepository:
         for v in chosen:
             vpath = os.path.join(entry.path, str(v))
             plan = VersionPlan(v, vpath)
-            if filename and not os.path.exists(os.path.join(vpath, filename)):
-                plan.error = f"model file '{filename}' not found in {vpath}"
+            if filename:
+                plan.error = model_file_error(os.path.join(vpath, filename),
+                                              entry.config.backend)
             entry.versions.append(plan)
         if not entry.versions:
             entry.error = f"model '{name}': version_policy selects no version"
@@ -134,10 +161,28 @@ class ModelRepository:
         if cfg.backend == "python":
             # Triton calls auto_complete_config() whenever the model defines it
             for v in version_dirs(entry.path):
+                path = os.path.join(entry.path, str(v), cfg.default_model_filename)
                 try:
-                    with open(os.path.join(entry.path, str(v), cfg.default_model_filename)) as f:
-                        if "def auto_complete_config" in f.read():
-                            return True
+                    source = model_files.read_bytes(path, model_files.SOURCE_MAX_BYTES)
+                except model_files.ModelFileError:
+                    return True     # too large to scan here: the worker asks the model itself
                 except OSError:
                     continue
+                if b"def auto_complete_config" in source:
+                    return True
         return False
+
+
+def model_file_error(path: str, backend: str) -> str:
+    """Why a version's model file cannot be served, or "". It must be a regular file (a worker
+    would block for ever opening a FIFO); an onnxruntime model may also be a directory that
+    holds model.onnx (a model with external weights), as Triton allows."""
+    if backend == "onnxruntime" and os.path.isdir(path):
+        path = os.path.join(path, "model.onnx")
+    try:
+        model_files.check_regular(path)
+    except FileNotFoundError:
+        return f"model file '{os.path.basename(path)}' not found in {os.path.dirname(path)}"
+    except OSError as e:
+        return f"model file {path} cannot be used: {e.strerror or e}"
+    return ""

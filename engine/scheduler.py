@@ -70,11 +70,15 @@ class SchedulerShell:
 
     # ---- the port ---------------------------------------------------------------------------------
     def connect_frontend(self, frontend: int, address: str) -> None:
-        if frontend not in self.frontends:
-            try:
-                self.frontends[frontend] = channel.outbox_for(address)
-            except packets.PeerGone as e:
-                log.warning("frontend %d said hello but cannot be reached: %s", frontend, e)
+        # a second hello is a new frontend process in the place of one that died: the
+        # connection to the dead one's socket is closed, never reused
+        old = self.frontends.pop(frontend, None)
+        if old is not None:
+            old.close()
+        try:
+            self.frontends[frontend] = channel.outbox_for(address)
+        except packets.PeerGone as e:
+            log.warning("frontend %d said hello but cannot be reached: %s", frontend, e)
 
     def send_frontend(self, frontend: int, msg) -> None:
         box = self.frontends.get(frontend)
@@ -129,6 +133,10 @@ class SchedulerShell:
     def last_words(self, spawn_id: int) -> str:
         proc = self.procs.get(spawn_id)
         return "" if proc is None else proc.last_words()
+
+    def last_execution(self, spawn_id: int) -> tuple[int, int, int]:
+        proc = self.procs.get(spawn_id)
+        return (0, 0, 0) if proc is None else proc.last_execution()
 
     def reap(self, spawn_id: int) -> int | None:
         proc = self.procs.pop(spawn_id)

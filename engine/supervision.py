@@ -33,6 +33,7 @@ import msgspec
 
 from shmserve.ipc.messages import InstanceSpec, LogSettings, WorkerArgs, WorkerLabel
 from shmserve.ipc.proc import failure_path
+from shmserve.workers.exec_record import read_record, record_path
 
 if TYPE_CHECKING:
     from .forkserver import ForkServer
@@ -119,11 +120,17 @@ class WorkerProcess:
         return self.popen is None
 
     def forget_args(self) -> None:
-        """The worker removes its arguments file once read; this covers one that died first."""
-        try:
-            os.unlink(self.args_path)
-        except FileNotFoundError:
-            pass
+        """The worker removes its arguments file once read; this covers one that died first.
+        Its execution record (workers/exec_record.py) goes too."""
+        for path in (self.args_path, record_path(self.args.run_dir, self.args.spawn_id)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def last_execution(self) -> tuple[int, int, int]:
+        """What it was executing when it ended (count, frontend, first request id)."""
+        return read_record(record_path(self.args.run_dir, self.args.spawn_id))
 
     def last_words(self) -> str:
         """The load failure the worker wrote before it exited (workers/main.py), or ""."""
@@ -169,6 +176,14 @@ class WorkerProcess:
     def kill_group(self) -> None:
         reaped = self.popen.returncode if self.popen is not None else self.returncode
         if reaped is None:                      # not reaped: the group id is still ours
+            # the worker itself through its pidfd: a forked worker makes its group (setsid)
+            # only once it runs, so a kill right after the fork finds no group yet, and a
+            # killpg alone missed it (it then loaded and stayed, a worker of no model)
+            if self.pidfd >= 0:
+                try:
+                    signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
             try:
                 os.killpg(self.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):

@@ -97,7 +97,8 @@ SWEEP_S = 0.5
 class EngineClient:
     def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop,
                  max_inflight: int = 0, request_deadline_secs: float = 3600.0,
-                 priority: DrainPriority | None = None, colocation: Colocation | None = None):
+                 priority: DrainPriority | None = None, colocation: Colocation | None = None,
+                 first_id: int = 1):
         self.max_inflight = max_inflight
         self.priority = priority
         self.colocation = colocation
@@ -131,7 +132,8 @@ class EngineClient:
         self.cache_done: list[CacheRecord] = []  # response cache records not yet sent
         self.on_table: Callable[[], None] | None = None     # after each new model table
         self.flusher: asyncio.TimerHandle | None = None
-        self.ids = itertools.count(1)
+        # a frontend restarted in a dead one's place starts elsewhere (ipc/channel.py)
+        self.ids = itertools.count(first_id)
         # requests of decoupled models that have answered and go on answering:
         # req_id -> (spawn id, worker address) of the worker sending them
         self.streaming: dict[int, tuple[int, str]] = {}
@@ -308,6 +310,8 @@ class EngineClient:
         """The client went away: the scheduler drops the request if it has not started."""
         lease = self.direct.get(req_id)
         if lease is not None:           # sent to a leased worker: it hears it directly
+            if self._uncorked(lease, req_id):
+                return
             if self.corked:             # after the request itself
                 self._uncork()
             try:
@@ -328,6 +332,22 @@ class EngineClient:
                 self.scheduler.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
             except zmq.Again:
                 pass
+
+    def _uncorked(self, lease: Lease, req_id: int) -> bool:
+        """A request still held for its leased worker (``_send_leased``) is taken back and
+        answered as cancelled: it never reaches the worker (a client that resets its calls as
+        fast as it sends them must not make the model run them)."""
+        held = self.corked.get(lease.box)
+        for i, (_, head, _) in enumerate(held or ()):
+            if head.req_id == req_id:
+                del held[i]
+                if not held:
+                    del self.corked[lease.box]
+                self._deliver(InferResult(req_id, head.model, head.version,
+                                          code=ErrorCode.CANCELLED,
+                                          error="the request was cancelled by the client"))
+                return True
+        return False
 
     def drain_abandoned(self, req_id: int, handler: ResultCallback) -> None:
         """The caller stopped listening to a request: its further answers go to ``handler``."""

@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import base64
 import time
-import zlib
 from urllib.parse import quote
 
 import grpc
 
 from . import http2
+from . import inflate as inflating
 from .errors import InferError, grpc_status
 
 PREFIX = 5                  # compressed flag (1 byte) + message length (4 bytes, big endian)
 ACCEPT_ENCODING = b"identity,deflate,gzip"
+# a compressed message up to this size is inflated on the loop (at most ~1 MiB out, deflate's
+# ratio being under 1:1032); a larger one on the inflating thread (frontend/inflate.py)
+INFLATE_INLINE = 1024
 # the request headers that are HTTP/2's or gRPC's own, not the caller's metadata
 RESERVED = frozenset((b"content-type", b"te", b"grpc-timeout", b"grpc-encoding",
                       b"grpc-accept-encoding", b"grpc-message-type", b"content-length"))
@@ -36,14 +39,38 @@ def frame(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
-def decompress(payload: bytes, encoding: bytes) -> bytes:
-    if encoding == b"gzip":
-        return zlib.decompress(payload, 16 + zlib.MAX_WBITS)
-    if encoding == b"deflate":
-        return zlib.decompress(payload)
-    raise CallError(grpc.StatusCode.UNIMPLEMENTED,
-                    f"Compression algorithm '{encoding.decode(errors='replace')}' is not "
-                    f"supported (identity, deflate, gzip)")
+def frame_prefix(size: int) -> bytes:
+    """What comes before a message of ``size`` bytes (uncompressed)."""
+    return b"\x00" + size.to_bytes(4, "big")
+
+
+class Compressed:
+    """A compressed message as it came: inflated by ``inflate``, once its call runs."""
+
+    __slots__ = ("payload", "encoding")
+
+    def __init__(self, payload: bytes, encoding: str):
+        self.payload = payload
+        self.encoding = encoding
+
+    def __len__(self) -> int:
+        return len(self.payload)
+
+
+async def inflate(message: Compressed, limit: int) -> bytes | bytearray:
+    """The message inflated, never past ``limit`` bytes, with grpc's statuses and texts (a
+    grpcio server answers the same)."""
+    try:
+        if len(message.payload) <= INFLATE_INLINE:
+            return inflating.inflate_now(message.payload, message.encoding, limit)
+        return await inflating.inflate(message.payload, message.encoding, limit)
+    except inflating.TooLarge:
+        raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "Decompressed message larger than max") from None
+    except inflating.Corrupt as e:      # zlib refused it, or it stops before its end
+        why = "data" if str(e) == "truncated" else "zlib"
+        raise CallError(grpc.StatusCode.INTERNAL,
+                        f"Decompression failed due to {why} error") from None
 
 
 class MessageReader:
@@ -54,7 +81,7 @@ class MessageReader:
         self.encoding = encoding
         self.buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes]:
+    def feed(self, data: bytes) -> list[bytes | Compressed]:
         buf = self.buffer
         if not buf and len(data) >= PREFIX:            # the usual case: one whole message
             size = int.from_bytes(data[1:5], "big")
@@ -79,7 +106,7 @@ class MessageReader:
         return CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"Received message larger than max ({size} vs. {self.limit})")
 
-    def _message(self, flag: int, size: int, payload: bytes) -> bytes:
+    def _message(self, flag: int, size: int, payload: bytes) -> bytes | Compressed:
         if size > self.limit:
             raise self._too_large(size)
         if not flag:
@@ -87,10 +114,12 @@ class MessageReader:
         if self.encoding in (b"", b"identity"):
             raise CallError(grpc.StatusCode.INTERNAL,
                             "a compressed message arrived without grpc-encoding")
-        message = decompress(payload, self.encoding)
-        if len(message) > self.limit:
-            raise self._too_large(len(message))
-        return message
+        encoding = self.encoding.decode("latin-1")
+        if encoding not in inflating.WBITS:
+            raise CallError(grpc.StatusCode.UNIMPLEMENTED,
+                            f"Compression algorithm '{encoding}' is not supported (identity, "
+                            f"deflate, gzip)")
+        return Compressed(payload, encoding)
 
 
 def timeout_seconds(value: bytes) -> float | None:

@@ -7,9 +7,10 @@ Here the loop reads the socket itself, like the HTTP/1.1 server beside it. The s
 grpc_service's, reached through the generic handlers that the generated ``add_*_to_server``
 functions build, so both servers run the same handler code.
 
-Flow control: a unary call's bytes are given back as they arrive (a message is bounded by
-``max_message``); a streaming call's only when the handler takes the message, so a client that
-sends faster than the stream is answered is held by HTTP/2's window.
+Flow control: a unary call's bytes are given back as they arrive, a streaming call's when the
+handler takes the message, so a client that sends faster than the stream is answered is held by
+HTTP/2's window. What a connection may hold beyond that (messages in part, answers its client
+does not read, time) is ``grpc_guard``'s.
 """
 from __future__ import annotations
 
@@ -19,33 +20,30 @@ import random
 import ssl
 import time
 from types import SimpleNamespace
-from typing import Callable
 
 import grpc
-from google.protobuf.message import Message as pb_message
-
-from shmserve.ipc import logs
 
 from . import grpc_call, http2
-from .grpc_call import CallContext, CallError, MessageReader, failure_status
+from .grpc_answer import END, RESPONSE_HEADERS, Answering, Call
+from .grpc_call import CallContext, CallError, Compressed, MessageReader
+from .grpc_guard import GrpcLimits, Guard, Holdings, sweeper
+from .tls_accept import TlsAccept
 
 log = logging.getLogger("shmserve.grpc")
 
 STREAM_WINDOW = 8 << 20         # what one stream may send ahead of being read
 CONNECTION_WINDOW = 64 << 20
 LOCAL_SETTINGS = {
-    http2.MAX_CONCURRENT_STREAMS: 1 << 16,       # calls open at once on one connection
+    # calls open at once on one connection (nginx 128, gRPC-go 100): one client cannot fill
+    # --max-inflight-requests alone; more are refused (REFUSED_STREAM), and retried by clients
+    http2.MAX_CONCURRENT_STREAMS: 256,
     http2.INITIAL_WINDOW_SIZE: STREAM_WINDOW,
-    http2.MAX_FRAME_SIZE: (1 << 24) - 1,
-    http2.MAX_HEADER_LIST_SIZE: 1 << 16,
+    # the default: 16 MiB frames carried 4 MiB requests no faster, and pin more memory
+    http2.MAX_FRAME_SIZE: 16384,
+    # gRPC's own hard limit for metadata: larger blocks cost the loop ms to decode
+    http2.MAX_HEADER_LIST_SIZE: 16384,
 }
-# literal fields, no dynamic table: the same bytes for every answer
-RESPONSE_HEADERS = (b"\x88"                                  # :status 200 (static index 8)
-                    + http2.encode_literal(b"content-type", b"application/grpc")
-                    + http2.encode_literal(b"grpc-accept-encoding", grpc_call.ACCEPT_ENCODING))
 UNSUPPORTED_MEDIA = b"\x00" + http2.encode_int(7, 7) + b":status" + http2.encode_int(3, 7) + b"415"
-_OK = grpc_call.trailers(grpc.StatusCode.OK)
-_END = object()
 _KEEPALIVE_PING = b"shmkeepa"
 # the grpc.aio channel options the loop server implements (engine/compat_flags.py sets them)
 OPTIONS = frozenset(("grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms",
@@ -70,7 +68,7 @@ class Keepalive:
 
 class GrpcLoopServer:
     def __init__(self, generic_handlers, max_message: int, options: dict[str, int] | None = None,
-                 now: dict | None = None):
+                 now: dict | None = None, limits: GrpcLimits | None = None):
         self.generic_handlers = list(generic_handlers)
         # unary methods served by a callback rather than a task, by path: ``now(request, call,
         # answer)`` starts the call and arranges ``answer(call, response, error)`` (the
@@ -78,6 +76,9 @@ class GrpcLoopServer:
         self.now = dict(now or {})
         self.max_message = max_message
         self.keepalive = Keepalive(options or {})
+        self.limits = limits or GrpcLimits()
+        self.holdings = Holdings(max_message)
+        self.sweeper: asyncio.Task | None = None
         self.methods: dict[bytes, object] = {}
         self.connections: set[Connection] = set()
         self.server: asyncio.AbstractServer | None = None
@@ -96,15 +97,24 @@ class GrpcLoopServer:
     async def start(self, host: str, port: int, reuse_port: bool = False,
                     tls: ssl.SSLContext | None = None) -> int:
         loop = asyncio.get_running_loop()
-        self.server = await loop.create_server(lambda: Connection(self), host or None, port,
-                                               reuse_port=reuse_port or None, backlog=1024,
-                                               ssl=tls)
+        if tls is None:
+            def factory() -> asyncio.Protocol:
+                return Connection(self)
+        else:       # the handshake is ours, to count and time it (tls_accept)
+            def factory() -> asyncio.Protocol:
+                return TlsAccept(lambda: Connection(self), tls, self.limits.budget,
+                                 self.limits.handshake_s)
+        self.server = await loop.create_server(factory, host or None, port,
+                                               reuse_port=reuse_port or None, backlog=1024)
+        self.sweeper = loop.create_task(sweeper(self.connections, self.limits))
         return self.server.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops listening, tells every client with GOAWAY, lets calls run ``grace`` seconds."""
         if self.server is not None:
             self.server.close()
+        if self.sweeper is not None:
+            self.sweeper.cancel()
         for conn in list(self.connections):
             conn.go_away()
         deadline = time.monotonic() + (grace or 0.0)
@@ -114,27 +124,7 @@ class GrpcLoopServer:
             conn.close()
 
 
-class Call:
-    __slots__ = ("stream_id", "handler", "context", "reader", "task", "queue", "timer",
-                 "done", "sent_headers", "now", "started", "request", "cancel")
-
-    def __init__(self, stream_id: int, handler, context: CallContext, reader: MessageReader):
-        self.stream_id = stream_id
-        self.handler = handler
-        self.context = context
-        self.reader = reader
-        self.task: asyncio.Task | None = None
-        self.queue: asyncio.Queue | None = None     # a streaming call's requests
-        self.timer: asyncio.TimerHandle | None = None
-        self.done = False
-        self.sent_headers = False
-        self.now: Callable | None = None   # the method's callback handler (GrpcLoopServer.now), if any
-        self.started = False    # its request came (``request`` until the stream ends)
-        self.request: bytes | None = None
-        self.cancel: Callable[[], None] | None = None  # what stops a callback-handled call's request if it ends first
-
-
-class Connection(asyncio.Protocol):
+class Connection(Answering, Guard, asyncio.Protocol):
     def __init__(self, server: GrpcLoopServer):
         self.server = server
         self.core = http2.Http2Server(self, LOCAL_SETTINGS, CONNECTION_WINDOW)
@@ -148,11 +138,14 @@ class Connection(asyncio.Protocol):
         self.ping_timer: asyncio.TimerHandle | None = None
         self.ping_sent = False
         self.age_timer: asyncio.TimerHandle | None = None     # GOAWAY at max age, then close
+        self._guard_init()
 
     # ---- transport ------------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
         self.peer = grpc_call.peer_name(transport.get_extra_info("peername"))
+        if not self.admit(transport):
+            return
         self.server.connections.add(self)
         self.flush()
         ka, loop = self.server.keepalive, asyncio.get_running_loop()
@@ -164,6 +157,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections.discard(self)
+        self.released()
         self.closing = True
         self.transport = None
         for timer in (self.ping_timer, self.age_timer):
@@ -174,6 +168,10 @@ class Connection(asyncio.Protocol):
         self.window.set()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            self.lingered_on(data)
+            return
+        self.received += len(data)
         try:
             self.core.receive(data)
         except http2.ConnectionError_ as e:
@@ -183,10 +181,24 @@ class Connection(asyncio.Protocol):
             self.close()
             return
         self.flush()
+        if self.core.more:
+            # the core decoded its share of header blocks for this turn: the rest of the read
+            # waits for the next one, and nothing more is read meanwhile
+            self.yielded = True
+            self._flow()
+            asyncio.get_running_loop().call_soon(self._go_on)
+
+    def _go_on(self) -> None:
+        if self.transport is None:
+            return
+        self.yielded = False
+        self.data_received(b"")
+        if not self.yielded:
+            self._flow()
 
     def flush(self) -> None:
         out = self.core.out
-        if out and self.transport is not None:
+        if out and self.transport is not None and not self.lingering:
             self.transport.write(self.core.take())
 
     def go_away(self) -> None:
@@ -196,10 +208,6 @@ class Connection(asyncio.Protocol):
             self.flush()
             if not self.calls:
                 self.close()
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
     # ---- keep-alive and connection age ----------------------------------------------------------
     def keepalive(self) -> None:
@@ -264,6 +272,10 @@ class Connection(asyncio.Protocol):
         if not content_type.startswith(b"application/grpc"):
             self.core.send_headers(sid, UNSUPPORTED_MEDIA, end_stream=True)
             return
+        holdings = self.holdings
+        if holdings.total > holdings.refuse_at:     # the client may retry it (nothing ran)
+            self.core.reset(sid, http2.REFUSED_STREAM)
+            return
         seconds = grpc_call.timeout_seconds(timeout) if timeout else None
         deadline = None if seconds is None else time.monotonic() + seconds
         handler = self.server.method(path)
@@ -281,31 +293,44 @@ class Connection(asyncio.Protocol):
             call.queue = asyncio.Queue()
             call.task = asyncio.ensure_future(self.run(call))
             if end_stream:
-                call.queue.put_nowait((_END, 0))
+                call.queue.put_nowait((END, 0))
         elif end_stream:
             self.fail(call, grpc.StatusCode.INTERNAL, "a unary call ended without a request")
+
+    def refuse_stream(self, sid: int, headers, end_stream: bool) -> None:
+        """``stream_headers`` of a connection the budget had no room for (grpc_guard.admit)."""
+        self.core.send_headers(sid, RESPONSE_HEADERS + grpc_call.trailers(
+            grpc.StatusCode.UNAVAILABLE, self.refused), end_stream=True)
+        self.end(self.refused, http2.ENHANCE_YOUR_CALM)
 
     def stream_data(self, sid: int, data: bytes, length: int, end: bool) -> None:
         call = self.calls.get(sid)
         if call is None or call.done:
             self.core.ack(sid, length)
             return
+        reader = call.reader
         try:
-            messages = call.reader.feed(data) if data else ()
+            messages = reader.feed(data) if data else ()
         except CallError as e:
             self.core.ack(sid, length)
             self.fail(call, e.code, e.details)
             return
+        if reader.buffer or call.partial:       # a message in part (grpc_guard's share)
+            length = self.in_part(call, length)
+            if call.done:
+                self.core.ack(sid, length)
+                return
         if call.queue is None:
             self.core.ack(sid, length)
             if messages:
                 if call.task is not None or call.started:
                     return      # gRPC's servers read a unary call's first message only
-                if call.now is not None:
+                message = messages[0]
+                if call.now is not None and not isinstance(message, Compressed):
                     call.started = True
-                    call.request = messages[0]      # run at the end of the stream (below)
+                    call.request = message          # run at the end of the stream (below)
                 else:
-                    call.task = asyncio.ensure_future(self.run(call, messages[0]))
+                    call.task = asyncio.ensure_future(self.run(call, message))
             if end and call.request is not None:
                 # a callback handler starts its request only once the call is whole: it is
                 # not cancelled as easily as a task that has not run yet
@@ -317,188 +342,24 @@ class Connection(asyncio.Protocol):
                           else "a unary call ended without a request")
             return
         # a streaming call: the window reopens as the handler takes each message
-        last = len(messages) - 1
-        for i, message in enumerate(messages):
-            call.queue.put_nowait((message, length if i == last else 0))
-        if not messages and length:
+        if messages:
+            # held until taken (grpc_guard.count, inline: this is every streamed message)
+            n = len(messages[0]) if len(messages) == 1 else sum(map(len, messages))
+            call.held += n
+            self.held += n
+            holdings = self.holdings
+            holdings.total += n
+            if holdings.total > holdings.limit:
+                self.fail(call, grpc.StatusCode.RESOURCE_EXHAUSTED, holdings.refusal())
+                self.core.ack(0, length)
+                return
+            last = len(messages) - 1
+            for i, message in enumerate(messages):
+                call.queue.put_nowait((message, length if i == last else 0))
+        elif length:
             call.queue.put_nowait((None, length))
         if end:
             if call.reader.pending():
                 self.fail(call, grpc.StatusCode.INTERNAL, "the stream ended inside a message")
             else:
-                call.queue.put_nowait((_END, 0))
-
-    async def run(self, call: Call, message: bytes | None = None) -> None:
-        """Runs the call's handler on ``message`` (a unary request) or on the stream's requests,
-        writes what it answers, and ends the call with its status."""
-        handler = call.handler
-        try:
-            if message is not None:
-                request = handler.request_deserializer(message)
-            else:
-                request = self.requests(call)
-            if handler.response_streaming:
-                method = handler.stream_stream if handler.request_streaming \
-                    else handler.unary_stream
-                responses = method(request, call.context)
-                if hasattr(responses, "__aiter__"):
-                    async for response in responses:
-                        await self.send_message(call, self.serialize(call, response))
-                else:
-                    for response in responses:
-                        await self.send_message(call, self.serialize(call, response))
-            else:
-                method = handler.stream_unary if handler.request_streaming \
-                    else handler.unary_unary
-                response = method(request, call.context)
-                if not isinstance(response, pb_message):
-                    response = await response
-                await self.send_message(call, self.serialize(call, response), flush=False)
-        except asyncio.CancelledError:
-            return
-        except Exception as e:
-            code, details = failure_status(e, call.context)
-            if log.isEnabledFor(logging.DEBUG):     # --log-verbose: each failed call
-                logs.written_before_answer(log, "gRPC call failed: %s: %s", code.name, details)
-            self.finish(call, code, details)
-            return
-        self.finish(call, grpc.StatusCode.OK)
-
-    def run_now(self, call: Call, message: bytes) -> None:
-        """A unary call whose method has a callback handler: started here, no task."""
-        now = call.now
-        assert now is not None
-        try:
-            now(call.handler.request_deserializer(message), call, self.answer)
-        except Exception as e:
-            self.answer(call, None, e)
-
-    def answer(self, call: Call, response, error: BaseException | None) -> None:
-        """A callback handler's answer: the response, or the exception that ends the call
-        (with the status ``run`` would give it)."""
-        call.cancel = None
-        if call.done:
-            return
-        if error is None:
-            try:
-                payload = self.serialize(call, response)
-            except CallError as e:
-                error = e
-        if error is not None:
-            code, details = failure_status(error, call.context)
-            if log.isEnabledFor(logging.DEBUG):
-                logs.written_before_answer(log, "gRPC call failed: %s: %s", code.name, details)
-            self.finish(call, code, details)
-            return
-        core, sid = self.core, call.stream_id
-        call.sent_headers = True
-        core.send_headers(sid, RESPONSE_HEADERS)
-        data = grpc_call.frame(payload)
-        sent = core.send_data(sid, data)
-        if sent == len(data):
-            self.finish(call, grpc.StatusCode.OK)
-        else:       # the peer's window is short of it: the rest waits for it in a task
-            call.task = asyncio.ensure_future(self._answer_rest(call, data[sent:]))
-
-    async def _answer_rest(self, call: Call, data: bytes) -> None:
-        try:
-            await self._send_data(call, data)
-        except asyncio.CancelledError:
-            return
-        self.finish(call, grpc.StatusCode.OK)
-
-    def serialize(self, call: Call, response) -> bytes:
-        payload = call.handler.response_serializer(response)
-        if len(payload) > self.server.max_message:
-            raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"Sent message larger than max ({len(payload)} vs. "
-                            f"{self.server.max_message})")
-        return payload
-
-    async def requests(self, call: Call):
-        queue = call.queue
-        assert queue is not None
-        deserialize = call.handler.request_deserializer
-        while True:
-            message, share = await queue.get()
-            if share:
-                self.core.ack(call.stream_id, share)
-                self.flush()
-            if message is _END:
-                return
-            if message is not None:
-                yield deserialize(message)
-
-    async def send_message(self, call: Call, payload: bytes, flush: bool = True) -> None:
-        if call.done:
-            raise asyncio.CancelledError
-        core, sid = self.core, call.stream_id
-        if not call.sent_headers:
-            call.sent_headers = True
-            core.send_headers(sid, RESPONSE_HEADERS)
-        await self._send_data(call, grpc_call.frame(payload))
-        if flush:
-            self.flush()
-
-    async def _send_data(self, call: Call, data: bytes) -> None:
-        """Sends ``data`` on the call's stream as the peer's windows allow."""
-        core, sid = self.core, call.stream_id
-        while True:
-            sent = core.send_data(sid, data)
-            if sent == len(data):
-                return
-            data = data[sent:]
-            self.flush()
-            self.window.clear()
-            await self.window.wait()
-            if call.done:
-                raise asyncio.CancelledError
-
-    def finish(self, call: Call, code: grpc.StatusCode, details: str = "") -> None:
-        """Ends the call with its status (trailers, or headers and trailers in one frame)."""
-        if call.done:
-            return
-        call.done = True
-        self._forget(call)
-        block = grpc_call.trailers(code, details) if code is not grpc.StatusCode.OK or details \
-            else _OK
-        if not call.sent_headers:
-            block = RESPONSE_HEADERS + block
-        self.core.send_headers(call.stream_id, block, end_stream=True)
-        self.flush()
-
-    def fail(self, call: Call, code: grpc.StatusCode, details: str) -> None:
-        if call.task is not None:
-            call.task.cancel()
-        self._stop(call)
-        self.finish(call, code, details)
-
-    def expire(self, call: Call) -> None:
-        call.timer = None
-        self.fail(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-
-    def abandon(self, call: Call) -> None:
-        """The client reset the stream or went away: stop the handler, answer nothing."""
-        if log.isEnabledFor(logging.DEBUG):     # Triton's verbose line for it
-            log.debug("Cancellation notification received for stream %d", call.stream_id)
-        call.done = True
-        call.context.cancelled_ = True
-        self._forget(call)
-        if call.task is not None:
-            call.task.cancel()
-        self._stop(call)
-
-    @staticmethod
-    def _stop(call: Call) -> None:
-        """A callback-handled call ended before its answer: its request is dropped."""
-        cancel, call.cancel = call.cancel, None
-        if cancel is not None:
-            cancel()
-
-    def _forget(self, call: Call) -> None:
-        self.calls.pop(call.stream_id, None)
-        if call.timer is not None:
-            call.timer.cancel()
-            call.timer = None
-        if self.closing and not self.calls and self.transport is not None:
-            asyncio.get_running_loop().call_soon(self.close)
+                call.queue.put_nowait((END, 0))

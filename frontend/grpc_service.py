@@ -31,6 +31,7 @@ from shmserve.ipc.messages import GrpcTls  # noqa: E402
 
 from . import grpc_codec, grpc_loop, log_settings, restricted, statistics, trace  # noqa: E402
 from .errors import InferError, grpc_status  # noqa: E402
+from .grpc_guard import GrpcLimits  # noqa: E402
 from .grpc_stream import Refused, StreamSession, build_response  # noqa: E402
 from .header_forward import HeaderForward  # noqa: E402
 from .service import FrontendService  # noqa: E402
@@ -157,21 +158,22 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             return None
         return self.forward.params(context.invocation_metadata() or ())
 
-    async def _infer(self, req: pb.ModelInferRequest, unary: str = "",
+    async def _infer(self, req: pb.ModelInferRequest, peer: str, unary: str = "",
                      forwarded: dict[str, str] | None = None) -> pb.ModelInferResponse:
-        """One request through the service; raises InferError. ``unary``: see infer_target;
-        ``forwarded``: metadata that becomes parameters (``forwarded()``)."""
-        view, v, prepared, traced = self._admit(req, unary, forwarded)
+        """One request through the service; raises InferError. ``peer``: the client's
+        address (``context.peer()``); ``unary``: see infer_target; ``forwarded``: metadata
+        that becomes parameters (``forwarded()``)."""
+        view, v, prepared, traced = self._admit(req, peer, unary, forwarded)
         return self._response(await self.service.infer(view, v, prepared), prepared, traced)
 
-    def start_infer(self, req: pb.ModelInferRequest, done: Callable, unary: str = "",
+    def start_infer(self, req: pb.ModelInferRequest, done: Callable, peer: str, unary: str = "",
                     forwarded: dict[str, str] | None = None) -> Callable[[], None]:
         """``_infer`` without a task: the request is submitted now (raises Refused if it is
         refused before that) and ``done(response, None)`` or ``done(None, exception)`` is
         called with its answer, never before this returns. Returns what drops the request
         when nobody waits for its answer any more; call it only before ``done``."""
         svc = self.service
-        view, v, prepared, traced = self._admit(req, unary, forwarded)
+        view, v, prepared, traced = self._admit(req, peer, unary, forwarded)
 
         def answered(result) -> None:
             try:
@@ -183,9 +185,10 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         req_id = svc.submit(view, v, prepared, answered)
         return lambda: svc.abandon(req_id, prepared)
 
-    def _admit(self, req: pb.ModelInferRequest, unary: str, forwarded: dict[str, str] | None):
+    def _admit(self, req: pb.ModelInferRequest, peer: str, unary: str,
+               forwarded: dict[str, str] | None):
         """The model, version and prepared request of a call, and its trace (or None); raises
-        Refused."""
+        Refused. ``peer`` decides whether it may name shared-memory regions."""
         svc = self.service
         traced = None
         try:
@@ -194,8 +197,8 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
                 traced = svc.tracer.sample(view.name, v)
                 if traced is not None:     # the call's message is read whole before this
                     traced.started("GRPC_WAITREAD", traced.created_ns)
-            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits,
-                                              forwarded)
+            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry.for_peer(peer),
+                                              svc.limits, forwarded)
         except InferError as e:
             raise Refused(e.code, e.message) from None
         if traced is not None:
@@ -222,7 +225,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         # model_infer_now is, and this serves grpc.aio)
         try:
             forwarded = self.forwarded(context) if self.forward.regex is not None else None
-            return await self._infer(request, "ModelInfer RPC", forwarded)
+            return await self._infer(request, context.peer(), "ModelInfer RPC", forwarded)
         except InferError as e:
             await context.abort(grpc_status(e.code), e.message)
 
@@ -233,7 +236,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         future and a turn of the loop per call."""
         forwarded = self.forwarded(call.context) if self.forward.regex is not None else None
         call.cancel = self.start_infer(request, functools.partial(answer, call),
-                                       "ModelInfer RPC", forwarded)
+                                       call.context.peer(), "ModelInfer RPC", forwarded)
 
     async def ModelStreamInfer(self, request_iterator, context):
         """Many requests on one stream (frontend/grpc_stream.py: order, decoupled answers,
@@ -242,8 +245,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
             forwarded = self.forwarded(context)     # the stream's metadata, for its requests
         except InferError as e:
             await context.abort(grpc_status(e.code), e.message)
-        start = functools.partial(self.start_infer, forwarded=forwarded) if forwarded \
-            else self.start_infer
+        start = functools.partial(self.start_infer, peer=context.peer(), forwarded=forwarded)
         session = StreamSession(self.service, context, stream_error_mode(context),
                                 STREAM_MAX_INFLIGHT, start, self.max_message, forwarded)
         async for response in session.run(request_iterator):
@@ -275,7 +277,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     @translated
     async def SystemSharedMemoryStatus(self, request, context):
         resp = pb.SystemSharedMemoryStatusResponse()
-        for r in self.service.status_system(request.name):
+        for r in self.service.status_system(request.name, context.peer()):
             resp.regions[r["name"]].CopyFrom(pb.SystemSharedMemoryStatusResponse.RegionStatus(**r))
         return resp
 
@@ -287,13 +289,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def SystemSharedMemoryUnregister(self, request, context):
-        self.service.unregister_system(request.name)
+        self.service.unregister_system(request.name, context.peer())
         return pb.SystemSharedMemoryUnregisterResponse()
 
     @translated
     async def CudaSharedMemoryStatus(self, request, context):
         resp = pb.CudaSharedMemoryStatusResponse()
-        for r in self.service.status_cuda(request.name):
+        for r in self.service.status_cuda(request.name, context.peer()):
             resp.regions[r["name"]].CopyFrom(pb.CudaSharedMemoryStatusResponse.RegionStatus(**r))
         return resp
 
@@ -305,7 +307,7 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def CudaSharedMemoryUnregister(self, request, context):
-        self.service.unregister_cuda(request.name)
+        self.service.unregister_cuda(request.name, context.peer())
         return pb.CudaSharedMemoryUnregisterResponse()
 
     # ---- trace and logging ----------------------------------------------------------------------
@@ -363,7 +365,7 @@ async def serve(service: FrontendService, address: str, port: int,
                 max_message: int = MAX_MESSAGE,
                 options: dict[str, int] | None = None, kind: str = "loop",
                 reuse_port: bool = False, tls: GrpcTls | None = None,
-                header_forward: str = "",
+                header_forward: str = "", limits: GrpcLimits | None = None,
                 ) -> tuple[grpc_loop.GrpcLoopServer | grpc.aio.Server, int]:
     """``max_message`` (--grpc-max-message-size) bounds each message, either way: a larger
     request is answered RESOURCE_EXHAUSTED before it reaches a handler, and so is a larger
@@ -371,7 +373,9 @@ async def serve(service: FrontendService, address: str, port: int,
     with grpc.aio; ``options`` (keep-alive, connection age, compression flags) are grpc.aio
     channel options: given one the loop server does not implement (ping policing, response
     compression), grpc.aio serves. ``tls`` (--grpc-use-ssl): either serves over TLS, with the
-    PEM files it names (read here, at start)."""
+    PEM files it names (read here, at start). ``limits``: the connection budget shared with the
+    other ports and the timeouts (grpc_guard); grpc.aio gets what of them its options can say."""
+    limits = limits or GrpcLimits()
     handlers = _GenericHandlers()
     inference = InferenceService(service, restrictions, max_message, header_forward)
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(inference, handlers)
@@ -379,7 +383,7 @@ async def serve(service: FrontendService, address: str, port: int,
     unsupported = sorted(set(options or {}) - grpc_loop.OPTIONS)
     if kind == "loop" and not unsupported:
         loop_server = grpc_loop.GrpcLoopServer(handlers.handlers, max_message, options,
-                                               inference.now)
+                                               inference.now, limits)
         try:
             bound = await loop_server.start(address.strip("[]"), port, reuse_port,
                                             _ssl_context(tls) if tls is not None else None)
@@ -392,7 +396,7 @@ async def serve(service: FrontendService, address: str, port: int,
     server = grpc.aio.server(options=[("grpc.max_send_message_length", max_message),
                                       ("grpc.max_receive_message_length", max_message),
                                       ("grpc.so_reuseport", int(reuse_port)),
-                                      *(options or {}).items()])
+                                      *_aio_limits(limits).items(), *(options or {}).items()])
     server.add_generic_rpc_handlers(handlers.handlers)
     if tls is None:
         bound = server.add_insecure_port(f"{address}:{port}")
@@ -402,6 +406,20 @@ async def serve(service: FrontendService, address: str, port: int,
         raise OSError(f"cannot listen for gRPC on {address}:{port}")
     await server.start()
     return server, bound
+
+
+def _aio_limits(limits: GrpcLimits) -> dict[str, int]:
+    """The loop server's limits as grpc.aio's options: its handshake and idle time, and a part
+    of the connection budget, which grpc.aio cannot share: it takes half, the other ports keep
+    the rest."""
+    out = {"grpc.server_handshake_timeout_ms": int(limits.handshake_s * 1000),
+           "grpc.max_connection_idle_ms": int(limits.idle_timeout_s * 1000)}
+    budget = limits.budget
+    if budget is not None:
+        share = max(1, budget.total // 2)
+        budget.total -= share
+        out["grpc.max_allowed_incoming_connections"] = share
+    return out
 
 
 def _credentials(tls: GrpcTls) -> grpc.ServerCredentials:

@@ -170,8 +170,9 @@ class StreamSession:
         """A decoupled model's request: each answer goes out as it comes."""
         svc = self.service
         try:
-            prepared = grpc_codec.parse_infer(view, req, svc.arena, svc.registry, svc.limits,
-                                              self.forwarded)
+            prepared = grpc_codec.parse_infer(view, req, svc.arena,
+                                              svc.registry.for_peer(self.context.peer()),
+                                              svc.limits, self.forwarded)
         except InferError as e:
             self.out.put_nowait(self._failed(req, Refused(e.code, e.message)))
             return

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import zlib
 from functools import partial
 from typing import Any, Awaitable, Callable
 
@@ -20,7 +19,7 @@ from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.messages import InferResult, ShmRef
 from shmserve.ipc.shm import ShmError
 
-from . import http_codec, log_settings, restricted, statistics
+from . import http_codec, inflate, log_settings, peer_uid, restricted, statistics
 from .errors import InferError, http_status, invalid, shm_error
 from .generate import GenerateEndpoints
 from .header_forward import HeaderForward
@@ -32,8 +31,6 @@ from .service import FrontendService
 log = logging.getLogger("shmserve.http")
 
 MAX_BODY = 1 << 32
-# a compressed /infer body may expand to this much (the raw limit applies to what was sent)
-MAX_INFLATED = 1 << 30
 _NOT_FOUND = b'{"error":"Not Found"}'
 _NOT_ALLOWED = b'{"error":"Method Not Allowed"}'
 _MODEL = "/v2/models/{model}"
@@ -224,7 +221,15 @@ class KServeHttpApp(HttpApp):
                 if captures:
                     return conn.respond(req, 405, _NOT_ALLOWED, headers=(("Allow", captures),))
                 return conn.respond(req, 404, _NOT_FOUND)
-            handler(conn, req, *captures)
+        except InferError as e:
+            self.release_body(req)
+            return self.error(conn, req, http_status(e.code), e.message)
+        self.run(conn, req, handler, *captures)
+
+    def run(self, conn: HttpConnection, req: HttpRequest, handler, *args) -> None:
+        """``handler(conn, req, *args)``; what it raises becomes the request's answer."""
+        try:
+            handler(conn, req, *args)
         except InferError as e:
             self.release_body(req)
             self.error(conn, req, http_status(e.code), e.message)
@@ -357,14 +362,15 @@ class KServeHttpApp(HttpApp):
     # ---- shared memory --------------------------------------------------------------------------
     def shm_status(self, system: bool, conn, req, region: str = ""):
         svc = self.service
-        regions = svc.status_system(region) if system else svc.status_cuda(region)
+        peer = _peer(conn)
+        regions = svc.status_system(region, peer) if system else svc.status_cuda(region, peer)
         conn.respond(req, 200, http_codec.encode_json(regions))
 
     def shm_unregister(self, system: bool, conn, req, region: str = ""):
         if system:
-            self.service.unregister_system(region)
+            self.service.unregister_system(region, _peer(conn))
         else:
-            self.service.unregister_cuda(region)
+            self.service.unregister_cuda(region, _peer(conn))
         conn.respond(req, 200, content_type="")
 
     def shm_register(self, system: bool, conn, req, region: str = ""):
@@ -383,28 +389,57 @@ class KServeHttpApp(HttpApp):
                     raise invalid(f"Shared memory register request has no '{field}' field "
                                   f"(region '{region}')")
             self.service.register_system(region, doc["key"], doc.get("offset", 0),
-                                         doc["byte_size"], conn.peer())
+                                         doc["byte_size"], _peer(conn))
         else:       # raw_handle {"b64": ...}; what is missing is None, and named as such
             self.service.register_cuda(region, doc.get("raw_handle"), doc.get("device_id"),
-                                       doc.get("byte_size"), conn.peer())
+                                       doc.get("byte_size"), _peer(conn))
         conn.respond(req, 200, content_type="")
 
     # ---- inference ------------------------------------------------------------------------------
     def infer(self, conn: HttpConnection, req: HttpRequest, model: str, version: str = "") -> None:
         view, v = self.service.infer_target(model, version, "HTTP end point")
-        tracer = self.service.tracer
-        traced = tracer.sample(view.name, v) if tracer.active else None
         if isinstance(req.body_slot, _DroppedBody):
             raise req.body_slot.error
-        body = req.body
         encoding = req.headers.get("content-encoding", "identity").lower()
-        if encoding in ("gzip", "deflate"):
-            body = self._decompress(body, encoding)
-        elif encoding != "identity":
+        if encoding == "identity":
+            return self.infer_body(conn, req, view, v, req.body)
+        if encoding not in inflate.WBITS:
             self.release_body(req)
             return conn.respond(req, 501, http_codec.encode_json(
                 {"error": f"unsupported Content-Encoding '{encoding}'"}),
                 headers=(("Accept-Encoding", "gzip, deflate"),))
+
+        async def inflated() -> None:
+            try:
+                body = await inflate.inflate(req.body, encoding, self.max_input_size)
+            except inflate.TooLarge:
+                return self.error(conn, req, 400, (
+                    f"Decompressed data size exceeds the maximum allowed value of "
+                    f"{self.max_input_size} bytes: the {encoding} request body inflates to more. "
+                    f"Use --http-max-input-size to increase the limit."))
+            except inflate.Corrupt as e:
+                why = "is truncated" if str(e) == "truncated" else f"is corrupt: {e}"
+                return self.error(conn, req, 400, f"failed to decompress the {encoding} request "
+                                                  f"body: it {why}")
+            except Exception as e:      # a bug must cost one request, not leave it unanswered
+                log.exception("error inflating %s %s", req.method, req.path)
+                return self.error(conn, req, 500, f"internal error: {type(e).__name__}: {e}")
+            req.body = b""      # the compressed bytes are not needed any more
+            self.run(conn, req, self.infer_inflated, model, version, body)
+        task = asyncio.get_running_loop().create_task(inflated())
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def infer_inflated(self, conn: HttpConnection, req: HttpRequest, model: str, version: str,
+                       body: bytes) -> None:
+        # the model is looked up again: it may have been unloaded while the body inflated
+        view, v = self.service.infer_target(model, version, "HTTP end point")
+        self.infer_body(conn, req, view, v, body)
+
+    def infer_body(self, conn: HttpConnection, req: HttpRequest, view, v, body) -> None:
+        """An inference request whose body is ``body`` (inflated, if it came compressed)."""
+        tracer = self.service.tracer
+        traced = tracer.sample(view.name, v) if tracer.active else None
         hlen = req.headers.get("inference-header-content-length")
         if hlen is not None:
             try:
@@ -417,11 +452,6 @@ class KServeHttpApp(HttpApp):
             if hlen > self.max_input_size:
                 raise invalid(self._json_too_large(hlen))
         elif len(body) > self.max_input_size:
-            if encoding != "identity":
-                raise invalid(f"Decompressed data size of {len(body)} bytes exceeds the maximum "
-                              f"allowed value of {self.max_input_size} bytes for a request "
-                              f"without binary data. Use --http-max-input-size to increase the "
-                              f"limit.")
             raise invalid(self._json_too_large(len(body)))
         if req.body_slot is None and len(body) > INLINE_LIMIT:
             # chunked or compressed bodies arrive in memory: large tensors still must not ride
@@ -438,7 +468,8 @@ class KServeHttpApp(HttpApp):
             traced.started("HTTP_RECV", int(req.started * 1e9))
         forwarded = self.forward.params(req.raw_headers) if self.raw_headers else None
         parsed = http_codec.parse_infer(view, body, hlen, slot_ref, self.arena,
-                                        self.service.registry, self.service.limits, forwarded)
+                                        self.service.registry.for_peer(conn.peer()),
+                                        self.service.limits, forwarded)
         if traced is not None:
             traced.queued(parsed, self.service.maps)
         conn.inflight = self.service.submit(
@@ -453,24 +484,6 @@ class KServeHttpApp(HttpApp):
     def _json_too_large(self, n: int) -> str:
         return (f"request JSON size of {n} bytes exceeds the maximum allowed input size of "
                 f"{self.max_input_size} bytes. Use --http-max-input-size to increase the limit.")
-
-    def _decompress(self, body, encoding: str) -> bytes:
-        """At most MAX_INFLATED bytes: a small bomb must not become gigabytes in the frontend,
-        and a body cut short must be an error, never a silently shorter request."""
-        try:
-            wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-            d = zlib.decompressobj(wbits)
-            out = d.decompress(bytes(body), MAX_INFLATED)
-            if d.unconsumed_tail:
-                raise invalid(f"Decompressed data size exceeds the maximum allowed value of "
-                              f"{MAX_INFLATED} bytes: the {encoding} request body decompresses "
-                              f"to more than this server inflates")
-            out += d.flush()
-            if not d.eof:
-                raise invalid(f"the {encoding} request body is truncated")
-        except zlib.error as e:
-            raise invalid(f"failed to decompress the {encoding} request body: {e}") from None
-        return out
 
     def infer_done(self, conn: HttpConnection, req: HttpRequest, parsed: PreparedRequest,
                    result: InferResult) -> None:
@@ -503,3 +516,10 @@ class KServeHttpApp(HttpApp):
                 # the response was written from the worker's slots (registered after the write,
                 # so it waits for those bytes): give them back once sent
                 conn.after_sent(lambda: svc.release_outputs(result, refs))
+
+
+def _peer(conn: HttpConnection) -> str:
+    """The client's address and port in gRPC's form ("ipv4:127.0.0.1:5000"), which the
+    shared-memory registry reads (the port finds a local client's user); "unknown:" when the
+    connection has none, which the registry takes for a remote client."""
+    return peer_uid.peer_of(conn.transport.get_extra_info("peername") if conn.transport else None)

@@ -16,10 +16,17 @@ from typing import Any, Callable
 
 import httptools
 
+from .connections import Budget
+
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 # Responses up to this size are joined into one buffer and one write; a copy this small costs
 # less than the extra send() syscall.
 SMALL_RESPONSE = 64 * 1024
+# After an error that ends the connection, what the client still sends is read and dropped for
+# this long before the socket closes: closing with unread bytes makes the kernel send a reset,
+# and a client still sending its request would see that instead of the error (nginx's
+# lingering close)
+LINGER_S = 2.0
 
 
 @dataclass
@@ -36,6 +43,8 @@ class Limits:
     write_high_water: int = 1 << 20         # answer bytes buffered for the client
     max_pipelined: int = 32                 # received requests waiting for their turn
     connections: set = field(default_factory=set)   # the live ones, for the sweeper
+    # the frontend's one budget of connections on all its ports (frontend/connections.py)
+    budget: Budget | None = None
 
 
 class HttpApp:
@@ -106,6 +115,9 @@ class HttpConnection(asyncio.Protocol):
         self.on_drained: list[Callable[[], None]] = []
         self.inflight = 0                   # request id the app is waiting on, if any
         self.reading = True                 # False while back-pressure holds the client
+        self.budgeted = False               # counted in Limits.budget until connection_lost
+        self.head_seen = 0                  # bytes read since the current request's head began
+        self.lingering = False              # answered an error: what arrives is dropped
         self.dispatching = False            # inside _next: answers given meanwhile do not recurse
 
     # ---- asyncio.Protocol ----------------------------------------------------------------------
@@ -119,8 +131,14 @@ class HttpConnection(asyncio.Protocol):
         live = self.limits.connections
         if len(live) >= self.limits.max_connections:
             self._fail(503, f"too many connections ({self.limits.max_connections}, "
-                            f"--http-max-connections); try again later")
+                            f"--http-max-connections); try again later", linger=False)
             return
+        budget = self.limits.budget
+        if budget is not None:
+            if not budget.take():
+                self._fail(503, budget.refusal(), linger=False)
+                return
+            self.budgeted = True
         live.add(self)
         # any write that cannot complete at once pauses us, so we know when buffered data (which
         # may point into shared memory) has really left
@@ -128,12 +146,22 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc):
         self.limits.connections.discard(self)
+        if self.budgeted:
+            self.budgeted = False
+            self.limits.budget.give()
         self.closed = True
         self._drained()
         self.app.connection_lost(self)
 
     def data_received(self, data: bytes):
+        if self.lingering:
+            return
         self.last_active = time.monotonic()
+        if self.request is None:
+            # a head is read: httptools hands a header over only once its line ends, joining
+            # its pieces meanwhile (copies that grow with the line), so the limit is kept here
+            # on what arrives rather than in on_header alone
+            self.head_seen += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -146,6 +174,9 @@ class HttpConnection(asyncio.Protocol):
                 self._fail(cause.status, str(cause))
             else:
                 self._fail(400, f"malformed HTTP request: {e}")
+            return
+        if self.request is None and self.started and self.head_seen > self.limits.max_header_bytes:
+            self._fail(431, self._head_too_large())
 
     def pause_writing(self):
         pass        # every write that does not complete at once lands here (high-water mark 0)
@@ -182,11 +213,14 @@ class HttpConnection(asyncio.Protocol):
     def _count_header_bytes(self, n: int) -> None:
         self.header_bytes += n
         if self.header_bytes > self.limits.max_header_bytes:
-            raise _BodyError(431, f"request line and headers exceed "
-                                  f"{self.limits.max_header_bytes} bytes "
-                                  f"(--http-max-header-size)")
+            raise _BodyError(431, self._head_too_large())
+
+    def _head_too_large(self) -> str:
+        return (f"request line and headers exceed {self.limits.max_header_bytes} bytes "
+                f"(--http-max-header-size)")
 
     def on_headers_complete(self):
+        self.head_seen = 0
         req = HttpRequest(self.parser.get_method().decode(), self.url, self.headers)
         if self.raw is not None:
             req.raw_headers = self.raw
@@ -227,6 +261,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self):
         self.started = 0.0
+        self.head_seen = 0
         req = self.request
         self.request = None
         if req.body_slot is not None:
@@ -356,14 +391,25 @@ class HttpConnection(asyncio.Protocol):
         for cb in callbacks:
             cb()
 
-    def _fail(self, status: int, message: str):
-        if self.transport is not None and not self.closed:
+    def _fail(self, status: int, message: str, linger: bool = True):
+        """Answer ``status`` and end the connection. With ``linger``, the client may still be
+        sending its request: its bytes are dropped for LINGER_S while the answer reaches it."""
+        t = self.transport
+        if t is not None and not self.closed:
             body = ('{"error":"%s"}' % message.replace('"', "'")).encode()
-            self.transport.write(
+            t.write(
                 f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\nContent-Type: "
                 f"application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
                 .encode() + body)
-            self.transport.close()
+            if linger and t.can_write_eof():
+                t.write_eof()           # FIN once the answer is out; reading goes on
+                self.lingering = True
+                if not self.reading:
+                    t.resume_reading()
+                    self.reading = True
+                asyncio.get_running_loop().call_later(LINGER_S, t.close)
+            else:
+                t.close()
         self.closed = True
         if self.request is not None and self.request.body_slot is not None:
             self.app.release_body(self.request)

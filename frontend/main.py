@@ -8,21 +8,21 @@ import asyncio
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 
 import msgspec
 import uvloop
 
-from shmserve.ipc import logs
+from shmserve.ipc import channel, logs
 from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import StoppingMark, die_with_parent, freeze_startup_heap
 from shmserve.ipc.shm import ShmArena, ShmMapCache
 
-from . import grpc_service, http_server, restricted
+from . import connections, grpc_service, http_server, restricted
 from .colocation import ColocateMode, Colocation
 from .engine_client import EngineClient
+from .grpc_guard import GrpcLimits
 from .http_app import KServeHttpApp
 from .metrics import MetricsApp
 from .model_upload import ModelUploads
@@ -38,7 +38,8 @@ from .trace import TraceCore
 log = logging.getLogger("shmserve.frontend")
 
 
-async def run(settings: ServerSettings, frontend_id: int) -> None:
+async def run(settings: ServerSettings, frontend_id: int, incarnation: int = 0) -> None:
+    """``incarnation``: how many frontends of this id died before (the launcher restarts one)."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     service: FrontendService | None = None
@@ -60,8 +61,10 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
     colocation = Colocation(ColocateMode(settings.colocate),
                             max_gap_ns=settings.colocate_max_gap_us * 1000)
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
-                          settings.request_deadline_secs, priority, colocation)
-    arena = ShmArena(f"{settings.segment_prefix}f{frontend_id}_")
+                          settings.request_deadline_secs, priority, colocation,
+                          first_id=(incarnation << channel.FRONTEND_ID_BITS) + 1)
+    arena = ShmArena(channel.frontend_segment_prefix(settings.segment_prefix, frontend_id,
+                                                     incarnation))
     maps = ShmMapCache()
     shm_timer = _ShmTimer(loop, arena, maps)
     regions = RegionTable(os.path.join(settings.run_dir, "client-shm"))   # one per server
@@ -88,17 +91,18 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
         service.stopping = mark.is_set
     servers, ports = [], {}
     grpc_server = sampler_task = None
+    # one budget of connections (file descriptors) for all of this process's ports
+    budget = connections.for_process(settings.http_max_connections)
     try:
         if settings.allow_http:
             app = KServeHttpApp(service, settings.http_max_input_size,
                                 restricted.parse(settings.http_restricted_api),
                                 settings.http_header_forward_pattern)
-            _allow_fds(settings.http_max_connections + 1024)
             http_limits = http_server.Limits(
                 max_header_bytes=settings.http_max_header_size,
                 max_connections=settings.http_max_connections,
                 request_timeout_s=settings.http_request_timeout_secs,
-                idle_timeout_s=settings.http_idle_timeout_secs)
+                idle_timeout_s=settings.http_idle_timeout_secs, budget=budget)
             srv = await http_server.serve(app, settings.http_address, settings.http_port,
                                           reuse_port=settings.frontends > 1, limits=http_limits)
             servers.append(srv)
@@ -110,7 +114,9 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                 restricted.parse(settings.grpc_restricted_protocol),
                 settings.grpc_max_message_size, settings.grpc_options, settings.grpc_server,
                 reuse_port=settings.frontends > 1, tls=settings.grpc_tls,
-                header_forward=settings.grpc_header_forward_pattern)
+                header_forward=settings.grpc_header_forward_pattern,
+                limits=GrpcLimits(settings.http_request_timeout_secs,
+                                  settings.http_idle_timeout_secs, budget))
             log.info("gRPC service listening on %s:%d", settings.grpc_address, ports["grpc"])
         # one page for the server: its numbers come from the scheduler, not from this process
         if settings.allow_metrics and frontend_id == 0:
@@ -124,7 +130,9 @@ async def run(settings: ServerSettings, frontend_id: int) -> None:
                                      cache=settings.response_cache_bytes > 0)
             srv = await http_server.serve(metrics_app,
                                           settings.metrics_address or settings.http_address,
-                                          settings.metrics_port)
+                                          settings.metrics_port,
+                                          reuse_port=settings.frontends > 1,
+                                          limits=http_server.Limits(budget=budget))
             servers.append(srv)
             ports["metrics"] = srv.sockets[0].getsockname()[1]
             log.info("metrics service listening on port %d", ports["metrics"])
@@ -179,24 +187,16 @@ class _ShmTimer:
         self.handle.cancel()
 
 
-def _allow_fds(wanted: int) -> None:
-    """Raise the soft limit on open files toward ``wanted`` (up to the hard limit), so that
-    --http-max-connections, not EMFILE, is what refuses a connection."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if soft != resource.RLIM_INFINITY and soft < target:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-
-
 def main() -> None:
     settings = msgspec.json.decode(sys.argv[1].encode(), type=ServerSettings)
     frontend_id = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    incarnation = int(sys.argv[3]) if len(sys.argv) > 3 else 0
     die_with_parent(settings.launcher_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a log call never blocks the loop
     name = "frontend" if frontend_id == 0 else f"frontend-{frontend_id}"
     logs.setup(name, settings=logs.from_server(settings), path=settings.log_file)
-    uvloop.run(run(settings, frontend_id))
+    uvloop.run(run(settings, frontend_id, incarnation))
     logs.flush()
     os._exit(0)
 

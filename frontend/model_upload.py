@@ -13,9 +13,10 @@ path. Tensors and files never travel through the scheduler's socket. From the mo
 once nothing loads, serves or drains from it. Nothing is written into a model repository.
 
 Every refusal names the parameter and starts with Triton's "failed to load '<m>', failed to poll
-from model repository", which clients look for. A path these rules refuse, bad base64 and an
-upload past ``--model-upload-max-bytes`` are 400s; a path the file system refuses (a component
-longer than NAME_MAX) is a 500, as Triton answers it; a full disk is 507.
+from model repository", which clients look for. A path these rules refuse (one nested deeper
+than MAX_DEPTH among them), bad base64 and an upload past ``--model-upload-max-bytes`` are
+400s; a path the file system refuses (a component longer than NAME_MAX) is a 500, as Triton
+answers it; a full disk is 507.
 """
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ from shmserve.ipc.messages import ErrorCode
 from .errors import InferError
 
 FILE_PREFIX = "file:"
+# how deep a file may sit in an uploaded model directory: model directories are a few levels
+# deep; a path of thousands of components is only an attack on the code that walks it
+MAX_DEPTH = 32
 DIR_MODE = 0o700
 FILE_MODE = 0o600
 
@@ -71,6 +75,9 @@ def file_path(model: str, key: str) -> tuple[str, ...]:
         raise refused(model, key, "is an absolute path: name a path inside the model "
                                   "directory, e.g. 'file:1/model.onnx'")
     parts = tuple(path.split("/"))
+    if len(parts) > MAX_DEPTH:
+        raise refused(model, key, f"has {len(parts)} path components, more than the "
+                                  f"{MAX_DEPTH} an uploaded model directory may nest")
     if "" in parts:
         raise refused(model, key, "has an empty path component ('//' or a '/' at its end)")
     if "." in parts or ".." in parts:

@@ -6,15 +6,20 @@ to the scheduler or a worker, no shared memory touched but the client's. Each fr
 keeps its own cache (with ``--frontends N`` each gets 1/N of the size).
 
 The key is a 128-bit BLAKE2b digest of the model name and version and of every input (name,
-datatype, shape and bytes, wherever they are: inline, in the frontend's arena or in a client's
-region), as Triton's is, plus two things Triton leaves out, because they change the answer:
-the outputs asked for (with their classification counts) and the request's custom parameters.
-How the outputs travel back (JSON, binary, a client's region) is not in the key: an entry holds
-the outputs' bytes and each hit writes them the way its request asks.
+datatype, shape and bytes), as Triton's is, plus what Triton leaves out but a model can read
+and answer by: the outputs asked for (with their classification counts), the request's custom
+parameters, and its correlation id and sequence flags. How the outputs travel back (JSON,
+binary, a client's region) is not in the key: an entry holds the outputs' bytes and each hit
+writes them the way its request asks.
 
-Bounded by bytes (the outputs' bytes plus a fixed cost per entry and per output); the least
-recently used entries go first. An answer larger than the whole cache is not kept (Triton's
-"Failed to insert key"). ``ResponseCache`` is pure: no sockets, no clock.
+Neither the key nor an entry is ever made of bytes a client can still write:
+frontend/cached_requests.py copies inputs out of clients' regions before hashing them, and has
+a cached request's outputs written into the worker's slots, not into the client's region.
+
+Bounded by bytes (what an entry holds: the outputs' bytes, names, datatypes and shapes, its
+parameters and key, plus a fixed cost per entry and per output); the least recently used
+entries go first. An answer larger than the whole cache is not kept (Triton's "Failed to insert
+key"). ``ResponseCache`` is pure: no sockets, no clock.
 """
 from __future__ import annotations
 
@@ -93,6 +98,11 @@ class ResponseCache:
         if payload.parameters:
             h.update(b"P")
             h.update(_encode_params(payload.parameters))
+        if payload.correlation_id or payload.flags:
+            cid = payload.correlation_id
+            text = str(cid).encode()
+            h.update(b"S%s%d:%s\0%d" % (b"s" if isinstance(cid, str) else b"i", len(text),
+                                        text, payload.flags))
         return h.digest()
 
     # ---- lookups and inserts ---------------------------------------------------------------------
@@ -110,7 +120,7 @@ class ResponseCache:
         """Keep an answer; False when it is larger than the whole cache (nothing is evicted
         for it then)."""
         outs = tuple(outputs)
-        size = ENTRY_OVERHEAD + len(key) + sum(OUTPUT_OVERHEAD + len(o.data) for o in outs)
+        size = entry_size(key, model, outs, parameters)
         if size > self.capacity:
             self.counters.too_large += 1
             return False
@@ -134,15 +144,31 @@ class ResponseCache:
         return len(gone)
 
 
+def cacheable(payload: InferPayload) -> bool:
+    """Whether the request can be cached at all: nothing of it lives in GPU memory."""
+    return all(t.cuda is None for t in payload.inputs) and \
+        all(o.cuda is None for o in payload.outputs)
+
+
+def entry_size(key: bytes, model: str, outputs: Iterable[CachedOutput],
+               parameters: dict[str, Any]) -> int:
+    """What an entry costs the cache: everything it holds, plus the fixed costs."""
+    size = ENTRY_OVERHEAD + len(key) + len(model)
+    if parameters:
+        size += len(_encode_params(parameters))
+    for o in outputs:
+        size += OUTPUT_OVERHEAD + len(o.name) + len(o.datatype) + 8 * len(o.shape) + len(o.data)
+    return size
+
+
 def _name(t: Tensor) -> str:
     return t.name
 
 
 def outputs_of(result: InferResult,
                read: Callable[[ShmRef], memoryview]) -> list[CachedOutput] | None:
-    """The outputs of a successful answer as an entry keeps them (copied out of shared memory:
-    the worker's slots, or the client's region it wrote); None when one of them cannot be kept
-    (left in GPU memory)."""
+    """The outputs of a successful answer as an entry keeps them (copied out of the worker's
+    slots); None when one of them cannot be kept (left in GPU memory)."""
     outs = []
     for t in result.outputs:
         if t.cuda is not None:
@@ -162,19 +188,26 @@ def answer(entry: CacheEntry, req_id: int, regions: dict[str, ShmRef],
         if ref is None:
             outs.append(Tensor(o.name, o.datatype, list(o.shape), o.data))
             continue
-        n = len(o.data)
-        if n > ref.nbytes:
-            return _failed(entry, req_id, f"shared memory size specified with the request for "
-                                          f"output '{o.name}' ({ref.nbytes} bytes) should be at "
-                                          f"least {n} bytes to hold the results")
-        placed = ShmRef(ref.segment, ref.offset, n)
-        try:
-            view(placed)[:] = o.data
-        except ShmError as e:
-            return _failed(entry, req_id, f"failed to write output '{o.name}' into its shared "
-                                          f"memory region: {e}")
-        outs.append(Tensor(o.name, o.datatype, list(o.shape), None, placed))
+        placed = into_region(o, ref, view)
+        if isinstance(placed, str):
+            return _failed(entry, req_id, placed)
+        outs.append(placed)
     return InferResult(req_id, entry.model, entry.version, outs, parameters=dict(entry.parameters))
+
+
+def into_region(o: CachedOutput, ref: ShmRef, view: Callable[[ShmRef], memoryview]) -> Tensor | str:
+    """Write an output into the client's region ``ref``; the tensor that says where it is, or
+    why it could not be written (in the worker's words)."""
+    n = len(o.data)
+    if n > ref.nbytes:
+        return (f"shared memory size specified with the request for output '{o.name}' "
+                f"({ref.nbytes} bytes) should be at least {n} bytes to hold the results")
+    placed = ShmRef(ref.segment, ref.offset, n)
+    try:
+        view(placed)[:] = o.data
+    except ShmError as e:
+        return f"failed to write output '{o.name}' into its shared memory region: {e}"
+    return Tensor(o.name, o.datatype, list(o.shape), None, placed)
 
 
 def _failed(entry: CacheEntry, req_id: int, message: str) -> InferResult:

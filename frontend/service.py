@@ -10,11 +10,9 @@ in what they accept or how they fail.
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any, AsyncIterator, Callable
 
 from shmserve.ipc.messages import (
-    CacheRecord,
     ControlAction,
     ErrorCode,
     InferResult,
@@ -24,7 +22,8 @@ from shmserve.ipc.messages import (
 )
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 
-from . import request, response_cache, validation
+from . import request, validation
+from .cached_requests import CachedRequests
 from .catalog import ModelCatalog, ModelView, version_number
 from .engine_client import EngineClient
 from .errors import InferError, invalid
@@ -69,8 +68,8 @@ class FrontendService:
         client.on_trace_settings = self.tracing.apply
         # the response cache (frontend/response_cache.py); None: --cache-config not given
         self.cache = cache
-        if cache is not None:
-            client.on_table = self._forget_unloaded
+        self.cached = None if cache is None else CachedRequests(cache, client, arena, maps,
+                                                                self.release_outputs)
 
     @property
     def catalog(self) -> ModelCatalog:
@@ -194,26 +193,26 @@ class FrontendService:
         # readers look a client segment up by name on every use (ipc/shm.py ShmMapCache)
         self.registry.register_system(name, key, offset, byte_size, peer)
 
-    def unregister_system(self, name: str) -> None:
-        gone = self.registry.unregister_system(name)
+    def unregister_system(self, name: str, peer: str = "") -> None:
+        gone = self.registry.unregister_system(name, peer)
         if gone:
             self.client.forget_segments(gone)
 
-    def status_system(self, name: str) -> list[dict]:
-        return self.registry.status_system(name)
+    def status_system(self, name: str, peer: str = "") -> list[dict]:
+        return self.registry.status_system(name, peer)
 
     def register_cuda(self, name: str, raw_handle, device_id, byte_size, peer: str = "") -> None:
         # a handle registered again after an unregister was closed by the workers then; the
         # allocation behind a handle never changes (a new allocation gets a new handle)
         self.registry.register_cuda(name, raw_handle, device_id, byte_size, peer)
 
-    def unregister_cuda(self, name: str) -> None:
-        gone = self.registry.unregister_cuda(name)
+    def unregister_cuda(self, name: str, peer: str = "") -> None:
+        gone = self.registry.unregister_cuda(name, peer)
         if gone:        # workers close the handles they opened
             self.client.forget_segments([], gone)
 
-    def status_cuda(self, name: str) -> list[dict]:
-        return self.registry.status_cuda(name)
+    def status_cuda(self, name: str, peer: str = "") -> list[dict]:
+        return self.registry.status_cuda(name, peer)
 
     # ---- inference ------------------------------------------------------------------------------
     def infer_target(self, model: str, version: str, unary: str = "") -> tuple[ModelView, int]:
@@ -231,60 +230,10 @@ class FrontendService:
     def submit(self, view: ModelView, version: int, prepared: PreparedRequest,
                on_result: Callable[[InferResult], None]) -> int:
         """Send a prepared request; ``on_result`` gets its answer. Returns the request id."""
-        if self.cache is not None and view.response_cache:
-            return self._submit_cached(view, version, prepared, on_result)
+        if self.cached is not None and view.response_cache:
+            return self.cached.submit(view, version, prepared, on_result)
         return self.client.submit(view.name, version, prepared, on_result,
                                   view.preserve_ordering)
-
-    def _submit_cached(self, view: ModelView, version: int, prepared: PreparedRequest,
-                       on_result: Callable[[InferResult], None]) -> int:
-        """Answer from the response cache, or send the request and keep its answer."""
-        cache, client, clock = self.cache, self.client, time.monotonic_ns
-        assert cache is not None
-        name = view.name
-        t0 = clock()
-        try:
-            key = cache.key(name, version, prepared.payload, self.maps.view)
-        except ShmError:
-            key = None          # an input's region is gone: the worker says so, as always
-        if key is None:
-            return client.submit(name, version, prepared, on_result, view.preserve_ordering)
-        entry = cache.get(key)
-        if entry is not None:
-            req_id = client.new_id()
-            regions = {n: w.ref for n, w in prepared.outputs.items()
-                       if w.region and type(w.ref) is ShmRef}
-            result = response_cache.answer(entry, req_id, regions, self.maps.view)
-            t1 = clock()
-            client.cache_record(CacheRecord(name, version, True, t1 - t0, t1 - t0))
-            # answered after this call returns, as any other request is (callers keep its id)
-            asyncio.get_running_loop().call_soon(on_result, result)
-            return req_id
-        client.cache_record(CacheRecord(name, version, False, clock() - t0))
-        catalog = self.catalog
-
-        def answered(result: InferResult) -> None:
-            # kept only if the model is as it was when the request went out: an answer of a
-            # version reloaded meanwhile must not be served for the new one
-            if not result.error and catalog.models.get(name) is view:
-                t = clock()
-                try:
-                    outs = response_cache.outputs_of(result, self.maps.view)
-                except ShmError:
-                    outs = None
-                if outs is not None:
-                    cache.put(key, name, version, view, outs, result.parameters)
-                client.cache_record(CacheRecord(name, version, False, clock() - t, count=0))
-            on_result(result)
-        return client.submit(name, version, prepared, answered, view.preserve_ordering)
-
-    def _forget_unloaded(self) -> None:
-        """A new model table: a model whose view changed (a version loading, unloading or
-        reloaded, a new config) loses its cached answers; the catalog keeps the view of a
-        model that did not change, so the others keep theirs."""
-        models = self.catalog.models
-        assert self.cache is not None
-        self.cache.retain(lambda e: models.get(e.model) is e.owner)
 
     async def infer(self, view: ModelView, version: int,
                     prepared: PreparedRequest) -> InferResult:

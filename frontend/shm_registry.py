@@ -6,6 +6,16 @@ region, ``CudaRef`` for a CUDA one): the worker reads inputs from and writes out
 client's memory directly. Nothing here ever unlinks a client's segment or frees a client's device
 memory; unregistering only forgets it.
 
+Who may do what (README, "Security"): a region is registered, listed, used in a request and
+unregistered only by clients allowed to register regions (--client-shm-from: by default those on
+this host), checked in every frontend on every use. Among them regions are global, as in Triton:
+tritonclient registers through one client object and infers through another, and perf_analyzer
+registers once and infers over several connections, so a region cannot be private to the
+connection that registered it; a peer address would not tell two local users apart either. What
+keeps one local user from another's memory is the registration: a system segment is accepted
+only from the user who owns it (frontend/peer_uid.py finds the user behind a loopback TCP
+client), and never one of the server's own segments.
+
 A CUDA region is a device allocation the client exported as a CUDA IPC handle (64 bytes,
 ``cudaIpcMemHandle_t``). It is checked once, at registration, as Triton does: the handle is opened
 on its GPU (workers/gpu.py, cuda-python's driver API, imported and initialised on the first
@@ -26,6 +36,7 @@ from shmserve.ipc.messages import CudaRef, ErrorCode, ShmRef
 from shmserve.ipc.shm import PREFIX
 
 from .errors import InferError, invalid
+from .peer_uid import socket_uid
 from .shm_regions import CudaRegion, Region, RegionTable, SystemRegion
 
 log = logging.getLogger("shmserve.frontend")
@@ -44,7 +55,9 @@ def _unsupported() -> InferError:
 def is_local_peer(peer: str) -> bool:
     """Whether a client address is on this host: loopback IPv4/IPv6 or a unix socket. Takes
     gRPC's form ("ipv4:127.0.0.1:5000", "ipv6:[::1]:5000", "unix:...") and a bare host."""
-    if peer.startswith("unix:") or peer == "":
+    # the usual peers first, without parsing: a region's request asks for every one
+    if peer.startswith(("unix:", "ipv4:127.", "127.", "ipv6:[::1]:", "::ffff:127.",
+                        "ipv6:[::ffff:127.")) or peer in ("", "::1"):
         return True
     host = peer
     if peer.startswith(("ipv4:", "ipv6:")):
@@ -99,17 +112,39 @@ class ShmRegistry:
     def cuda(self) -> dict[str, CudaRegion]:
         return {n: r for n, r in self.regions.items() if type(r) is CudaRegion}
 
-    def _check_client(self, name: str, peer: str) -> None:
+    def _check_client(self, what: str, peer: str) -> None:
+        """Refuse a client that may not register regions; ``peer`` "" is this process."""
         if not self.allowed:
             raise _unsupported()
         if self.local_only and not is_local_peer(peer):
-            raise invalid(f"shared memory region '{name}': registration is accepted only from "
-                          f"clients on this host (--client-shm-from=local); this request came "
-                          f"from {peer}")
+            raise _not_local(what, peer)
+
+    def for_peer(self, peer: str) -> ShmRegistry:
+        """The registry a request from ``peer`` resolves its regions in: this one, or, for a
+        client that may not register regions, one that refuses to name any."""
+        if self.local_only and self.allowed and not is_local_peer(peer):
+            return _Refused(self, peer)
+        return self
+
+    def _check_owner(self, name: str, key: str, owner: int, peer: str) -> None:
+        """A client on this host registers only a segment its own user owns (root: any):
+        otherwise it could read and write, through the server's permissions, a segment its
+        user cannot open (another user's, or a program's of the server's user)."""
+        if not peer or not is_local_peer(peer):
+            return      # this process; or a remote client, which --client-shm-from=any trusts
+        uid = socket_uid(peer)
+        if uid is None:
+            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': "
+                          f"cannot tell which user the client {peer} runs as, so cannot check "
+                          f"that the segment is its own; connect over TCP on this host)")
+        if uid != 0 and uid != owner:
+            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': the "
+                          f"segment belongs to user {owner}, not to the client's user {uid}; "
+                          f"register a segment your client created)")
 
     # ---- system shared memory ----------------------------------------------------------------
     def register_system(self, name: str, key, offset, byte_size, peer: str = "") -> SystemRegion:
-        self._check_client(name, peer)
+        self._check_client(f"shared memory region '{name}'", peer)
         if not name:
             raise invalid("shared memory region name must not be empty")
         if not isinstance(key, str) or not key.strip("/"):
@@ -143,6 +178,7 @@ class ShmRegistry:
         if not stat.S_ISREG(st.st_mode):
             raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': not "
                           f"a shared memory segment)")
+        self._check_owner(name, key, st.st_uid, peer)
         size = st.st_size
         if offset + byte_size > size:
             raise invalid(f"failed to register shared memory region '{name}': invalid args "
@@ -150,10 +186,9 @@ class ShmRegistry:
                           f"of segment '{key}')")
         return self._add(SystemRegion(name, key, offset, byte_size, segment))
 
-    def unregister_system(self, name: str | None) -> list[str]:
+    def unregister_system(self, name: str | None, peer: str = "") -> list[str]:
         """Forget one region (or all); returns the segments no longer referenced by any region."""
-        if not self.allowed:
-            raise _unsupported()
+        self._check_client(_which(name), peer)
         return sorted(r.segment for r in self._unregister(SystemRegion, name))
 
     def _unregister(self, kind: type, name: str | None) -> list:
@@ -199,7 +234,9 @@ class ShmRegistry:
         raise InferError(ErrorCode.NOT_FOUND, f"The region named '{name}' is registered as "
                                               f"system shared memory, not CUDA shared memory")
 
-    def status_system(self, name: str | None) -> list[dict]:
+    def status_system(self, name: str | None, peer: str = "") -> list[dict]:
+        if self.allowed:        # disabled: nothing to show, and nothing to hide
+            self._check_client(_which(name), peer)
         return [{"name": r.name, "key": r.key, "offset": r.offset, "byte_size": r.byte_size}
                 for r in self._status(SystemRegion, name)]
 
@@ -208,7 +245,7 @@ class ShmRegistry:
                       peer: str = "") -> CudaRegion:
         """``raw_handle``: the handle's bytes (gRPC), or HTTP's ``{"b64": ...}``; a field the
         HTTP request left out is None."""
-        self._check_client(name, peer)
+        self._check_client(f"shared memory region '{name}'", peer)
         if not name:
             raise invalid("'region name' is necessary to register cuda shared memory region")
         if raw_handle is None:
@@ -279,14 +316,15 @@ class ShmRegistry:
             except gpu.CudaError as e:
                 log.warning("closing the CUDA IPC handle of region '%s' failed: %s", name, e)
 
-    def unregister_cuda(self, name: str | None) -> list[bytes]:
+    def unregister_cuda(self, name: str | None, peer: str = "") -> list[bytes]:
         """Forget one CUDA region (or all); returns the handles no region uses any more (for
         the workers to close)."""
-        if not self.allowed:
-            raise _unsupported()
+        self._check_client(_which(name), peer)
         return sorted(r.handle for r in self._unregister(CudaRegion, name))
 
-    def status_cuda(self, name: str | None) -> list[dict]:
+    def status_cuda(self, name: str | None, peer: str = "") -> list[dict]:
+        if self.allowed:
+            self._check_client(_which(name), peer)
         return [{"name": r.name, "device_id": r.device_id, "byte_size": r.byte_size}
                 for r in self._status(CudaRegion, name)]
 
@@ -325,6 +363,27 @@ class ShmRegistry:
         if type(region) is CudaRegion:
             return region, CudaRef(region.handle, region.device_id, offset, byte_size)
         return region, ShmRef(region.segment, region.offset + offset, byte_size)
+
+
+class _Refused(ShmRegistry):
+    """The registry of a request from a client that may not use regions: any region it names
+    is refused, before anything about the region (its existence, its size) is told."""
+
+    def __init__(self, registry: ShmRegistry, peer: str):
+        super().__init__(registry.allowed, registry.local_only, registry.table)
+        self.peer = peer
+
+    def resolve(self, region_name, byte_size, offset, what: str) -> tuple[Region, ShmRef | CudaRef]:
+        raise _not_local(f"{what}: shared memory region '{region_name}'", self.peer)
+
+
+def _not_local(what: str, peer: str) -> InferError:
+    return invalid(f"{what}: shared memory is accepted only from clients on this host "
+                   f"(--client-shm-from=local); this request came from {peer}")
+
+
+def _which(name: str | None) -> str:
+    return f"shared memory region '{name}'" if name else "shared memory regions"
 
 
 def _key(region: Region) -> str | bytes:

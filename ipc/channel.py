@@ -58,6 +58,19 @@ def frontend_address(run_dir: str, frontend_id: int) -> str:
     return f"{packets.SCHEME}{os.path.join(run_dir, f'frontend-{frontend_id}.pkt')}"
 
 
+def frontend_segment_prefix(server_prefix: str, frontend_id: int, incarnation: int = 0) -> str:
+    """Names of a frontend's shared-memory arena. A frontend started in the place of one that
+    died (its ``incarnation``: 1, 2, ...) takes other names: workers keep mappings of the dead
+    one's segments by name for a while, and must never take a new segment for one of them."""
+    return f"{server_prefix}f{frontend_id}_" if not incarnation else \
+        f"{server_prefix}f{frontend_id}r{incarnation}_"
+
+
+# Request ids of a frontend started in the place of one that died (incarnation k) start at
+# k << FRONTEND_ID_BITS: an answer meant for the dead one can never be taken for one of its own
+FRONTEND_ID_BITS = 40
+
+
 def worker_address(run_dir: str, spawn_id: int) -> str:
     """A worker's inbox (the scheduler's batches and pings, frontends' released outputs), on
     the thread-free transport."""

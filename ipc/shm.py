@@ -1,4 +1,5 @@
-"""POSIX shared memory: segments, the owner-side ``ShmArena`` allocator, and ``ShmMapCache``.
+"""POSIX shared memory: segments and the owner-side ``ShmArena`` allocator; the reader side,
+``ShmMapCache``, is in ipc/shm_maps.py (and importable from here).
 
 We call shm_open/mmap ourselves instead of ``multiprocessing.shared_memory``: its resource tracker
 unlinks a segment when any process that merely attached exits, which would pull segments from
@@ -20,25 +21,21 @@ import errno
 import mmap
 import os
 import secrets
-import stat
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from .messages import ShmRef
 
-PREFIX = "shmserve_"
-SHM_DIR = "/dev/shm"
+# the reader side, and the names both sides share (imported from here as well)
+from .shm_maps import PREFIX, SHM_DIR, ShmError, ShmMapCache, attach_segment  # noqa: F401
+
 _ALIGN = 64
 # Arena chunks reserve pages in steps of this much, so most allocations cost no syscall.
 RESERVE_STEP = 2 << 20
 _PAGE = mmap.PAGESIZE
 # Seconds an unused arena chunk is kept (default 10): for tests, or to get memory back sooner.
 IDLE_RELEASE_ENV = "SHMSERVE_SHM_IDLE_RELEASE_S"
-
-
-class ShmError(Exception):
-    pass
 
 
 class ShmFull(ShmError):
@@ -106,23 +103,6 @@ def create_segment(name: str, size: int) -> mmap.mmap:
         m.close()
         _posixshmem.shm_unlink("/" + name)
         raise
-    finally:
-        os.close(fd)
-
-
-def attach_segment(name: str, writable: bool = True) -> mmap.mmap:
-    return _attach(name, writable)[0]
-
-
-def _attach(name: str, writable: bool = True) -> tuple[mmap.mmap, int]:
-    """The mapping, and the segment's inode (which tells a re-created segment of that name)."""
-    fd = _posixshmem.shm_open("/" + name, os.O_RDWR if writable else os.O_RDONLY, 0)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ShmError(f"'{name}' is not a shared memory segment")
-        return mmap.mmap(fd, st.st_size,
-                         access=mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ), st.st_ino
     finally:
         os.close(fd)
 
@@ -351,96 +331,3 @@ class ShmArena:
         for chunk in self._chunks.values():
             chunk.close()
         self._chunks.clear()
-
-
-class ShmMapCache:
-    """Reader side: maps segments by name once and hands out views; drops mappings left unused.
-
-    Every mapping holds a file descriptor (Python's mmap keeps a dup of it), so at most
-    ``max_maps`` are cached, least recently used going first: a client with 20,000 regions
-    must not exhaust the process's descriptors. A client's segment can shrink after it was
-    mapped, and touching a page past its end is SIGBUS; or its owner can unlink it and create
-    another under the same name, which a mapping of the old one would not see. So a client
-    segment is looked up by name on every use (one stat): a new inode is mapped afresh, and the
-    size is checked. That keeps a re-registered region correct whatever order messages take
-    (a frontend's leased requests reach a worker on another socket than the scheduler's
-    ForgetSegments). The server's own segments are never re-created or shrunk and skip it."""
-
-    def __init__(self, idle_unmap_s: float = 30.0, max_maps: int = 512):
-        self._maps: dict[str, tuple[mmap.mmap, memoryview, int]] = {}
-        self._last_used: dict[str, float] = {}
-        self.idle_unmap_s = idle_unmap_s
-        self.max_maps = max_maps
-        self._last_sweep = time.monotonic()
-
-    def view(self, ref: ShmRef) -> memoryview:
-        entry = self._maps.get(ref.segment)
-        client = not ref.segment.startswith(PREFIX)
-        st = None
-        if client:
-            try:
-                st = os.stat(f"{SHM_DIR}/{ref.segment}")
-            except FileNotFoundError:
-                pass    # unlinked by its owner: a mapping we hold still reads its pages
-            except OSError as e:
-                raise ShmError(f"shared memory segment '{ref.segment}': {e}") from None
-            if entry is not None and st is not None and st.st_ino != entry[2]:
-                self._drop(ref.segment)         # re-created under the same name
-                entry = None
-        if entry is None:
-            try:
-                m, ino = _attach(ref.segment)
-            except FileNotFoundError:
-                raise ShmError(f"shared memory segment '{ref.segment}' does not exist") from None
-            except OSError as e:        # a directory, a symlink, no permission, EMFILE, ...
-                raise ShmError(f"cannot map shared memory segment '{ref.segment}': "
-                               f"{e.strerror or e}") from None
-            if len(self._maps) >= self.max_maps:
-                self._drop(min(self._last_used, key=self._last_used.__getitem__))
-            entry = (m, memoryview(m), ino)
-            self._maps[ref.segment] = entry
-        end = ref.offset + ref.nbytes
-        if ref.offset < 0 or ref.nbytes < 0 or end > len(entry[1]):
-            raise ShmError(f"range [{ref.offset}, {end}) is outside segment "
-                           f"'{ref.segment}' of {len(entry[1])} bytes")
-        if client:
-            try:
-                # what the segment holds now
-                size = st.st_size if st is not None and st.st_ino == entry[2] else entry[0].size()
-            except OSError as e:
-                raise ShmError(f"shared memory segment '{ref.segment}': {e}") from None
-            if end > size:
-                self._drop(ref.segment)
-                raise ShmError(f"shared memory segment '{ref.segment}' shrank to {size} bytes "
-                               f"after it was registered; the range [{ref.offset}, {end}) is "
-                               f"no longer inside it")
-        now = time.monotonic()
-        self._last_used[ref.segment] = now
-        if now - self._last_sweep > 5.0:
-            self.sweep(now)
-        return entry[1][ref.offset:ref.offset + ref.nbytes]
-
-    def sweep(self, now: float | None = None) -> None:
-        """Drop mappings unused for idle_unmap_s, and at once those of the server's own segments
-        that their owner has unlinked: a mapping keeps the pages of an unlinked segment in
-        /dev/shm, and the owner's name is never used again."""
-        now = time.monotonic() if now is None else now
-        self._last_sweep = now
-        for name, last in list(self._last_used.items()):
-            if now - last > self.idle_unmap_s or (
-                    name.startswith(PREFIX) and not os.path.exists(f"{SHM_DIR}/{name}")):
-                self._drop(name)
-
-    def _drop(self, name: str) -> None:
-        # No explicit close: views handed out may still be alive, and the mapping is unmapped
-        # when the last of them is collected.
-        self._maps.pop(name, None)
-        self._last_used.pop(name, None)
-
-    def forget(self, segment: str) -> None:
-        """Drop a mapping whose segment is known to be gone (its owner died or freed it)."""
-        self._drop(segment)
-
-    def close(self) -> None:
-        for name in list(self._maps):
-            self._drop(name)

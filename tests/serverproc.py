@@ -101,6 +101,22 @@ def cpu_seconds(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def peak_rss_reset(pid: int) -> int:
+    """Start ``pid``'s peak resident set size (VmHWM) again from now; returns it."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+    return peak_rss(pid)
+
+
+def peak_rss(pid: int) -> int:
+    """The most memory ``pid`` has had resident (VmHWM) since its start or the last reset."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

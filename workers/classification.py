@@ -15,6 +15,8 @@ import numpy as np
 
 from shmserve.ipc import dtypes
 
+from . import model_files
+
 # Triton refuses to rank more entries than this per batch item (pathological sizes)
 MAX_ELEMENTS = 1_000_000
 
@@ -46,8 +48,7 @@ def read_labels(config: dict, model_dir: str) -> dict[str, list[bytes]]:
             raise LabelFileError(f"label file path '{path}' for output '{name}' in model "
                                  f"'{config.get('name', '')}' is outside the model directory")
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = model_files.read_bytes(path, model_files.DATA_MAX_BYTES)
         except OSError as e:
             raise LabelFileError(f"unable to read the label file '{path}' for output '{name}': "
                                  f"{e.strerror or e}") from None

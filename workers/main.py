@@ -64,6 +64,7 @@ from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequ
 from .backend import WorkRequest, load_backend
 from .device_arena import DeviceArena
 from .device_arena import to_host as device_to_host
+from .exec_record import ExecutionRecord, record_path
 from .gpu import CudaError, DeviceTensor
 from .lease_batch import LeasedBatcher
 from .waiting_cpu import WaitingCpu
@@ -92,6 +93,8 @@ class Worker:
         self.frontends: dict[int, packets.PacketOutbox] = {}
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
+        # what it executes, for the scheduler to read should it die (workers/exec_record.py)
+        self.record = ExecutionRecord(record_path(args.run_dir, args.spawn_id))
         # outputs an ensemble's next step reads on the GPU; nothing touches CUDA before one
         self.device_arena = DeviceArena(args.cuda_memory_pool)
         # clients' CUDA regions and other workers' device arenas, opened on use
@@ -151,15 +154,31 @@ class Worker:
         with self.out_lock:
             try:
                 box = self.frontends.get(fid)
-                if box is None:
-                    box = self.frontends[fid] = channel.outbox_for(
-                        channel.frontend_address(self.args.run_dir, fid), wait_connected_s=2.0)
+                if box is not None:
+                    try:
+                        box.send(msg)
+                        return
+                    except packets.PeerGone:
+                        # that frontend process died; the launcher may have started another
+                        # in its place, listening at the same address
+                        del self.frontends[fid]
+                        box.close()
+                box = self.frontends[fid] = channel.outbox_for(
+                    channel.frontend_address(self.args.run_dir, fid), wait_connected_s=2.0)
                 box.send(msg)
             except (packets.PeerGone, packets.PeerStalled) as e:
                 log.warning("answers for frontend %d dropped: %s", fid, e)
                 gone = self.frontends.pop(fid, None)
                 if gone is not None:
                     gone.close()
+                # nobody will release their output slots (a frontend that died, or its
+                # restart, which never heard of these requests): give them back now
+                for res in msg.results if type(msg) is InferResults else (msg,):
+                    for t in getattr(res, "outputs", ()):
+                        if t.shm is not None:
+                            self.arena.free(t.shm)
+                        elif t.cuda is not None:
+                            self.device_arena.free(t.cuda)
 
     def tell(self, msg, payloads=()) -> None:
         """To the scheduler. If it has gone, we are about to die with it (parent-death signal);
@@ -422,6 +441,15 @@ class Worker:
         return key in self.cancelled
 
     def execute(self, batch: ExecuteBatch, frames, leased: list | None = None) -> None:
+        routes = batch.routes
+        if routes:
+            self.record.running(len(routes), routes[0].frontend, routes[0].req_id)
+        try:
+            self.execute_batch(batch, frames, leased)
+        finally:
+            self.record.idle()
+
+    def execute_batch(self, batch: ExecuteBatch, frames, leased: list | None) -> None:
         clock = time.monotonic_ns
         t0 = clock()
         work, ready, targets, classes, devices = [], [], [], [], []
@@ -623,6 +651,7 @@ class Worker:
             self.bls.close()
         self.arena.close()
         self.maps.close()
+        self.record.close()
         self.cuda_handles.close()
         self.device_arena.close()
         # give queued messages (a load failure, the last BatchDone) a moment to leave

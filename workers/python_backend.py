@@ -46,6 +46,12 @@ def raised_at(e: BaseException) -> str:
                                   for f in reversed(frames))
 
 
+# said after Triton's words when execute() left a request of a default-mode model unanswered
+ANSWER_ONCE = (" A model that is not decoupled answers each request once: in the list execute() "
+               "returns, or through the request's response sender (taken before execute() "
+               "returns).")
+
+
 def gpu_inputs(cfg: dict) -> bool:
     """Triton's FORCE_CPU_ONLY_INPUT_TENSORS parameter: "no" gives the model inputs that are in
     GPU memory as GPU tensors (``is_cpu()`` False, read through ``to_dlpack()``); "yes", the
@@ -195,29 +201,59 @@ class PythonBackend:
             msg = self._raised(e)
             log.error("%s", msg)    # also when every request had its answer already (Triton)
             return self._fail_open(pb_requests, msg), True
-        if self.decoupled or responses is None:
+        if self.decoupled:
             if responses is not None:
                 return self._fail_open(pb_requests, self._not_none()), True
             return [None] * len(requests), False    # answered through the response senders
-        if not isinstance(responses, (list, tuple)) or len(responses) != len(requests):
-            n = len(responses) if isinstance(responses, (list, tuple)) else type(responses).__name__
-            msg = f"execute() of model '{self.spec.model_name}' must return a list of " \
-                  f"{len(requests)} InferenceResponse objects, got {n}"
-            return [WorkResponse(error=msg, code=ErrorCode.INTERNAL) for _ in requests], True
+        if responses is None:
+            # the default mode may answer through the response senders (Triton since 24.06);
+            # a request whose sender the model never took (nor rescheduled) can never be
+            # answered: it fails now with the words Triton gave before, instead of waiting for
+            # its deadline
+            missing = self._failed("Expected a list in the execute return, found type "
+                                   "'<class 'NoneType'>'.") + ANSWER_ONCE
+            return [self._answer(req, pb, None, missing)
+                    for req, pb in zip(requests, pb_requests)], False
+        if not isinstance(responses, (list, tuple)):
+            return self._fail_open(pb_requests, self._failed(
+                f"Expected a list in the execute return, found type '{type(responses)}'.")), True
+        if len(responses) != len(requests):
+            return self._fail_open(pb_requests, self._failed(
+                f"Number of InferenceResponse objects do not match the number of "
+                f"InferenceRequest objects. InferenceRequest(s) size is:{len(requests)}, and "
+                f"InferenceResponse(s) size is:{len(responses)}")), True
         return [self._answer(req, pb, resp)
                 for req, pb, resp in zip(requests, pb_requests, responses)], False
 
-    def _answer(self, req: WorkRequest, pb, resp) -> WorkResponse | None:
+    def _answer(self, req: WorkRequest, pb, resp, missing: str = "") -> WorkResponse | None:
         """A non-decoupled model's return for one request. A request it rescheduled must
         have None there (Triton's check, word for word); it is answered with the error then,
-        not run again."""
+        not run again. A request its response sender answered has its one answer: what the
+        list holds for it is not sent too. None for a request not answered otherwise is an
+        error (``missing``, or Triton's words for a list entry of the wrong type)."""
         if pb._release_flags & pb_utils.TRITONSERVER_REQUEST_RELEASE_RESCHEDULE:
             if resp is None:
                 return None
             pb._release_flags = pb_utils.TRITONSERVER_REQUEST_RELEASE_ALL
             return WorkResponse(error="Expected a None object in the execute function return "
                                       "list for reschduled request", code=ErrorCode.INTERNAL)
+        if resp is None and isinstance(pb._sender, pb_utils.InferenceResponseSender):
+            # the model took the request's response sender: that answers it, before execute()
+            # returned or after, from a thread of the model (Triton's default mode allows both)
+            return None
+        if resp is None or not isinstance(resp, pb_utils.InferenceResponse) \
+                or self._sender_answered(pb):
+            # closes the sender: a thread of the model cannot answer it after the error
+            return self._fail_open([pb], missing or self._failed(
+                f"Expected an 'InferenceResponse' object in the execute function return list, "
+                f"found type '{type(resp)}'.") + (ANSWER_ONCE if resp is None else ""))[0]
         return self._convert(req, resp)
+
+    @staticmethod
+    def _sender_answered(pb) -> bool:
+        sender = pb._sender
+        return isinstance(sender, pb_utils.InferenceResponseSender) and \
+            (sender._answered or sender._closed)
 
     def _sender(self, req: WorkRequest) -> pb_utils.InferenceResponseSender:
         emit, poll, key = req.emit, self.poll_cancelled, req.cancel_key
@@ -241,10 +277,6 @@ class PythonBackend:
         return out
 
     def _convert(self, req: WorkRequest, resp) -> WorkResponse:
-        if not isinstance(resp, pb_utils.InferenceResponse):
-            return WorkResponse(error=f"execute() of model '{self.spec.model_name}' returned "
-                                      f"{type(resp).__name__} instead of InferenceResponse",
-                                code=ErrorCode.INTERNAL)
         if resp.has_error():
             err = resp.error()
             return WorkResponse(error=err.message(), code=TO_ERROR_CODE.get(err.code(), ErrorCode.INTERNAL))
@@ -281,8 +313,12 @@ class PythonBackend:
 
     def _raised(self, e: BaseException) -> str:
         """Triton's words for an execute() that raised, and where it raised."""
+        return self._failed(f"{type(e).__name__}: {e}{raised_at(e)}")
+
+    def _failed(self, message: str) -> str:
+        """Triton's words for an execution that failed as a whole (the stub's prefix)."""
         return f"Failed to process the request(s) for model '{self.spec.instance_name}', " \
-               f"message: {type(e).__name__}: {e}{raised_at(e)}"
+               f"message: {message}"
 
     def _not_none(self) -> str:
         return f"Python model '{self.spec.instance_name}' is using the decoupled mode and the " \

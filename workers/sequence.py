@@ -31,6 +31,7 @@ import numpy as np
 from shmserve.ipc import dtypes
 from shmserve.ipc.messages import ErrorCode
 
+from . import model_files
 from .backend import WorkRequest, WorkResponse
 from .tensors import OutputChecks
 
@@ -243,13 +244,14 @@ def _initial_state(init: dict, st: dict, wire: str, dims: list[int], lead: list[
         raise SequenceConfigError(f"initial_state data_file '{data_file}' of state input '{inp}' "
                                   f"must be a file name inside {INITIAL_STATE_DIR}/, not a path")
     path = os.path.join(model_dir, INITIAL_STATE_DIR, data_file)
+    count = dtypes.element_count(shape)
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        # only what the state takes is read; a string state's file is read whole, bounded
+        raw = model_files.read_bytes(path, model_files.DATA_MAX_BYTES) if wire == "BYTES" \
+            else model_files.read_prefix(path, count * dtypes.ELEMENT_SIZE[wire])
     except OSError as e:
         raise SequenceConfigError(f"initial_state of state input '{inp}': cannot read {path}: "
                                   f"{e.strerror or e}") from None
-    count = dtypes.element_count(shape)
     if wire == "BYTES":         # the file holds the serialized strings (Triton's BYTES layout)
         try:
             return dtypes.deserialize_bytes(raw, count).reshape(shape)

@@ -24,7 +24,7 @@ import numpy as np
 from shmserve.ipc import dtypes
 from shmserve.ipc.messages import ErrorCode
 
-from . import gpu
+from . import gpu, model_files
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 from .gpu import DeviceTensor
 
@@ -68,6 +68,7 @@ class TensorRTBackend:
         path = os.path.join(spec.model_dir, str(spec.version),
                             self.cfg.get("default_model_filename") or "model.plan")
         try:
+            model_files.check_regular(path)     # a FIFO would block the load for ever
             with open(path, "rb") as f:
                 plan = f.read()
         except OSError as e:

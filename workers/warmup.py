@@ -9,6 +9,7 @@ import numpy as np
 
 from shmserve.ipc import dtypes
 
+from . import model_files
 from .backend import BackendLoadError, WorkRequest
 
 # how long a warm-up request answered through its response sender (a decoupled model's) may
@@ -24,14 +25,16 @@ def _tensor(spec: dict, shape: list[int], model_dir: str, name: str, rng) -> tup
     count = dtypes.element_count(shape)
     if "input_data_file" in spec:
         path = os.path.join(model_dir, "warmup", spec["input_data_file"])
+        need = count * dtype.itemsize
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            # only what the tensor takes is read; a string tensor's file is read whole, bounded
+            raw = model_files.read_bytes(path, model_files.DATA_MAX_BYTES) if wire == "BYTES" \
+                else model_files.read_prefix(path, need)
         except OSError as e:
-            raise BackendLoadError(f"warmup input '{name}': cannot read {path}: {e}") from None
+            raise BackendLoadError(f"warmup input '{name}': cannot read {path}: "
+                                   f"{e.strerror or e}") from None
         if wire == "BYTES":
             return dtypes.deserialize_bytes(raw, count).reshape(shape), wire
-        need = count * dtype.itemsize
         if len(raw) < need:
             raise BackendLoadError(f"warmup input '{name}': {path} holds {len(raw)} bytes, "
                                    f"{need} needed")

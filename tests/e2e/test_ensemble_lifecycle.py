@@ -77,7 +77,7 @@ SLEEPER = textwrap.dedent('''
 # Y = X; X == -1: the worker process exits (every time); X == -2: it exits once, the first time
 # (the "flag" parameter's file remembers it did)
 FRAGILE = textwrap.dedent('''
-    import json, os
+    import json, os, signal
     import triton_python_backend_utils as pb_utils
 
     class TritonPythonModel:
@@ -87,11 +87,11 @@ FRAGILE = textwrap.dedent('''
                 x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
                 if x[0] == -1:
                     os._exit(1)
-                if x[0] == -2:
+                if x[0] == -2:      # killed once from outside (the OOM killer, say)
                     flag = json.loads(r.parameters())["flag"]
                     if not os.path.exists(flag):
                         open(flag, "w").close()
-                        os._exit(1)
+                        os.kill(os.getpid(), signal.SIGKILL)
                 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("Y", x)]))
             return out
 ''')
@@ -526,19 +526,20 @@ def test_a_client_timeout_cancels_the_running_step_and_the_server_serves_on(srv,
 
 # ---- 5. a step's worker dies -----------------------------------------------------------------------
 
-def test_a_dying_step_fails_the_request_after_its_one_retry_and_the_server_serves_on(srv, tmp_path):
-    # engine/core.py requests_of_dead_worker: a stateless step that dies is run once more, alone;
-    # dying again, the request fails with the reason, named by the ensemble's step
+def test_a_dying_step_fails_the_request_and_the_server_serves_on(srv, tmp_path):
+    # engine/core.py requests_of_dead_worker: a step whose worker exits while running it alone
+    # is taken for the cause and fails at once; the request fails with the reason, named by
+    # the ensemble's step
     with pytest.raises(InferenceServerException) as e:
         _http_infer(srv, "ens_fragile", X=-1)
     msg = e.value.message()
     assert "in ensemble 'ens_fragile', step 0 (model 'fragile')" in msg, msg
-    assert "worker process" in msg and "retried alone" in msg, msg
+    assert "worker process" in msg and "taken for the cause and not retried" in msg, msg
     # other models serve meanwhile, and the next request succeeds once fragile is back
     assert _grpc_infer(srv, "ens_pipe", X=5, CTRL=0) == 13
     # (queued while its worker restarts)
     assert _http_infer(srv, "ens_fragile", X=4) == 9
-    # a worker that dies once: the retry makes the ensemble request succeed
+    # a worker killed once from outside: the retry makes the ensemble request succeed
     flag = str(tmp_path / "died")
     with grpcclient.InferenceServerClient(srv.grpc_url) as g:
         res = g.infer("ens_fragile", _int_inputs(grpcclient, X=-2), parameters={"flag": flag},

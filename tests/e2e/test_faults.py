@@ -126,14 +126,32 @@ def test_hung_execute_is_killed_after_the_execution_timeout(server, client):
     _others_still_serve(client)
 
 
+# Starts once; every later start (a restart after its first death) dies loading.
+CRASHY = """
+import os
+
+class TritonPythonModel:
+    def initialize(self, args):
+        started = os.path.join(args["model_repository"], "started")
+        if os.path.exists(started):
+            os._exit(7)
+        open(started, "w").close()
+
+    def execute(self, requests):
+        os._exit(7)
+"""
+
+
 def test_crash_loop_makes_the_model_unavailable_with_the_reason(tmp_path):
+    """Deaths while loading (or idle) count toward the crash loop; a death while running a
+    request does not (that is the request's: test_poison.py)."""
     from repo_builder import write_model
     write_model(str(tmp_path), "crashy", """
         backend: "python"
         max_batch_size: 0
         input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
         output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
-    """, "import os\n\nclass TritonPythonModel:\n    def execute(self, requests):\n        os._exit(7)\n")
+    """, CRASHY)
     srv = Server(str(tmp_path))
     try:
         c = httpclient.InferenceServerClient(srv.url, network_timeout=60)
@@ -220,13 +238,20 @@ def test_reload_brings_a_crash_looping_model_back(tmp_path):
     from repo_builder import write_model
     marker = tmp_path / "crash-now"
     marker.write_text("1")
+    started = tmp_path / "started"
+    # while the marker is there: the first start serves, its request kills it, and every
+    # restart dies loading
     write_model(str(tmp_path / "repo"), "flaky", """
         backend: "python"
         max_batch_size: 0
         input [ { name: "INPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
         output [ { name: "OUTPUT0", data_type: TYPE_INT32, dims: [ 1 ] } ]
     """, "import os\nimport triton_python_backend_utils as pb_utils\n\n"
-         "class TritonPythonModel:\n    def execute(self, requests):\n"
+         "class TritonPythonModel:\n    def initialize(self, args):\n"
+         f"        if os.path.exists({str(marker)!r}) and os.path.exists({str(started)!r}):\n"
+         "            os._exit(9)\n"
+         f"        open({str(started)!r}, 'w').close()\n\n"
+         "    def execute(self, requests):\n"
          f"        if os.path.exists({str(marker)!r}):\n            os._exit(9)\n"
          "        return [pb_utils.InferenceResponse([pb_utils.Tensor('OUTPUT0', "
          "pb_utils.get_input_tensor_by_name(r, 'INPUT0').as_numpy())]) for r in requests]\n")

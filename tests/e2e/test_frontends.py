@@ -1,6 +1,7 @@
 """Several frontend processes (--frontends N) sharing the HTTP and gRPC ports through SO_REUSEPORT:
 connections spread over them, client shared memory registered through one is usable through every
-other, leases stay correct while two frontends race for one instance, and the server stops clean."""
+other, leases stay correct while two frontends race for one instance, a killed frontend is
+restarted while the others serve, and the server stops clean."""
 import os
 import signal
 import subprocess
@@ -8,11 +9,12 @@ import threading
 
 import numpy as np
 import pytest
+import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from repo_builder import write_model
-from serverproc import Server, descendants, frontend_pids, segments_of, wait_for
+from repo_builder import IDENTITY, write_model
+from serverproc import Server, alive, descendants, frontend_pids, segments_of, wait_for
 
 ONE_INSTANCE = '''
 import json
@@ -38,6 +40,12 @@ def repo(tmp_path_factory):
         output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 16 ] } ]
         instance_group [ { count: 1, kind: KIND_CPU } ]
     ''', ONE_INSTANCE)
+    write_model(root, "echo_big", '''
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    ''', IDENTITY)
     return root
 
 
@@ -199,22 +207,130 @@ def test_perf_analyzer_with_system_shared_memory_over_two_frontends(srv, perf_an
     assert "Throughput:" in out.stdout and "error" not in out.stdout.lower(), out.stdout
 
 
-def test_a_killed_frontend_stops_the_server_and_nothing_is_left(repo):
-    s = Server(repo, "--frontends", "3")
+def _segments_named(server, part: str) -> list[str]:
+    return [n for n in segments_of(server.proc.pid) if part in n]
+
+
+def test_a_killed_frontend_is_restarted_while_the_others_serve(repo):
+    """kill -9 of one of two frontends under HTTP load: the other goes on answering, a new
+    frontend takes the dead one's place (same ports, its own arena, its id's scheduler link,
+    the dead one's leases given back), and the dead one's shared memory is unlinked. Only
+    requests in flight on the dead one's connections fail. Before, the whole server stopped."""
+    s = Server(repo, "--frontends", "2")
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
     try:
         pids = frontend_pids(s)
-        assert len(pids) == 3
-        tree = descendants(s.proc.pid)
+        assert len(pids) == 2
+        ok, failed = [], []
+        spread = [0]        # bumped to have every client connect again (see below)
+
+        def load(k):
+            # one connection each, kept; a failed request reconnects (perhaps to the other one)
+            i = 0
+            while not stop.is_set():
+                c = httpclient.InferenceServerClient(s.url, network_timeout=30)
+                turn = spread[0]
+                try:
+                    while not stop.is_set() and spread[0] == turn:
+                        i += 1
+                        # 80 KB: through the frontend's shared-memory arena
+                        x = np.full((1, 20000), k * 100000 + i, dtype=np.float32)
+                        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+                        inp.set_data_from_numpy(x)
+                        out = c.infer("echo_big", [inp]).as_numpy("OUTPUT0")
+                        np.testing.assert_array_equal(out, x)
+                        ok.append(1)
+                except Exception as e:          # noqa: BLE001  (counted below)
+                    failed.append(repr(e))
+                finally:
+                    c.close()
+
+        threads += [threading.Thread(target=load, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        def on_both() -> bool:
+            """The kernel picks a frontend per connection by a hash: until both hold some of
+            the clients' connections, they connect again. Each frontend's arena is named by
+            its id; frontend-1's exists once it held a tensor."""
+            if len(ok) >= 40 and all(connections(pids, s.http_port).values()) and \
+                    _segments_named(s, "_f1_"):
+                return True
+            if len(ok) >= 40:
+                spread[0] += 1
+                ok.clear()
+            return False
+        wait_for(on_both, 60, "the load to reach both frontends", interval=0.2)
         os.kill(pids[1], signal.SIGKILL)
-        s.proc.wait(60)
-        assert s.proc.returncode == 1
-        assert "frontend-" in s.log_text() and "stopping the server" in s.log_text()
-        wait_for(lambda: not any(os.path.exists(f"/proc/{p}") and
-                                 open(f"/proc/{p}/stat").read().split(") ")[1][0] != "Z"
-                                 for p in tree), 20, "every process of the server to exit")
-        assert segments_of(s.proc.pid) == []
+        wait_for(lambda: len(frontend_pids(s)) == 2 and pids[1] not in frontend_pids(s), 30,
+                 "a new frontend in the dead one's place")
+        served = len(ok)
+        wait_for(lambda: len(ok) >= served + 100, 60, "more answers after the restart")
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert s.proc.poll() is None                    # the server never stopped
+        # at most the requests in flight on the killed frontend's connections: the connection
+        # closed under them, no wrong answer, no server error
+        assert len(failed) <= len(threads), failed
+        assert all("HTTPConnectionClosed" in f or "Connection" in f for f in failed), failed
+        assert pids[0] in frontend_pids(s)              # the other one was never touched
+        assert "frontend-1 process exited (killed by SIGKILL); starting another" in s.log_text()
+        assert _segments_named(s, "_f1_") == []         # the dead one's arena is gone
+        # the new one serves, HTTP and gRPC, alongside the first
+        for make, port in ((lambda: httpclient.InferenceServerClient(s.url), s.http_port),
+                           (grpc_client(s), s.grpc_port)):
+            for c in clients_on_every_frontend(s, make, port):
+                c.close()
+        # frontend 0, which also serves /metrics: its successor has the same port
+        os.kill(pids[0], signal.SIGKILL)
+        wait_for(lambda: len(frontend_pids(s)) == 2 and pids[0] not in frontend_pids(s), 30,
+                 "a new frontend 0")
+
+        def metrics_served():
+            try:
+                return requests.get(f"http://127.0.0.1:{s.metrics_port}/metrics",
+                                    timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+        wait_for(metrics_served, 30, "/metrics on its port again")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert s.stop() == 0
+    assert segments_of(s.proc.pid) == []
+
+
+def test_frontends_that_keep_dying_stop_the_server_and_nothing_is_left(repo):
+    """A restart does not mend a frontend that dies again and again: the sixth death within a
+    minute stops the server with exit code 1, for its supervisor to start it afresh."""
+    s = Server(repo, "--frontends", "2")
+    try:
+        tree = descendants(s.proc.pid)
+        killed: list[int] = []
+
+        def kill_one() -> bool:
+            if s.proc.poll() is not None:
+                return True
+            for pid in frontend_pids(s):
+                if pid not in killed:
+                    killed.append(pid)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            return False
+
+        wait_for(kill_one, 60, "the server to give up restarting its frontends")
+        assert s.proc.wait(60) == 1
+        log = s.log_text()
+        assert "frontends died 6 times within 60 s, which restarting them does not mend: " \
+               "stopping the server" in log, log
+        wait_for(lambda: not any(alive(p) for p in tree), 20, "every process of the server to exit")
     finally:
         s.stop()
+    assert segments_of(s.proc.pid) == []
 
 
 def test_frontends_flag_is_checked():

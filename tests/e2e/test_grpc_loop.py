@@ -234,7 +234,9 @@ def test_a_stream_client_that_stops_reading_is_held_then_loses_nothing(server):
 
     def send_what_fits(sent: int) -> int:
         while sent < total and conn.local_flow_control_window(sid) >= size:
-            conn.send_data(sid, messages[sent])
+            step = conn.max_outbound_frame_size         # the server's SETTINGS_MAX_FRAME_SIZE
+            for i in range(0, size, step):
+                conn.send_data(sid, messages[sent][i:i + step])
             client.sock.sendall(conn.data_to_send())
             sent += 1
         return sent

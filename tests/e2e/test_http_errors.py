@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import requests
 import tritonclient.http as httpclient
+from serverproc import frontend_pids, peak_rss, peak_rss_reset
 
 
 def _post(server, path, body=b"", headers=None):
@@ -194,22 +195,32 @@ def test_repository_index_lists_every_version(server):
 
 
 def test_gzip_bomb_and_truncated_gzip_are_refused(server):
-    """1 MB of gzip that inflates past 1 GiB was decompressed whole (and cut silently at about
-    1 GiB); a truncated stream passed as a shorter body."""
+    """1 MB of gzip that inflates past 1 GiB was inflated up to 1 GiB on the event loop (the
+    frontend grew by more than that); a truncated stream passed as a shorter body. A compressed
+    body may now inflate to --http-max-input-size (64 MiB here) and no further."""
     import gzip
     import zlib
     z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
     zero = b"\0" * (1 << 20)
     bomb = b"".join(z.compress(zero) for _ in range((1 << 10) + 1)) + z.flush()
     assert len(bomb) < 2 << 20
+    (frontend,) = frontend_pids(server)
+    peak_rss_reset(frontend)
+    before = peak_rss(frontend)
     r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=bomb,
                       headers={"Content-Encoding": "gzip"}, timeout=120)
     assert r.status_code == 400 and "Decompressed data size exceeds the maximum allowed value of " \
-        "1073741824 bytes" in r.json()["error"]
+        "67108864 bytes" in r.json()["error"]
+    assert "--http-max-input-size" in r.json()["error"]
+    grown = peak_rss(frontend) - before
+    assert grown < 256 << 20, f"the frontend's peak RSS grew by {grown >> 20} MiB"
     good = gzip.compress(json.dumps(GOOD).encode())
     r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=good[:-12],
                       headers={"Content-Encoding": "gzip"}, timeout=30)
     assert r.status_code == 400 and "truncated" in r.json()["error"]
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=b"\x1f\x8bnot gzip",
+                      headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 400 and "failed to decompress the gzip request body" in r.json()["error"]
     r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=good,
                       headers={"Content-Encoding": "gzip"}, timeout=30)
     assert r.status_code == 200

@@ -111,3 +111,59 @@ def test_expect_100_continue_is_answered_at_once(server):
     s.sendall(body)
     assert s.recv(65536).startswith(b"HTTP/1.1 200 ")
     s.close()
+
+
+def _answer_while_sending(s: socket.socket, piece: bytes, most: int) -> tuple[bytes, int]:
+    """Send ``piece`` over and over (never ending the line it is part of) until the server
+    answers or ``most`` bytes went out; returns the answer's start and the bytes sent."""
+    sent = 0
+    s.setblocking(False)
+    try:
+        while sent < most:
+            try:
+                answer = s.recv(65536)
+            except BlockingIOError:
+                answer = None
+            if answer is not None:
+                return answer, sent
+            try:
+                sent += s.send(piece)
+            except BlockingIOError:
+                # the server is not reading: wait for its answer (or a reset) a little
+                socket.socket.settimeout(s, 5)
+                try:
+                    return s.recv(65536), sent
+                finally:
+                    s.setblocking(False)
+    finally:
+        s.setblocking(True)
+        s.settimeout(30)
+    return b"", sent
+
+
+def test_a_header_line_that_never_ends_is_a_431_without_waiting_for_it(server):
+    """A header line is handed to us by httptools only once it ends: a 48 MB line was joined
+    piece by piece (1.5-2.7 s of the loop, every client waiting) and refused only at its end."""
+    s = _connect(server)
+    s.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    answer, sent = _answer_while_sending(s, b"a" * 16384, 16 << 20)
+    assert answer.startswith(b"HTTP/1.1 431 "), (answer[:80], sent)
+    assert sent < 4 << 20, f"{sent} bytes sent before the answer"
+    s.close()
+    _serves(server)
+
+
+def test_an_error_reaches_a_client_that_is_still_sending(server):
+    """The answer to a refused request is read by a client still sending its body: the socket
+    is not closed under it (which resets the connection and loses the answer) but lingers,
+    dropping what arrives, then closes."""
+    s = _connect(server)
+    # a 5 KB header: refused at once, while the client goes on with 2 MiB of body
+    s.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000
+              + b"\r\nContent-Length: 2097152\r\n\r\n")
+    for _ in range(32):
+        s.sendall(b"\0" * 65536)
+    answer = _read_all(s)
+    assert answer.startswith(b"HTTP/1.1 431 ") and b"--http-max-header-size" in answer
+    s.close()
+    _serves(server)

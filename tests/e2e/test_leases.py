@@ -24,10 +24,11 @@ ECHO_CONFIG = '''
              { name: "PID", data_type: TYPE_INT64, dims: [ 1 ] } ]
 '''
 
-# Dies (os._exit) on the first request with the value -1 it ever sees, echoes everything else:
-# a worker lost under a leased request, which its retry on the restarted worker then serves.
+# Killed (SIGKILL, as from outside) on the first request with the value -1 it ever sees, echoes
+# everything else: a worker lost under a leased request, which its retry on the restarted worker
+# then serves.
 CRASH_ONCE = textwrap.dedent('''
-    import os
+    import os, signal
     import numpy as np
     import triton_python_backend_utils as pb_utils
 
@@ -41,7 +42,7 @@ CRASH_ONCE = textwrap.dedent('''
                 x = r.inputs()[0].as_numpy()
                 if (x == -1).any() and not os.path.exists(self.marker):
                     open(self.marker, "w").close()
-                    os._exit(3)
+                    os.kill(os.getpid(), signal.SIGKILL)    # as the OOM killer would
                 pid = np.full((x.shape[0], 1), os.getpid(), dtype=np.int64)
                 out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0", x),
                                                        pb_utils.Tensor("PID", pid)]))

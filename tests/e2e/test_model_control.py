@@ -235,3 +235,52 @@ def test_poll_mode_adds_changes_and_removes_models(control_repo):
         assert not srv.model_ready("slowq")
     finally:
         assert srv.stop() == 0
+
+
+def _workers_of(srv, model: str) -> list[int]:
+    """Live worker processes of ``model`` under the server (read from /proc)."""
+    label = f'"model_name":"{model}"'.encode()
+    out = []
+    for pid in descendants(srv.proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if label in f.read():
+                    out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
+def test_racing_loads_and_unloads_leave_exactly_the_final_workers(tmp_path):
+    """20 loads, each met by an unload while it forks the model's 8 workers (40 calls), then a
+    final load: exactly its 8 workers run, and none after an unload. Before, a worker killed
+    right after it was forked (before it made its own process group) survived the kill, loaded
+    and stayed, a worker of no model: about one run in two left one behind."""
+    from repo_builder import IDENTITY, write_model
+    write_model(str(tmp_path), "racer", '''
+        backend: "python"
+        max_batch_size: 8
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ -1 ] } ]
+        instance_group [ { count: 8, kind: KIND_CPU } ]
+    ''', IDENTITY)
+    srv = Server(str(tmp_path), "--model-control-mode", "explicit")
+    try:
+        def call(action: str) -> None:
+            requests.post(f"{srv.base}/v2/repository/models/racer/{action}", timeout=60)
+
+        for i in range(20):
+            load = threading.Thread(target=call, args=("load",))
+            load.start()
+            # the pacing of the race itself: the unload lands while the load forks
+            time.sleep(0.002 + 0.001 * (i % 10))
+            call("unload")
+            load.join(60)
+        assert requests.post(f"{srv.base}/v2/repository/models/racer/load",
+                             timeout=60).status_code == 200
+        wait_for(lambda: len(_workers_of(srv, "racer")) == 8, 20, "exactly 8 workers")
+        assert requests.post(f"{srv.base}/v2/repository/models/racer/unload",
+                             timeout=60).status_code == 200
+        wait_for(lambda: _workers_of(srv, "racer") == [], 20, "no worker of the model")
+    finally:
+        assert srv.stop() == 0

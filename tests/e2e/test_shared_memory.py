@@ -9,7 +9,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
-from serverproc import Server, model_sleeping, wait_for
+from serverproc import Server, model_sleeping, wait_for, worker_pid
 from test_data_path import ipc_metrics
 from tritonclient.utils import InferenceServerException
 
@@ -261,6 +261,36 @@ def test_worker_mapping_released_on_unregister(server, regions):
     assert mapped()
     c.unregister_system_shared_memory(r.name)
     wait_for(lambda: not mapped(), 10, "the worker to unmap the client's segment")
+
+
+def test_a_worker_holds_no_descriptor_per_mapped_region(server, regions):
+    """A worker maps each client segment it reads or writes, and keeps the mapping for the
+    next request; before, every mapping kept a descriptor (Python's mmap holds a dup of it):
+    300 regions made +300 fds in the worker. 150 here, each used for an input and an output."""
+    c = httpclient.InferenceServerClient(server.url)
+    made = [regions(64) for _ in range(151)]
+    for r in made:
+        c.register_system_shared_memory(r.name, r.key, 64)
+
+    def through(r):
+        i = httpclient.InferInput("INPUT0", [1, 8], "FP32")
+        i.set_shared_memory(r.name, 32)
+        o = httpclient.InferRequestedOutput("OUTPUT0")
+        o.set_shared_memory(r.name, 32, offset=32)
+        c.infer("id_fp32", [i], outputs=[o])
+    try:
+        through(made[0])                # the worker is up, its own descriptors open
+        pid = worker_pid(server, "id_fp32")
+        before = len(os.listdir(f"/proc/{pid}/fd"))
+        for r in made[1:]:
+            through(r)
+        with open(f"/proc/{pid}/maps") as f:
+            mapped = sum(r.key in line for line in f for r in made[-10:])
+        assert mapped >= 10             # the mappings are kept (the worker did map them)
+        grown = len(os.listdir(f"/proc/{pid}/fd")) - before
+        assert grown < 20
+    finally:
+        c.unregister_system_shared_memory()
 
 
 def test_cuda_shared_memory_needs_a_gpu(server):

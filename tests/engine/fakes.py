@@ -60,6 +60,8 @@ class FakePort:
         self.failures: dict[int, str] = {}          # last words of workers that failed to load
         self.log_settings = None                    # what apply_log_settings was given last
         self.memory_bytes: dict[int, int] = {}      # what memory() reports, per spawn id
+        # what last_execution() reports (a leased worker's record), per spawn id
+        self.executions: dict[int, tuple[int, int, int]] = {}
 
     def connect_frontend(self, frontend, address):
         self.frontend_addresses[frontend] = address
@@ -87,6 +89,9 @@ class FakePort:
 
     def last_words(self, spawn_id):
         return self.failures.pop(spawn_id, "")
+
+    def last_execution(self, spawn_id):
+        return self.executions.pop(spawn_id, (0, 0, 0))
 
     def reap(self, spawn_id):
         self.reaped.append(spawn_id)

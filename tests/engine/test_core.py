@@ -91,12 +91,12 @@ def test_failed_requests_are_counted_per_request(repo):
 
 
 # ---- deaths, retries, restarts ------------------------------------------------------------------------
-def test_worker_dies_mid_batch_retried_once_then_failed(repo):
+def test_worker_killed_from_outside_mid_request_retried_once_then_failed(repo):
     h = Harness(repo).start()
     first, second = h.spawn_ids("pair")
     rid = h.submit("pair")
     ran_on = h.batches()[-1][0]
-    h.die(ran_on)                                   # SIGSEGV: an unexpected death
+    h.die(ran_on, rc=-9)                            # SIGKILL (the OOM killer, an operator)
     assert h.port.unlinked == [ran_on]              # its segments go at once
     other = second if ran_on == first else first
     assert [r.req_id for r in h.last_batch(other).routes] == [rid]   # the retry
@@ -105,7 +105,64 @@ def test_worker_dies_mid_batch_retried_once_then_failed(repo):
     err = h.results()[rid]
     assert err.code is ErrorCode.INTERNAL
     assert "exited unexpectedly (killed by SIGSEGV) while executing this request" in err.error
+    assert "retried alone after an earlier worker death" in err.error
     assert stats(h, "pair").failures["BACKEND"] == 1
+
+
+@pytest.mark.parametrize("rc", [-11, -6, 3, 0])
+def test_a_request_whose_lone_execution_crashed_its_worker_is_not_retried(repo, rc):
+    """A worker that ended by itself (a crash signal, an exit) while it ran one request alone
+    died of that request: it fails at once instead of killing the other instance too."""
+    h = Harness(repo).start()
+    rid = h.submit("pair")
+    ran_on = h.batches()[-1][0]
+    h.die(ran_on, rc=rc)
+    err = h.results()[rid]
+    assert err.code is ErrorCode.INTERNAL and "while executing this request" in err.error
+    assert "it was the only request the worker was running, so it is taken for the cause " \
+           "and not retried" in err.error
+    assert len(h.batches()) == 1                    # no second worker ran it
+    assert stats(h, "pair").failures["BACKEND"] == 1
+
+
+def test_poison_requests_never_make_a_crash_loop(repo):
+    """Deaths while running requests are the requests' doing: however many poison requests
+    come in a row, the model stays READY, restarts at once and serves the next good one."""
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    for _ in range(3 * CRASH_LOOP_DEATHS):
+        rid = h.submit("plain")
+        h.die(sid, rc=-11)
+        assert "taken for the cause" in h.results()[rid].error
+        h.tick(0)                                   # no backoff
+        (sid,) = h.waiting()
+        h.ready(sid)
+    assert h.states("plain")[1][0] is ModelState.READY
+    good = h.submit("plain")
+    assert [r.req_id for r in h.last_batch(sid).routes] == [good]
+
+
+def test_a_leased_workers_lone_request_is_blamed_when_its_frontend_submits_it_again(repo):
+    """A leased worker's requests are known to it alone: its execution record names the one it
+    ran; resubmitted by its frontend (LeaseLost), that one fails, the others run again."""
+    from shmserve.ipc.messages import SubmitRequest
+    h = Harness(repo).start()
+    sid = only(h, "plain")
+    h.port.executions[sid] = (1, 0, 77)             # running request 77 of frontend 0 alone
+    h.die(sid, rc=-11)
+    reason = "the worker process of instance 'plain_0' of model 'plain' exited unexpectedly " \
+             "(killed by SIGSEGV) while executing this request"
+    for rid in (77, 78):                            # 78 sat in the worker's inbox
+        h.core.handle(SubmitRequest(rid, 0, "plain", 1, 1, h.clock(), lost=reason),
+                      [b"payload"])
+    err = h.results()[77]
+    assert err.code is ErrorCode.INTERNAL and "taken for the cause" in err.error
+    assert 78 not in h.results()                    # retried, alone
+    h.tick(0)
+    (sid,) = h.waiting()
+    h.ready(sid)
+    assert [r.req_id for r in h.last_batch(sid).routes] == [78]
+    assert h.states("plain")[1][0] is ModelState.READY
 
 
 def test_no_retry_when_the_model_turns_it_off(repo):
@@ -194,18 +251,19 @@ def test_a_restart_that_no_longer_loads_backs_off_then_crash_loops(repo):
 def test_crash_loop_makes_the_version_unavailable(repo):
     h = Harness(repo).start()
     sid = only(h, "plain")
-    for _ in range(CRASH_LOOP_DEATHS - 1):
+    for i in range(CRASH_LOOP_DEATHS - 1):        # deaths while idle, or while loading
         h.die(sid)
         h.tick(30)
         (sid,) = h.waiting()
-        h.ready(sid)
-    running = h.submit("plain")
-    queued = h.submit("plain")
+        if i < CRASH_LOOP_DEATHS - 2:
+            h.ready(sid)
+    # requests wait while the last restart loads, which dies
+    queued = [h.submit("plain"), h.submit("plain")]
     h.die(sid)
     state, reason, cause = h.states("plain")[1]
     assert state is ModelState.UNAVAILABLE and cause is StateCause.CRASH_LOOP
     assert reason.startswith("crash loop: instance 'plain_0_0'") and "5 times in a row" in reason
-    for rid in (running, queued):     # the running one was requeued, then failed with the rest
+    for rid in queued:
         err = h.results()[rid]
         assert err.code is ErrorCode.UNAVAILABLE and "crash loop" in err.error
     kinds = [type(m).__name__ for _, m in h.port.to_frontend]
@@ -573,3 +631,20 @@ def test_a_dead_worker_names_what_it_answered_to_each_frontend(repo):
     h.ready(sid)
     h.die(sid)                                      # answered nothing: nothing to say
     assert len([m for _, m in h.port.to_frontend if isinstance(m, WorkerGone)]) == 1
+
+
+@pytest.mark.parametrize("action", [ControlAction.LOAD, ControlAction.UNLOAD])
+def test_a_control_request_that_meets_a_bug_is_still_answered(repo, monkeypatch, action):
+    """An unexpected error while loading or unloading costs that request, answered 500 with
+    the error, never a client waiting for ever (before: the exception was only logged)."""
+    h = Harness(repo, model_control_mode="explicit").start()
+
+    def boom(*a, **kw):
+        raise RuntimeError("unexpected")
+    monkeypatch.setattr(h.core.lifecycle.repository, "read_model", boom)
+    monkeypatch.setattr(h.core.lifecycle, "serving_versions", boom)
+    control(h, action, "plain")
+    (reply,) = h.replies()
+    assert reply.code is ErrorCode.INTERNAL
+    verb = "load" if action is ControlAction.LOAD else "unload"
+    assert reply.error == f"failed to {verb} 'plain': RuntimeError: unexpected"

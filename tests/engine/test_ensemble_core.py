@@ -295,7 +295,7 @@ def test_a_step_whose_worker_dies_is_retried_once_then_fails_the_request(repo):
     a = sid_of(h, "a")
     rid = run(h)
     ((step0, _),) = h.steps_of(a)
-    h.die(a)                                        # the step is requeued, alone
+    h.die(a, rc=-9)                                 # killed from outside: requeued, alone
     h.tick(0)
     (a2,) = h.waiting()
     h.ready(a2)
@@ -310,11 +310,23 @@ def test_a_step_whose_worker_dies_is_retried_once_then_fails_the_request(repo):
     assert stats(h, "E").failures["OTHER"] == 2 and stats(h, "a").failures["BACKEND"] == 1
 
 
+def test_a_step_that_crashes_its_worker_alone_fails_the_request_at_once(repo):
+    h = Harness(repo).start()
+    a = sid_of(h, "a")
+    rid = run(h)
+    h.die(a)                                        # SIGSEGV while running the step alone
+    err = h.results()[rid]
+    assert err.error.startswith("in ensemble 'E', step 0 (model 'a'): the worker process of "
+                                "instance 'a_0_0' of model 'a' exited unexpectedly (killed by "
+                                "SIGSEGV)")
+    assert "taken for the cause and not retried" in err.error
+
+
 def test_a_retried_step_that_succeeds_completes_the_request(repo):
     h = Harness(repo).start()
     rid = run(h)
     h.clock.advance(0.5)                            # step 0 runs 0.5 s, then its worker dies
-    h.die(sid_of(h, "a"))
+    h.die(sid_of(h, "a"), rc=-9)
     h.tick(0)
     (a2,) = h.waiting()
     h.ready(a2)

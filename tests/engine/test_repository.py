@@ -185,3 +185,51 @@ def test_paths_are_absolute(tmp_path, monkeypatch):
     repo = ModelRepository([tmp_path.name])
     assert repo.paths == [str(tmp_path)]
     assert repo.scan()["m"].path == str(tmp_path / "m")
+
+
+def test_the_instance_bound_holds_over_all_the_versions_a_load_starts(tmp_path):
+    """Each version runs its own instances: 200 version directories under version_policy all
+    would start 200 processes of a one-instance model; refused with the fields named."""
+    make_model(tmp_path, "many", versions=range(1, 201), extra="version_policy { all { } }")
+    make_model(tmp_path, "fine", versions=range(1, 5),
+               extra="version_policy { all { } }\ninstance_group [ { count: 32 } ]")
+    found = ModelRepository([str(tmp_path)]).scan()
+    assert found["many"].error == (
+        f"model 'many': version_policy selects 200 versions of 1 instance(s) each "
+        f"(instance_group), 200 worker processes, more than the limit of "
+        f"{model_config.MAX_INSTANCES_PER_MODEL}")
+    assert found["fine"].error == "" and len(found["fine"].versions) == 4
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "loop", "device"])
+def test_a_model_file_must_be_a_regular_file(tmp_path, kind):
+    mdir = make_model(tmp_path, "m", files={1: ""})
+    path = mdir / "1" / "model.py"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "loop":
+        path.symlink_to("model.py")
+    else:
+        path.symlink_to("/dev/null")
+    [(version, error)] = plans(ModelRepository([str(tmp_path)]).scan()["m"])
+    assert error.startswith(f"model file {path} cannot be used: "), error
+
+
+def test_an_onnx_model_may_be_a_directory_holding_model_onnx(tmp_path):
+    mdir = make_model(tmp_path, "o", files={1: ""}, config='backend: "onnxruntime"\n')
+    (mdir / "1" / "model.onnx").mkdir()
+    assert plans(ModelRepository([str(tmp_path)]).scan()["o"]) == [
+        (1, f"model file 'model.onnx' not found in {mdir / '1' / 'model.onnx'}")]
+    (mdir / "1" / "model.onnx" / "model.onnx").write_bytes(b"")
+    assert plans(ModelRepository([str(tmp_path)]).scan()["o"]) == [(1, "")]
+
+
+def test_symlink_loops_in_a_repository_are_no_model_and_no_version(tmp_path):
+    make_model(tmp_path, "m", versions=(1,))
+    (tmp_path / "loop").symlink_to("loop")              # beside the models
+    (tmp_path / "m" / "2").symlink_to("2")              # a version that loops
+    (tmp_path / "m" / "stray").symlink_to("stray")      # any other file of the model
+    found = ModelRepository([str(tmp_path)]).scan()
+    assert list(found) == ["m"] and found["m"].error == "" and plans(found["m"]) == [(1, "")]

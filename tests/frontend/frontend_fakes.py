@@ -103,6 +103,13 @@ def make_service(client: FakeClient | None = None, allow_shm: bool = True) -> Fr
                            "shmserve-test", "0.1", strict_readiness=True)
 
 
+class FakeTransport:
+    """A loopback client's transport, as far as the app reads it (its address)."""
+
+    def get_extra_info(self, name, default=None):
+        return ("127.0.0.1", 50000) if name == "peername" else default
+
+
 class FakeConn:
     """An HttpConnection that keeps responses instead of writing them."""
 
@@ -110,6 +117,7 @@ class FakeConn:
         self.responses: list[tuple[int, bytes, dict]] = []
         self.inflight = 0
         self.busy = True
+        self.transport = FakeTransport()
 
     def respond(self, req, status, body=b"", content_type="application/json", headers=(),
                 parts=()):

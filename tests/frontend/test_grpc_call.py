@@ -24,12 +24,19 @@ def test_messages_are_cut_from_any_split_of_the_bytes():
         assert got == [b"one", b"", b"three" * 100] and not reader.pending()
 
 
+def _inflated(reader: MessageReader, wire: bytes) -> list[bytes]:
+    async def run():
+        return [await grpc_call.inflate(m, reader.limit) for m in reader.feed(wire)]
+    return asyncio.run(run())
+
+
 @pytest.mark.parametrize("encoding, compress", [(b"gzip", gzip.compress),
                                                 (b"deflate", zlib.compress)])
-def test_compressed_messages_are_inflated(encoding, compress):
-    body = compress(b"payload" * 50)
+@pytest.mark.parametrize("size", [50, 50_000])      # inflated on the loop, on the thread
+def test_compressed_messages_are_inflated(encoding, compress, size):
+    body = compress(b"payload" * size)
     wire = b"\x01" + len(body).to_bytes(4, "big") + body
-    assert MessageReader(1 << 20, encoding).feed(wire) == [b"payload" * 50]
+    assert _inflated(MessageReader(1 << 20, encoding), wire) == [b"payload" * size]
 
 
 def test_a_message_past_the_limit_is_refused_before_it_is_read_whole():
@@ -40,12 +47,26 @@ def test_a_message_past_the_limit_is_refused_before_it_is_read_whole():
     assert e.value.details == "Received message larger than max (101 vs. 100)"
 
 
-def test_a_compressed_message_is_held_to_the_limit_once_inflated():
-    body = gzip.compress(b"\x00" * 10_000)
+@pytest.mark.parametrize("size, limit", [(10_000, 1000), (64 << 20, 100_000)])
+def test_a_compressed_message_is_held_to_the_limit_once_inflated(size, limit):
+    """grpcio's status and text; the inflated bytes never pass the limit (a 64 MiB bomb of 65
+    KB is cut at 100,001 bytes, not inflated whole first)."""
+    body = gzip.compress(b"\x00" * size)
     wire = b"\x01" + len(body).to_bytes(4, "big") + body
     with pytest.raises(CallError) as e:
-        MessageReader(1000, b"gzip").feed(wire)
+        _inflated(MessageReader(limit, b"gzip"), wire)
     assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert e.value.details == "Decompressed message larger than max"
+
+
+@pytest.mark.parametrize("body, why", [(b"\x1f\x8b\x08garbage", "zlib"), (b"garbage" * 300, "zlib"),
+                                       (gzip.compress(b"x" * 5000)[:-20], "data")])
+def test_a_corrupt_compressed_message_is_internal_as_grpcio_says(body, why):
+    wire = b"\x01" + len(body).to_bytes(4, "big") + body
+    with pytest.raises(CallError) as e:
+        _inflated(MessageReader(1 << 20, b"gzip"), wire)
+    assert e.value.code == grpc.StatusCode.INTERNAL
+    assert e.value.details == f"Decompression failed due to {why} error"
 
 
 @pytest.mark.parametrize("encoding, code", [(b"snappy", grpc.StatusCode.UNIMPLEMENTED),

@@ -22,6 +22,9 @@ class Transport:
     def close(self):
         pass
 
+    def set_write_buffer_limits(self, high=None, low=None):
+        pass
+
 
 def _timer_handles(conn) -> int:
     held = 0

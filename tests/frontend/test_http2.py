@@ -118,7 +118,7 @@ def test_header_decoding_follows_the_dynamic_table():
         value = f"v{i % 3}"
         sid = p.request(headers=REQUEST + [("x-key", value)])
         assert (b"x-key", value.encode()) in p.owner.headers[sid]
-    assert p.server.decoded            # some all-indexed blocks were seen
+    assert p.server.decoder.cache      # some all-indexed blocks were seen
 
 
 def test_a_header_block_across_continuation_frames():
@@ -274,8 +274,11 @@ def test_what_is_not_http2_is_refused():
     with pytest.raises(ConnectionError_):
         Http2Server(Owner(), SETTINGS, 1 << 20).receive(b"GET / HTTP/1.1\r\n\r\n")
     server = Http2Server(Owner(), SETTINGS, 1 << 20)
-    server.receive(http2.PREFACE[:10])             # a preface in pieces is fine
-    server.receive(http2.PREFACE[10:])
+    preface = http2.PREFACE + http2.frame_header(0, http2.SETTINGS, 0, 0)
+    server.receive(preface[:10])                    # a preface in pieces is fine
+    server.receive(preface[10:30])
+    assert not server.preface_seen
+    server.receive(preface[30:])
     assert server.preface_seen
 
 

@@ -119,6 +119,32 @@ def test_an_idle_worker_gets_a_request_at_once_a_busy_one_a_packet_per_turn(run_
         rig.close()
 
 
+def test_a_request_cancelled_while_held_for_its_worker_never_reaches_it(run_dir, monkeypatch):
+    """A client that resets a call in the read after it sent it (rapid reset): the request,
+    still held for the busy worker, was sent first and cancelled after, so the model ran it."""
+    rig = Rig(run_dir, monkeypatch)
+
+    async def scenario():
+        client = await rig.client()
+        first = rig.submit(client)
+        assert rig.at_worker(1) == [first]
+        kept, dropped = rig.submit(client), rig.submit(client)
+        assert client.corked
+        client.cancel(dropped)
+        assert rig.results[dropped].code == messages.ErrorCode.CANCELLED
+        assert dropped not in client.pending and dropped not in client.direct
+        await until(lambda: not client.corked)
+        assert rig.at_worker(1) == [kept]
+        assert client.leases[("m", 1)][0].inflight == 2     # first and kept
+        client.cancel(kept)         # sent already: the worker is told (after it)
+        client.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        rig.close()
+
+
 def test_requests_held_for_a_worker_that_has_gone_go_to_the_scheduler(run_dir, monkeypatch):
     rig = Rig(run_dir, monkeypatch)
 

@@ -51,6 +51,18 @@ def test_equal_requests_have_equal_keys_and_any_difference_changes_it():
     assert base not in different and len(set(different)) == len(different)
 
 
+def test_the_correlation_id_and_sequence_flags_are_part_of_the_key():
+    """A model without a sequence batcher still reads them (request.correlation_id(),
+    request.flags()): two requests that differ only there may have different answers."""
+    def seq(cid, flags=0):
+        p = payload()
+        p.correlation_id, p.flags = cid, flags
+        return key(p)
+    keys = [key(payload()), seq(7), seq(8), seq("7"), seq(7, 1), seq(7, 2), seq("a"), seq("b")]
+    assert len(set(keys)) == len(keys)
+    assert seq(7, 1) == seq(7, 1) and seq(0) == key(payload())
+
+
 def test_the_key_does_not_depend_on_the_order_of_inputs_or_parameters():
     a = Tensor("A", "INT32", [1], b"\1\0\0\0")
     b = Tensor("B", "INT32", [1], b"\2\0\0\0")
@@ -99,8 +111,12 @@ def out(name="O", n=16):
     return CachedOutput(name, "FP32", (1, n // 4), b"\7" * n)
 
 
-def size_of(k, *outs):
-    return ENTRY_OVERHEAD + len(k) + sum(OUTPUT_OVERHEAD + len(o.data) for o in outs)
+def size_of(k, *outs, model="m", params=b""):
+    """Everything an entry holds: key, model name, encoded parameters, each output's name,
+    datatype, shape (8 bytes a dim) and bytes, plus the fixed costs."""
+    return ENTRY_OVERHEAD + len(k) + len(model) + len(params) + sum(
+        OUTPUT_OVERHEAD + len(o.name) + len(o.datatype) + 8 * len(o.shape) + len(o.data)
+        for o in outs)
 
 
 def test_get_counts_hits_and_misses_and_put_keeps_the_answer():
@@ -111,7 +127,7 @@ def test_get_counts_hits_and_misses_and_put_keeps_the_answer():
     e = c.get(k)
     assert e.outputs == (out(),) and e.parameters == {"p": 1} and e.model == "m"
     assert (c.counters.hits, c.counters.misses, c.counters.inserted) == (1, 1, 1)
-    assert c.used == size_of(k, out())
+    assert c.used == size_of(k, out(), params=b'{"p":1}')
 
 
 def test_least_recently_used_goes_first_and_the_bound_holds():
@@ -148,7 +164,8 @@ def test_retain_drops_what_the_predicate_refuses():
     for i, model in enumerate(("a", "b", "a")):
         c.put(key(payload(data=bytes([i]) * 16), model=model), model, 1, OWNER, [out()], {})
     assert c.retain(lambda e: e.model != "a") == 2
-    assert [e.model for e in c.entries.values()] == ["b"] and c.used == size_of(b"k" * 16, out())
+    assert [e.model for e in c.entries.values()] == ["b"]
+    assert c.used == size_of(b"k" * 16, out(), model="b")
 
 
 def test_a_hit_answers_inline_with_the_entry():
@@ -204,3 +221,21 @@ def test_a_tiny_cache_keeps_nothing(capacity):
     c = ResponseCache(capacity)
     k = key(payload())
     assert not c.put(k, "m", 1, OWNER, [out()], {}) and c.get(k) is None and c.used == 0
+
+
+def test_an_entry_is_counted_with_its_names_shapes_and_parameters():
+    """An answer whose outputs are small but whose parameters (or output names, or shape)
+    are large costs what it holds: the bound holds for it, and one larger than the cache is
+    refused."""
+    k = key(payload())
+    big_params = {"note": "x" * 5000}
+    c = ResponseCache(4000)
+    assert not c.put(k, "m", 1, OWNER, [out()], big_params)
+    assert c.counters.too_large == 1 and c.used == 0
+    long = CachedOutput("O" * 3000, "FP32", (1,) * 200, b"")
+    assert not c.put(k, "m", 1, OWNER, [long], {})
+    c = ResponseCache(20_000)
+    for i in range(10):
+        c.put(key(payload(data=bytes([i]) * 16)), "m", 1, OWNER, [out()], big_params)
+        assert c.used <= c.capacity
+    assert len(c.entries) == 3      # each ~5.3 kB

@@ -51,6 +51,8 @@ def test_plain_relative_paths_are_accepted(key, parts):
     ("file:..\\..\\x", "backslash"),
     ("file:1/model\0.onnx", "NUL byte"),
     ("file:1/model\n.onnx", "control character"),
+    # 3,000 components were a RecursionError (500) in os.makedirs
+    ("file:" + "a/" * 2999 + "x", "has 3000 path components, more than the 32"),
 ])
 def test_paths_that_leave_or_bend_the_model_directory_are_refused(key, why):
     msg = refusal(file_path, "m", key)

@@ -59,6 +59,16 @@ class AnsweringEngine:
         pass
 
 
+class _Context:
+    """The stream's call as a client on this host made it (no metadata)."""
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"
+
+    def invocation_metadata(self):
+        return ()
+
+
 def _service(engine) -> InferenceService:
     svc = FrontendService(engine, ARENA, shm.ShmMapCache(), ShmRegistry(), "fuzz", "0",
                           strict_readiness=True,
@@ -71,7 +81,7 @@ async def _stream(messages: list[pb.ModelInferRequest]) -> list[pb.ModelStreamIn
         for m in messages:
             yield m
     engine = AnsweringEngine()
-    answers = [a async for a in _service(engine).ModelStreamInfer(requests(), None)]
+    answers = [a async for a in _service(engine).ModelStreamInfer(requests(), _Context())]
     assert engine.pending == 0
     return answers
 

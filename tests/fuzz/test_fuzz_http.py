@@ -98,6 +98,9 @@ class Transport:
     def close(self):
         self.closed = True
 
+    def can_write_eof(self):
+        return False        # an error closes at once (lingering needs a running loop)
+
     def get_write_buffer_size(self):
         return 0
 

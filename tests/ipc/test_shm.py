@@ -348,11 +348,64 @@ def test_a_segment_recreated_under_the_same_name_is_mapped_afresh():
     try:
         assert bytes(maps.view(ShmRef(name, 0, 4))) == b"\1" * 4
         os.unlink(f"/dev/shm/{name}")
-        # unlinked: the mapping still reads the old pages, as the owner's own mapping would
-        assert bytes(maps.view(ShmRef(name, 0, 4))) == b"\1" * 4
+        # unlinked: gone for the server too (a mapping holds no descriptor to check its size by)
+        with pytest.raises(shm.ShmError, match="does not exist"):
+            maps.view(ShmRef(name, 0, 4))
         with open(f"/dev/shm/{name}", "wb") as f:
             f.write(b"\2" * 4096)
         assert bytes(maps.view(ShmRef(name, 0, 4))) == b"\2" * 4
+    finally:
+        maps.close()
+        os.unlink(f"/dev/shm/{name}")
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_mapping_holds_no_descriptor():
+    """300 client segments mapped (more than max_maps would keep if each held a descriptor,
+    and each did: Python's mmap keeps a dup) cost no descriptors; views read and write."""
+    names = [_client_segment(256) for _ in range(300)]
+    maps = shm.ShmMapCache()
+    try:
+        before = _fds()
+        views = [maps.view(ShmRef(n, 8, 16)) for n in names]
+        assert len(maps._maps) == 300
+        assert _fds() <= before + 2
+        views[7][:4] = b"abcd"
+        with open(f"/dev/shm/{names[7]}", "rb") as f:
+            assert f.read()[8:12] == b"abcd"
+    finally:
+        maps.close()
+        for n in names:
+            os.unlink(f"/dev/shm/{n}")
+
+
+def test_a_view_outlives_its_dropped_mapping_and_the_last_one_unmaps_it():
+    name = _client_segment(1 << 20)
+
+    def mapped() -> bool:
+        with open("/proc/self/maps") as f:
+            return f"/dev/shm/{name}" in f.read()
+    maps = shm.ShmMapCache()
+    try:
+        v = maps.view(ShmRef(name, 0, 8))
+        maps.close()                        # dropped from the cache: the view still reads
+        assert mapped() and bytes(v) == b"\1" * 8
+        del v
+        assert not mapped()
+    finally:
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_a_segment_grown_after_it_was_mapped_is_mapped_again():
+    name = _client_segment(4096)
+    maps = shm.ShmMapCache()
+    try:
+        maps.view(ShmRef(name, 0, 8))
+        os.truncate(f"/dev/shm/{name}", 8192)
+        assert bytes(maps.view(ShmRef(name, 6000, 8))) == b"\0" * 8
     finally:
         maps.close()
         os.unlink(f"/dev/shm/{name}")

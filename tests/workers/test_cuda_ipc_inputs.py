@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import tempfile
 import threading
 import types
 
@@ -32,6 +33,7 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers import cuda_ipc, gpu
 from shmserve.workers.backend import WorkResponse
+from shmserve.workers.exec_record import ExecutionRecord
 from shmserve.workers.gpu import DeviceTensor
 from shmserve.workers.main import Worker
 from shmserve.workers.tensors import OutputTooLarge
@@ -68,6 +70,13 @@ class Doubler:
         return out
 
 
+def execution_record() -> ExecutionRecord:
+    """What the worker writes while it executes (workers/exec_record.py), in a file already
+    removed: nobody reads it here."""
+    with tempfile.TemporaryDirectory() as d:
+        return ExecutionRecord(os.path.join(d, "exec"))
+
+
 def make_worker(backend, config=CONFIG) -> tuple[Worker, list]:
     """A Worker with what execute() and forget() use; its answers are collected."""
     w = Worker.__new__(Worker)
@@ -80,6 +89,7 @@ def make_worker(backend, config=CONFIG) -> tuple[Worker, list]:
     w.sequence, w.senders, w.labels, w.streams = None, False, {}, {}
     w.running, w.running_chain, w.cancelled = None, [], set()
     w.out_lock = threading.Lock()
+    w.record = execution_record()
     answers: list = []
     w.answer = lambda fid, msg: answers.append(msg)
     w.tell = lambda msg, payloads=(): None

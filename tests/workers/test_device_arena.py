@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import tempfile
 import threading
 import types
 
@@ -32,6 +34,7 @@ from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers import cuda_ipc, gpu
 from shmserve.workers.backend import WorkResponse
 from shmserve.workers.device_arena import ALIGN, DeviceArena, to_host
+from shmserve.workers.exec_record import ExecutionRecord
 from shmserve.workers.gpu import DeviceTensor
 from shmserve.workers.main import Worker
 
@@ -174,6 +177,13 @@ class GpuDoubler:
         return out
 
 
+def execution_record() -> ExecutionRecord:
+    """What the worker writes while it executes (workers/exec_record.py), in a file already
+    removed: nobody reads it here."""
+    with tempfile.TemporaryDirectory() as d:
+        return ExecutionRecord(os.path.join(d, "exec"))
+
+
 def make_worker(backend, pool=None, config=CONFIG) -> tuple[Worker, list]:
     w = Worker.__new__(Worker)
     w.args = types.SimpleNamespace(spawn_id=1)
@@ -186,6 +196,7 @@ def make_worker(backend, pool=None, config=CONFIG) -> tuple[Worker, list]:
     w.sequence, w.senders, w.labels, w.streams = None, False, {}, {}
     w.running, w.running_chain, w.cancelled = None, [], set()
     w.out_lock = threading.Lock()
+    w.record = execution_record()
     answers: list = []
     w.answer = lambda fid, msg: answers.append(msg)
     w.tell = lambda msg, payloads=(): None

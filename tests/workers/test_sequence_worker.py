@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 from collections import deque
 from types import SimpleNamespace
@@ -34,6 +35,7 @@ from shmserve.ipc.messages import (
     encode,
 )
 from shmserve.ipc.shm import ShmMapCache
+from shmserve.workers.exec_record import ExecutionRecord
 from shmserve.workers.main import Worker
 
 START, END = 1, 2
@@ -47,6 +49,13 @@ def config_json(text: str) -> str:
         cfg.default_model_filename = "model.py" if cfg.backend == "python" else "model.onnx"
     return json.dumps(json_format.MessageToDict(cfg, preserving_proto_field_name=True,
                                                 always_print_fields_with_no_presence=True))
+
+
+def execution_record() -> ExecutionRecord:
+    """What the worker writes while it executes (workers/exec_record.py), in a file already
+    removed: nobody reads it here."""
+    with tempfile.TemporaryDirectory() as d:
+        return ExecutionRecord(os.path.join(d, "exec"))
 
 
 def make_worker(model_dir: str) -> Worker:
@@ -66,6 +75,7 @@ def make_worker(model_dir: str) -> Worker:
     w.backlog, w.running, w.running_chain, w.cancelled = deque(), None, [], set()
     w.streams, w.stream_cancelled, w.responses_reported = {}, set(), {}
     w.out_lock, w.tell_lock = threading.Lock(), threading.Lock()
+    w.record = execution_record()
     w.main_thread = threading.get_ident()
     w.senders = cfg["backend"] == "python"
     w.metrics_due = 0.0
