@@ -7,7 +7,7 @@ Requests get one retry, alone, unless the death names them: a request a worker r
 died of by itself (an exit, a crash; not a kill from outside, nor ours) is taken for a poison
 and fails at once, instead of killing a second worker (Triton retries nothing). A leased
 worker's requests are known only to it and their frontend, which submits them again once it
-hears of the death (LeaseLost); the one its execution record names (workers/exec_record.py)
+hears of the death (LeaseLost); the one its execution record names (ipc/exec_record.py)
 is kept here (``culprits``) to fail then.
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ import os
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.workers import model_files
+from shmserve.ipc import model_files
 
 ModelConfig = mc.ModelConfig
 
@@ -40,7 +40,7 @@ def read_config(model_dir: str, name: str, config_name: str | None = None) -> mc
     if config_name and not os.path.exists(path):
         path = os.path.join(model_dir, "config.pbtxt")
     try:
-        # never open() it blindly: a FIFO would block the scheduler for ever (workers/model_files.py)
+        # never open() it blindly: a FIFO would block the scheduler for ever (ipc/model_files.py)
         text = model_files.read_bytes(path, model_files.CONFIG_MAX_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise ConfigMissing(f"model configuration is not provided: {path} does not exist") from None

@@ -44,7 +44,7 @@ class SchedulerPort(Protocol):
         report of its exit: the two travel different ways."""
 
     def last_execution(self, spawn_id: int) -> tuple[int, int, int]:
-        """What the worker was executing when it ended (workers/exec_record.py): (requests,
+        """What the worker was executing when it ended (ipc/exec_record.py): (requests,
         frontend and request id of the first); (0, 0, 0) when nothing. Read before ``reap``."""
 
     def reap(self, spawn_id: int) -> int | None:

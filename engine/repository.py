@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from shmserve.workers import model_files
+from shmserve.ipc import model_files
 
 from . import model_config
 from .model_config import ConfigError

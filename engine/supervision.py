@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Collection
 
 import msgspec
 
+from shmserve.ipc.exec_record import read_record, record_path
 from shmserve.ipc.messages import InstanceSpec, LogSettings, WorkerArgs, WorkerLabel
 from shmserve.ipc.proc import failure_path
-from shmserve.workers.exec_record import read_record, record_path
 
 if TYPE_CHECKING:
     from .forkserver import ForkServer
@@ -121,7 +121,7 @@ class WorkerProcess:
 
     def forget_args(self) -> None:
         """The worker removes its arguments file once read; this covers one that died first.
-        Its execution record (workers/exec_record.py) goes too."""
+        Its execution record (ipc/exec_record.py) goes too."""
         for path in (self.args_path, record_path(self.args.run_dir, self.args.spawn_id)):
             try:
                 os.unlink(path)

@@ -171,7 +171,6 @@ class Answering:
         queue = call.queue
         assert queue is not None
         deserialize = call.handler.request_deserializer
-        holdings = self.holdings
         while True:
             message, share = await queue.get()
             if share:
@@ -180,10 +179,7 @@ class Answering:
             if message is END:
                 return
             if message is not None:
-                n = len(message)        # taken: no longer held (grpc_guard.count, inline)
-                call.held -= n
-                self.held -= n
-                holdings.total -= n
+                self.count(call, -len(message))     # taken: no longer held
                 if isinstance(message, Compressed):
                     message = await grpc_call.inflate(message, self.server.max_message)
                 yield deserialize(message)

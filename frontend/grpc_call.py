@@ -14,6 +14,7 @@ import grpc
 from . import http2
 from . import inflate as inflating
 from .errors import InferError, grpc_status
+from .peer_uid import peer_name  # noqa: F401 (the call's peer, as grpc_loop names it)
 
 PREFIX = 5                  # compressed flag (1 byte) + message length (4 bytes, big endian)
 ACCEPT_ENCODING = b"identity,deflate,gzip"
@@ -202,10 +203,3 @@ def failure_status(e: BaseException, context: CallContext | None = None
     if isinstance(e, InferError):       # a handler that let one through
         return grpc_status(e.code), e.message
     return grpc.StatusCode.UNKNOWN, f"Unexpected {type(e)}: {e}"
-
-
-def peer_name(address) -> str:
-    if isinstance(address, tuple) and len(address) >= 2:
-        host, port = address[0], address[1]
-        return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
-    return f"unix:{address}" if address else ""

@@ -343,14 +343,8 @@ class Connection(Answering, Guard, asyncio.Protocol):
             return
         # a streaming call: the window reopens as the handler takes each message
         if messages:
-            # held until taken (grpc_guard.count, inline: this is every streamed message)
-            n = len(messages[0]) if len(messages) == 1 else sum(map(len, messages))
-            call.held += n
-            self.held += n
-            holdings = self.holdings
-            holdings.total += n
-            if holdings.total > holdings.limit:
-                self.fail(call, grpc.StatusCode.RESOURCE_EXHAUSTED, holdings.refusal())
+            # held until the handler takes them (grpc_guard)
+            if not self.count(call, sum(map(len, messages))):
                 self.core.ack(0, length)
                 return
             last = len(messages) - 1

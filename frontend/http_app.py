@@ -522,4 +522,5 @@ def _peer(conn: HttpConnection) -> str:
     """The client's address and port in gRPC's form ("ipv4:127.0.0.1:5000"), which the
     shared-memory registry reads (the port finds a local client's user); "unknown:" when the
     connection has none, which the registry takes for a remote client."""
-    return peer_uid.peer_of(conn.transport.get_extra_info("peername") if conn.transport else None)
+    return peer_uid.peer_name(conn.transport.get_extra_info("peername")
+                              if conn.transport else None) or "unknown:"

@@ -22,12 +22,13 @@ _FILES: dict[int, str] = {socket.AF_INET: "/proc/net/tcp", socket.AF_INET6: "/pr
 _TIME_WAIT, _LISTEN = b"06", b"0A"
 
 
-def peer_of(address) -> str:
-    """A socket's peer address (``getpeername()``) in gRPC's form; "unknown:" for none."""
+def peer_name(address) -> str:
+    """A socket's peer address (``getpeername()``) in gRPC's form ("ipv4:127.0.0.1:5000",
+    "ipv6:[::1]:5000", "unix:/path"); "" for none."""
     if isinstance(address, tuple) and len(address) >= 2:
         host, port = address[0], address[1]
         return f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
-    return "unknown:"
+    return f"unix:{address}" if address else ""
 
 
 def host_port(peer: str) -> tuple[str, int] | None:

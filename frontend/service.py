@@ -66,8 +66,8 @@ class FrontendService:
         self.tracer = trace or TraceCore(TraceConfig())
         self.tracing = TraceControl(self.tracer, client, lambda name: name in self.catalog.models)
         client.on_trace_settings = self.tracing.apply
-        # the response cache (frontend/response_cache.py); None: --cache-config not given
-        self.cache = cache
+        # requests of models with the response cache (frontend/cached_requests.py); None:
+        # --cache-config not given
         self.cached = None if cache is None else CachedRequests(cache, client, arena, maps,
                                                                 self.release_outputs)
 

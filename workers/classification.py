@@ -13,9 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from shmserve.ipc import dtypes
-
-from . import model_files
+from shmserve.ipc import dtypes, model_files
 
 # Triton refuses to rank more entries than this per batch item (pathological sizes)
 MAX_ELEMENTS = 1_000_000

@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from shmserve.ipc import channel, logs, packets
+from shmserve.ipc.exec_record import ExecutionRecord, record_path
 from shmserve.ipc.messages import (
     ENSEMBLE_FRONTEND,
     BatchDone,
@@ -64,7 +65,6 @@ from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequ
 from .backend import WorkRequest, load_backend
 from .device_arena import DeviceArena
 from .device_arena import to_host as device_to_host
-from .exec_record import ExecutionRecord, record_path
 from .gpu import CudaError, DeviceTensor
 from .lease_batch import LeasedBatcher
 from .waiting_cpu import WaitingCpu
@@ -93,7 +93,7 @@ class Worker:
         self.frontends: dict[int, packets.PacketOutbox] = {}
         self.arena = ShmArena(args.segment_prefix)
         self.maps = ShmMapCache()
-        # what it executes, for the scheduler to read should it die (workers/exec_record.py)
+        # what it executes, for the scheduler to read should it die (ipc/exec_record.py)
         self.record = ExecutionRecord(record_path(args.run_dir, args.spawn_id))
         # outputs an ensemble's next step reads on the GPU; nothing touches CUDA before one
         self.device_arena = DeviceArena(args.cuda_memory_pool)

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shmserve.ipc import dtypes
+from shmserve.ipc import dtypes, model_files
 from shmserve.ipc.messages import ErrorCode
 
-from . import model_files
 from .backend import WorkRequest, WorkResponse
 from .tensors import OutputChecks
 

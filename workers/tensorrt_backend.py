@@ -21,10 +21,10 @@ import os
 
 import numpy as np
 
-from shmserve.ipc import dtypes
+from shmserve.ipc import dtypes, model_files
 from shmserve.ipc.messages import ErrorCode
 
-from . import gpu, model_files
+from . import gpu
 from .backend import BackendLoadError, InstanceSpec, WorkRequest, WorkResponse
 from .gpu import DeviceTensor
 

@@ -7,9 +7,8 @@ import threading
 
 import numpy as np
 
-from shmserve.ipc import dtypes
+from shmserve.ipc import dtypes, model_files
 
-from . import model_files
 from .backend import BackendLoadError, WorkRequest
 
 # how long a warm-up request answered through its response sender (a decoupled model's) may

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 from shmserve.engine.supervision import spawn_worker
+from shmserve.ipc.exec_record import ExecutionRecord, record_path
 from shmserve.ipc.messages import InstanceSpec, LogSettings
-from shmserve.workers.exec_record import ExecutionRecord, record_path
 
 
 class NotYetALeader:

@@ -45,7 +45,7 @@ def loopback():
         c = socket.create_connection(srv.getsockname()[:2], timeout=5)
         s, address = srv.accept()
         made.extend((srv, c, s))
-        return peer_uid.peer_of(address)
+        return peer_uid.peer_name(address)
     yield connect
     for sock in made:
         sock.close()
@@ -118,7 +118,7 @@ def test_a_local_client_registers_only_segments_its_user_owns(family, host):
     try:
         srv.settimeout(10)
         s, address = srv.accept()
-        peer = peer_uid.peer_of(address)
+        peer = peer_uid.peer_name(address)
         assert peer_uid.socket_uid(peer) == 65534
         reg = ShmRegistry()
         with pytest.raises(InferError) as e:

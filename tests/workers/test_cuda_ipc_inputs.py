@@ -19,6 +19,7 @@ import pytest
 from serverproc import REPO_ROOT
 
 from shmserve.ipc import dtypes
+from shmserve.ipc.exec_record import ExecutionRecord
 from shmserve.ipc.messages import (
     CudaRef,
     ErrorCode,
@@ -33,7 +34,6 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers import cuda_ipc, gpu
 from shmserve.workers.backend import WorkResponse
-from shmserve.workers.exec_record import ExecutionRecord
 from shmserve.workers.gpu import DeviceTensor
 from shmserve.workers.main import Worker
 from shmserve.workers.tensors import OutputTooLarge
@@ -71,7 +71,7 @@ class Doubler:
 
 
 def execution_record() -> ExecutionRecord:
-    """What the worker writes while it executes (workers/exec_record.py), in a file already
+    """What the worker writes while it executes (ipc/exec_record.py), in a file already
     removed: nobody reads it here."""
     with tempfile.TemporaryDirectory() as d:
         return ExecutionRecord(os.path.join(d, "exec"))

@@ -20,6 +20,7 @@ import fake_cuda
 import numpy as np
 import pytest
 
+from shmserve.ipc.exec_record import ExecutionRecord
 from shmserve.ipc.messages import (
     CudaRef,
     ExecuteBatch,
@@ -34,7 +35,6 @@ from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers import cuda_ipc, gpu
 from shmserve.workers.backend import WorkResponse
 from shmserve.workers.device_arena import ALIGN, DeviceArena, to_host
-from shmserve.workers.exec_record import ExecutionRecord
 from shmserve.workers.gpu import DeviceTensor
 from shmserve.workers.main import Worker
 
@@ -178,7 +178,7 @@ class GpuDoubler:
 
 
 def execution_record() -> ExecutionRecord:
-    """What the worker writes while it executes (workers/exec_record.py), in a file already
+    """What the worker writes while it executes (ipc/exec_record.py), in a file already
     removed: nobody reads it here."""
     with tempfile.TemporaryDirectory() as d:
         return ExecutionRecord(os.path.join(d, "exec"))

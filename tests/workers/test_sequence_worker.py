@@ -21,6 +21,7 @@ from serverproc import REPO_ROOT
 from tritonclient.grpc import model_config_pb2 as mc
 
 from shmserve.ipc import dtypes
+from shmserve.ipc.exec_record import ExecutionRecord
 from shmserve.ipc.messages import (
     ErrorCode,
     ExecuteBatch,
@@ -35,7 +36,6 @@ from shmserve.ipc.messages import (
     encode,
 )
 from shmserve.ipc.shm import ShmMapCache
-from shmserve.workers.exec_record import ExecutionRecord
 from shmserve.workers.main import Worker
 
 START, END = 1, 2
@@ -52,7 +52,7 @@ def config_json(text: str) -> str:
 
 
 def execution_record() -> ExecutionRecord:
-    """What the worker writes while it executes (workers/exec_record.py), in a file already
+    """What the worker writes while it executes (ipc/exec_record.py), in a file already
     removed: nobody reads it here."""
     with tempfile.TemporaryDirectory() as d:
         return ExecutionRecord(os.path.join(d, "exec"))

@@ -1,12 +1,12 @@
-"""workers/model_files.py: reading a repository's files without trusting them to be plain files.
+"""ipc/model_files.py: reading a repository's files without trusting them to be plain files.
 Real FIFOs, directories, symlink loops, devices and sparse files; none of them may block or
 read without bound."""
 import os
 
 import pytest
 
-from shmserve.workers import model_files
-from shmserve.workers.model_files import ModelFileError
+from shmserve.ipc import model_files
+from shmserve.ipc.model_files import ModelFileError
 
 
 def _make(tmp_path, kind: str) -> str:
