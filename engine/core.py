@@ -61,6 +61,7 @@ from shmserve.workers import gpu
 
 from .accounting import Accounting
 from .batching import QueuedRequest, QueueFull, RequestQueue
+from .chain_lending import ChainLending
 from .deaths import WorkerDeaths
 from .ensemble import EnsembleRunner
 from .instances import InstanceSupervisor
@@ -101,10 +102,12 @@ class SchedulerCore:
         self.ensembles = EnsembleRunner(
             self.submit, self.cancel_step,
             self.port.send_frontend, self.release_to, self.lifecycle.ready_version, clock,
-            channel.scheduler_worker_address(settings.run_dir))
+            channel.scheduler_worker_address(settings.run_dir),
+            lambda ver, frontend: self.chains.lend(ver, frontend))
+        self.chains = ChainLending(self)        # pipelines lent to run worker to worker
         self.worker_addresses: dict[str, int] = {}      # inbox address -> spawn id
         self.frontends: set[int] = set()
-        self.lease_takers: set[int] = set()     # frontends that take leases (not BLS clients)
+        self.lease_takers: set[int] = set()     # frontends (and BLS clients) that take leases
         self.queued_in: dict[tuple[int, int], ModelVersion] = {}   # (frontend, req) -> version
         # the worker whose execution of a decoupled model's request has ended, which may still
         # be answering it (the scheduler does not hear when it stops): for a cancel. Bounded:
@@ -354,7 +357,24 @@ class SchedulerCore:
                              f"'{ver.name}' more instances or break the cycle")
             return
         if ver.ensemble is not None:
-            self.ensembles.start(ver, ver.ensemble, msg, payload)
+            if msg.lost:
+                # it ran worker to worker and a worker of its steps died (workers/chain.py):
+                # run again here, or failed as a request of a dead batch would be
+                blamed = self.deaths.blamed(msg.frontend, msg.req_id)
+                if blamed or not msg.lost_retry or self.stopping:
+                    reason = blamed or msg.lost
+                    # named by its step, as when the step runs here (the reason names the
+                    # model whose worker died)
+                    step = next((s for s in ver.ensemble.chain if f"model '{s.model}'" in reason),
+                                None)
+                    where = f", {step.label}" if step is not None else ""
+                    ver.stats.failed("OTHER", self.clock() - msg.received_ns)
+                    self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+                                     ErrorCode.INTERNAL, f"in ensemble '{ver.name}'{where}: "
+                                                         f"{reason}")
+                    return
+            if not self.chains.hold(ver, msg, payload):
+                self.ensembles.start(ver, ver.ensemble, msg, payload)
             return
         req = QueuedRequest(msg.req_id, msg.frontend, msg.batch_size, payload,
                             priority=msg.priority, timeout_us=msg.timeout_us,
@@ -370,14 +390,18 @@ class SchedulerCore:
                                  ErrorCode.INTERNAL, blamed if retry else msg.lost)
                 return
             req.alone = True
-        elif self.leases.by_version and not msg.no_lease and not msg.chain and \
+        # a worker's BLS client takes leases too, but never on a model whose execution waits
+        # for the answer (the instance it would be lent may be the one waiting)
+        taker = not msg.chain or (msg.frontend > ENSEMBLE_FRONTEND and ver.name not in msg.chain)
+        if self.leases.by_version and not msg.no_lease and taker and not msg.lost and \
                 self.leases.give_back(ver, msg.frontend, msg.req_id):
             return
-        if not msg.chain:           # a worker's BLS requests never get a lease
+        if taker:
             self.leases.note_request(ver, msg.frontend)
         else:
-            # nor does the next idle spell go to the last client frontend: a lease granted as
-            # a BLS or ensemble step ends would be revoked by the next step, a round trip each
+            # an ensemble's step: the next idle spell does not go to the last client frontend
+            # either, as a lease granted as the step ends would be revoked by the next step
+            # (a pipeline's steps are lent when its run ends: engine/chain_lending.py)
             self.leases.note_request(ver, None)
         try:
             ver.queue.enqueue(req)

@@ -15,7 +15,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from shmserve.ipc.messages import ENSEMBLE_FRONTEND, ErrorCode, ForgetSegments, StateCause, WorkerGone
+from shmserve.ipc.messages import (
+    BLS_FRONTEND_BASE,
+    ENSEMBLE_FRONTEND,
+    ErrorCode,
+    ForgetSegments,
+    StateCause,
+    WorkerGone,
+)
 
 from .instances import Death, Outcome
 from .models import Instance, ModelVersion
@@ -74,6 +81,10 @@ class WorkerDeaths:
             while len(self.culprits) > CULPRITS_KEPT:
                 self.culprits.popitem(last=False)
         core.leases.worker_exited(spawn_id, reason_of(death), death.kill_reason.retries)
+        bls = BLS_FRONTEND_BASE + spawn_id
+        if bls in core.lease_takers:        # its BLS client's leases end with it
+            core.lease_takers.discard(bls)
+            core.leases.frontend_gone(bls)
         if inst.answered:
             by_frontend: dict[int, list[int]] = {}
             for fid, rid in inst.answered:

@@ -106,7 +106,8 @@ class EnsembleRunner:
                  answer: Callable[[int, InferResult], None],
                  release: Callable[[str, list[ShmRef | CudaRef]], None],
                  resolve: Callable[[str, int], int | None],
-                 clock: Callable[[], int], release_address: str):
+                 clock: Callable[[], int], release_address: str,
+                 ended: Callable[[ModelVersion, int], None] = lambda ver, frontend: None):
         self.submit_step = submit           # the core's submit, for a step's request
         self.cancel_step = cancel           # cancel a step's request (id, spawn id if it streams)
         self.to_frontend = answer           # to a client's frontend
@@ -115,6 +116,9 @@ class EnsembleRunner:
         self.resolve = resolve              # (model, version or -1) -> a ready version
         self.clock = clock
         self.release_address = release_address  # where frontends return handed slots
+        # (ensemble version, frontend): a run of an ensemble that may run worker to worker
+        # ended (the scheduler may lend its steps' instances now)
+        self.ended = ended
         self.runs: dict[tuple[int, int], Run] = {}     # (frontend, req_id) -> run
         self.steps: dict[int, Run] = {}     # step request id -> its run (until its final answer)
         self.counter = 0
@@ -421,6 +425,8 @@ class EnsembleRunner:
         run.slots = {}
         held, run.held = run.held, []
         self.book.give_back(self.book.drop(held))
+        if run.plan.chain:
+            self.ended(run.version, run.head.frontend)
 
     # ---- the client --------------------------------------------------------------------------
     def cancel(self, frontend: int, req_id: int) -> bool:

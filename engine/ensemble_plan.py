@@ -12,6 +12,7 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from shmserve.ipc.input_shapes import input_shape_problem
 from shmserve.ipc.messages import Tensor
 
 from .model_config import ConfigError, ModelConfig
@@ -49,6 +50,9 @@ class EnsemblePlan:
     # tensors a step makes that only steps taking device inputs read (filled by bind()): the
     # producer may leave them on its GPU and hand them over as CUDA IPC handles
     device_tensors: frozenset = frozenset()
+    # the steps in order when each needs the one before and nothing else can run beside it
+    # (filled by bind()): such an ensemble may run worker to worker (workers/chain.py)
+    chain: list[Step] = field(default_factory=list)
 
     def composing(self) -> list[str]:
         seen: list[str] = []
@@ -189,6 +193,32 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
     p.device_tensors = frozenset(
         tensor for tensor, users in p.consumers.items()
         if tensor in p.producer and all(p.steps[u].device_inputs for u in users))
+    p.chain = chain(p, cfg)
+
+
+def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
+    """The steps in the one order they can run in, when there is one and the last step makes
+    every ensemble output; [] otherwise. Such an ensemble loses nothing when its steps run one
+    after the other, each worker handing the request to the next step's, and its answer comes
+    from one worker. Left to the scheduler: streaming steps, tensors kept on a GPU, optional
+    inputs (what a step gets depends on what the client sent)."""
+    if p.decoupled or p.device_tensors or any(t.optional for t in cfg.input) or \
+            any(s.optional_inputs for s in p.steps):
+        return []
+    have = set(p.inputs)
+    left = list(p.steps)
+    order: list[Step] = []
+    while left:
+        ready = [s for s in left if all(t in have for t in s.inputs.values())]
+        if len(ready) != 1:
+            return []           # two steps could run at once (none: plan() refused a cycle)
+        order.append(ready[0])
+        have.update(ready[0].outputs.values())
+        left.remove(ready[0])
+    last = order[-1].index
+    if any(p.producer[t] != last for t in p.outputs):
+        return []
+    return order
 
 
 def takes_device_inputs(sub: ModelConfig) -> bool:
@@ -222,22 +252,4 @@ def _agree(name: str, types: dict, tensor: str, data_type: int, who: str) -> Non
 def step_input_problem(step: Step, inputs: list[Tensor]) -> str:
     """A step's inputs must fit its model's config as a client's would (the frontend checked
     only the ensemble's own inputs); Triton's words, or "" when they fit."""
-    batched = step.max_batch_size > 0
-    for t in inputs:
-        dims = step.input_dims.get(t.name)
-        if dims is None:
-            continue
-        shape = t.shape
-        if batched:
-            if not shape:
-                return (f"input '{t.name}' for model '{step.model}' has no batch dimension, "
-                        f"but the model has max_batch_size {step.max_batch_size}")
-            if shape[0] > step.max_batch_size:
-                return (f"inference request batch-size must be <= {step.max_batch_size} for "
-                        f"'{step.model}'")
-            shape = shape[1:]
-        if len(shape) != len(dims) or any(d != -1 and d != s for d, s in zip(dims, shape)):
-            lead = [-1] if batched else []
-            return (f"unexpected shape for input '{t.name}' for model '{step.model}'. "
-                    f"Expected {lead + dims}, got {t.shape}")
-    return ""
+    return input_shape_problem(step.model, step.max_batch_size, step.input_dims, inputs)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from shmserve.ipc.messages import (
+    ChainHop,
     ControlAction,
     ControlRequest,
     ErrorCode,
@@ -539,7 +540,8 @@ class ModelLifecycle:
                                                                           ModelState.LOADING)
         for (n, _), ver in self.versions.items():
             states_of.setdefault(n, {})[ver.version] = VersionInfo(
-                ver.version, ver.state, ver.reason, ver.cause, round(ver.load_started * 1e9))
+                ver.version, ver.state, ver.reason, ver.cause, round(ver.load_started * 1e9),
+                self.route(ver))
         models = []
         for name, entry in sorted(self.entries.items()):
             cfg = self._config_bytes(name, entry.config)
@@ -559,6 +561,21 @@ class ModelLifecycle:
                     cfg = b""       # the model completes it when it first loads
             models.append(ModelInfo(name, cfg, vers, on_demand))
         return ModelTable(models, self.startup_done)
+
+    def route(self, ver: ModelVersion) -> list[ChainHop]:
+        """A serving ensemble whose steps run one after the other: its steps, on the versions
+        that serve them now ([] for any other model, or while a step has no ready version)."""
+        plan = ver.ensemble
+        if plan is None or not plan.chain or ver.state != ModelState.READY:
+            return []
+        hops = []
+        for s in plan.chain:
+            version = self.ready_version(s.model, s.version)
+            if version is None:
+                return []
+            hops.append(ChainHop(s.index, s.model, version, s.inputs, s.outputs,
+                                 s.max_batch_size, s.input_dims))
+        return hops
 
     def _config_bytes(self, name: str, config) -> bytes:
         """``config`` serialized, once per config object (an entry's config is replaced, not

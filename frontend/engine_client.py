@@ -23,15 +23,17 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import zmq
 
 from shmserve.ipc import channel, logs, packets
+from shmserve.ipc.lease_table import Lease, LeaseTable
 from shmserve.ipc.messages import (
     CacheRecord,
     CancelRequest,
+    ChainExecute,
+    ChainHop,
     ControlAction,
     ControlReply,
     ControlRequest,
@@ -71,22 +73,6 @@ log = logging.getLogger("shmserve.frontend")
 
 ResultCallback = Callable[[InferResult], None]
 
-@dataclass(eq=False)
-class Lease:
-    lease_id: int
-    spawn_id: int
-    box: packets.PacketOutbox
-    depth: int = 1              # requests in flight at once; 0 = no limit
-    inflight: int = 0
-
-
-def _least_busy(held: list[Lease] | None) -> Lease | None:
-    """The lease to send the next request under: the one with the fewest in flight."""
-    if not held:
-        return None
-    return held[0] if len(held) == 1 else min(held, key=lambda h: h.inflight)
-
-
 # How long completion records of leased requests wait to go to the scheduler in bulk.
 LEASED_FLUSH_S = 0.05
 
@@ -122,9 +108,9 @@ class EngineClient:
         self.queries: dict[int, asyncio.Future] = {}
         # trace settings another frontend's client changed: (changes, model) -> None
         self.on_trace_settings: Callable[[TraceChanges, str], None] | None = None
-        # (model, version) -> its leases: one, or (no depth limit) one per idle instance
-        self.leases: dict[tuple[str, int], list[Lease]] = {}
-        self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
+        self.leases = LeaseTable()              # the instances lent to us (ipc/lease_table.py)
+        # ensembles whose steps may run worker to worker (workers/chain.py): their steps
+        self.routes: dict[tuple[str, int], list[ChainHop]] = {}
         # leased requests of this turn of the event loop, per worker, sent when it ends
         self.corked: dict[packets.PacketOutbox, list[tuple[Lease, SubmitRequest, bytes]]] = {}
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
@@ -170,8 +156,15 @@ class EngineClient:
                              prepared.shape_key, sequence_id=p.correlation_id,
                              sequence_flags=p.flags, trace=prepared.trace is not None)
         payload = encode_message(prepared.payload)
-        lease = _least_busy(self.leases.get((model, version))) if self.leases else None
-        if lease is not None and (ordered or (lease.depth and lease.inflight >= lease.depth)):
+        leases = self.leases
+        lease = leases.pick(model, version) if leases else None
+        chain = None
+        if self.routes and not head.trace:
+            route = self.routes.get((model, version))
+            chain = leases.route(route) if route and leases else None
+            # leases on every step but none with room: the scheduler must not hold it for them
+            head.no_lease = bool(route) and chain is None and leases.holds_all(route)
+        if lease is not None and (ordered or lease.full):
             # a lease we hold but cannot use: the scheduler must not hand it back to us
             head.no_lease = not lease.depth
             lease = None
@@ -185,7 +178,9 @@ class EngineClient:
             key = (model, version)
             self.order.setdefault(key, deque()).append(req_id)
             self.ordered_key[req_id] = key
-        if lease is not None:
+        if chain is not None:
+            self._send_chain(chain, self.routes[(model, version)], head, payload)
+        elif lease is not None:
             self._send_leased(lease, head, payload)
         else:
             self._resubmit(head, payload)
@@ -198,10 +193,12 @@ class EngineClient:
         if self.streaming:
             self.streaming.pop(msg.req_id, None)
         sent = self.sent.pop(msg.req_id, None)
-        if self.direct:
-            self._lease_done(msg.req_id)
+        if self.leases.busy():
+            self.leases.done(msg.req_id)
         if msg.done is not None and sent is not None:
             self.done.append(msg.done)
+            if msg.steps:
+                self.done.extend(msg.steps)
             if self.flusher is None:
                 self.flusher = self.loop.call_later(LEASED_FLUSH_S, self.flush_done)
         key = self.ordered_key.get(msg.req_id)
@@ -308,7 +305,14 @@ class EngineClient:
 
     def cancel(self, req_id: int) -> None:
         """The client went away: the scheduler drops the request if it has not started."""
-        lease = self.direct.get(req_id)
+        if req_id in self.leases.chained:   # every worker of its route hears it
+            for box in self.leases.boxes_of(req_id):
+                try:
+                    box.send(CancelRequest(self.frontend_id, req_id), flags=channel.NOBLOCK)
+                except (packets.PeerGone, zmq.Again):
+                    pass
+            return
+        lease = self.leases.direct.get(req_id)
         if lease is not None:           # sent to a leased worker: it hears it directly
             if self._uncorked(lease, req_id):
                 return
@@ -390,8 +394,7 @@ class EngineClient:
         the others sent to it in this turn of the event loop, in one packet (``_uncork``):
         the worker reads them in one wake-up, and would not have started them sooner."""
         idle = not lease.inflight
-        lease.inflight += 1
-        self.direct[head.req_id] = lease
+        self.leases.sent(lease, head.req_id)
         held = self.corked.get(lease.box)
         if held is not None:
             held.append((lease, head, payload))
@@ -417,38 +420,49 @@ class EngineClient:
         if sent == len(held):
             return
         if box.gone:
-            self._forget_leases(lambda lease: lease.box is box)
+            self.leases.forget(lambda lease: lease.box is box)
         for lease, head, payload in held[sent:]:
-            self._lease_done(head.req_id)
+            self.leases.done(head.req_id)
             # a lease we hold but could not use: the scheduler must not hand it back to us
             head.no_lease = not lease.depth or box.gone
             self._resubmit(head, payload)
 
-    def _lease_done(self, req_id: int) -> None:
-        lease = self.direct.pop(req_id, None)
-        if lease is not None:
-            lease.inflight -= 1
+    def _send_chain(self, leases: list[Lease], route: list[ChainHop], head: SubmitRequest,
+                    payload: bytes) -> None:
+        """Send an ensemble request to its first step's worker, which hands it on
+        (workers/chain.py). It counts as in flight under each step's lease until answered."""
+        self.leases.sent_route(leases, head.req_id)
+        if self.corked:         # what this turn sent that worker before goes first
+            self._uncork()
+        box = leases[0].box
+        msg = ChainExecute(head, route, [lease.lease_id for lease in leases],
+                           [lease.spawn_id for lease in leases], cpu=self.cpu)
+        if box.send_many([(msg, (payload,))], channel.NOBLOCK) == 1:
+            return
+        if box.gone:
+            self.leases.forget(lambda lease: lease.box is box)
+        self.leases.done(head.req_id)
+        self._resubmit(head, payload)
 
     def _lease_granted(self, msg: LeaseGranted) -> None:
-        key = (msg.model, msg.version)
-        held = self.leases.setdefault(key, [])
-        lease = next((h for h in held if h.lease_id == msg.lease_id), None)
-        if lease is None:
-            # a lease on the same worker ended already (its revoke came first, in order)
-            held[:] = [h for h in held if h.spawn_id != msg.spawn_id]
-            try:
-                box = self._worker_box(channel.worker_address(self.run_dir, msg.spawn_id))
-                lease = Lease(msg.lease_id, msg.spawn_id, box, msg.depth)
-                held.append(lease)
-            except packets.PeerGone:
-                lease = None    # it died already: LeaseLost follows
-            if not held:
-                del self.leases[key]
+        lease = self.leases.granted(msg, lambda spawn_id: self._worker_box(
+            channel.worker_address(self.run_dir, spawn_id)))
         for rid in msg.returned:        # ours, held by the scheduler: they go first
             sent = self.sent.get(rid)
             if sent is None or rid not in self.pending:
                 continue
             head, payload = sent
+            if head.model != msg.model:
+                # an ensemble's, held while its steps' leases came (engine/core.py
+                # hold_for_chain): worker to worker now, or back to the scheduler for good
+                route = self.routes.get((head.model, head.version))
+                chain = self.leases.route(route) if route else None
+                if route and chain is not None:
+                    self._send_chain(chain, route, head, payload)
+                else:
+                    head.no_lease = True
+                    self._resubmit(head, payload)
+                continue
             if lease is None:
                 head.no_lease = True
                 self._resubmit(head, payload)
@@ -456,20 +470,11 @@ class EngineClient:
                 self._send_leased(lease, head, payload)
 
     def _lease_revoked(self, msg: LeaseRevoked) -> None:
-        self._forget_leases(lambda held: held.lease_id == msg.lease_id)
-
-    def _forget_leases(self, match: Callable[[Lease], bool]) -> None:
-        """Stop using the leases ``match`` picks (requests sent under them still finish)."""
-        for key, held in list(self.leases.items()):
-            kept = [h for h in held if not match(h)]
-            if not kept:
-                del self.leases[key]
-            elif len(kept) != len(held):
-                self.leases[key] = kept
+        self.leases.revoked(msg.lease_id)
 
     def _lease_bounced(self, msg: LeaseBounced) -> None:
         """The worker read our request after its lease ended: the scheduler runs it."""
-        self._lease_done(msg.req_id)
+        self.leases.done(msg.req_id)
         sent = self.sent.get(msg.req_id)
         if sent is not None and msg.req_id in self.pending:
             self._resubmit(sent[0], sent[1])
@@ -477,7 +482,7 @@ class EngineClient:
     def _lease_lost(self, msg: LeaseLost) -> None:
         if self.corked:         # what is held for the worker finds it gone, before its box closes
             self._uncork()
-        self._forget_leases(lambda held: held.spawn_id == msg.spawn_id)
+        self.leases.forget(lambda held: held.spawn_id == msg.spawn_id)
         gone = self.workers.pop(channel.worker_address(self.run_dir, msg.spawn_id), None)
         if gone is not None:
             gone.close()
@@ -487,15 +492,13 @@ class EngineClient:
     def _resolve_lost(self) -> None:
         lost, self.lost = self.lost, []
         for msg in lost:
-            for rid, lease in list(self.direct.items()):
-                if lease.spawn_id != msg.spawn_id:
-                    continue
-                del self.direct[rid]
+            # sent under a lease on it, or worker to worker through it
+            for rid in self.leases.lost(msg.spawn_id):
                 sent = self.sent.get(rid)
                 if sent is None or rid not in self.pending:
                     continue
-                log.warning("request %d was running on leased worker %d, which ended; it goes "
-                            "to the scheduler", rid, msg.spawn_id)
+                log.warning("request %d was running on leased worker %d, which ended; it "
+                            "goes to the scheduler", rid, msg.spawn_id)
                 head = sent[0]
                 head.lost, head.lost_retry = msg.reason, msg.retry
                 self._resubmit(head, sent[1])
@@ -615,6 +618,8 @@ class EngineClient:
 
     def _update_table(self, msg: ModelTable) -> None:
         self.catalog.update(msg)
+        self.routes = {(m.name, v.version): v.route for m in msg.models for v in m.versions
+                       if v.route}
         self.table_event.set()
         if self.on_table is not None:
             self.on_table()
@@ -628,7 +633,6 @@ class EngineClient:
         pending, self.pending = self.pending, {}
         self.sent.clear()
         self.streaming.clear()
-        self.direct.clear()
         self.corked.clear()
         self.leases.clear()
         self.deadlines.clear()

@@ -273,6 +273,9 @@ class VersionInfo(msgspec.Struct, array_like=True):
     # which load of the version serves (its start, ns on the scheduler's clock): a reload
     # changes it even when the state stays READY (frontends drop cached answers then)
     loaded: int = 0
+    # an ensemble whose steps run one after the other: its steps, with the versions serving
+    # them now (a frontend that holds leases on them all sends it worker to worker)
+    route: list["ChainHop"] = []
 
 
 class ModelInfo(msgspec.Struct, array_like=True):
@@ -418,6 +421,35 @@ class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
     # slots of the worker's device arena (only the scheduler sends these: an ensemble's
     # intermediate tensors never reach a frontend)
     device: list[CudaRef] = []
+
+
+class ChainHop(msgspec.Struct, array_like=True):
+    """One step of an ensemble whose steps run one after the other (engine/ensemble_plan.py
+    ``chain``): the worker that ran a step hands the request to the next step's worker."""
+    step: int                   # its index in the ensemble's config (for error messages)
+    model: str
+    version: int                # the version that serves it (resolved by the scheduler)
+    inputs: dict[str, str]      # model input -> ensemble tensor
+    outputs: dict[str, str]     # model output -> ensemble tensor
+    max_batch_size: int = 0
+    input_dims: dict[str, list[int]] = {}       # without the batch dimension
+
+
+class ChainExecute(msgspec.Struct, array_like=True, tag=27):
+    """An ensemble request run worker to worker under leases (workers/chain.py); its payload
+    frame follows: the ensemble tensors known so far, named as in the ensemble, and the
+    client's outputs. ``head`` is the client's request (model: the ensemble); ``leases`` and
+    ``workers`` the lease id and spawn id for each hop; ``held``: the slots of earlier hops'
+    outputs (owner's address, slot), given back when the request ends; ``records``: the
+    completion records of the hops run so far (statistics)."""
+    head: SubmitRequest
+    hops: list[ChainHop]
+    leases: list[int]
+    workers: list[int]
+    at: int = 0
+    held: list[tuple[str, ShmRef]] = []
+    records: list["LeasedRecord"] = []
+    cpu: int = -1
 
 
 class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
@@ -574,6 +606,9 @@ class InferResult(msgspec.Struct, array_like=True, tag=40):
     # a leased request's completion record: the frontend passes these on to the scheduler in
     # bulk (LeasedDone), so that a leased request costs the scheduler no message of its own
     done: LeasedRecord | None = None
+    # an ensemble run worker to worker: the completion records of its steps (``done`` is the
+    # ensemble's own)
+    steps: list[LeasedRecord] = []
     # decoupled models answer a request with any number of these; the last has final=True.
     # no_response: the model ended the request without a response (the FINAL flag alone).
     final: bool = True
@@ -630,7 +665,8 @@ Message = Union[
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
     BatchDone, CustomMetrics, ResponseReport, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
-    RevokeLease, LeasedExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted, LeaseRevoked, LeaseLost,
+    RevokeLease, LeasedExecute, ChainExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted,
+    LeaseRevoked, LeaseLost,
     SetLogSettings, SetTraceSettings,
 ]
 

@@ -235,3 +235,12 @@ def send_sleeping(server: "Server", client, model: str, n: int, delay_ms: int) -
         pending.append(client.async_infer(model, [inp], parameters={"delay_ms": delay_ms}))
     wait_for(lambda: model_sleeping(server, model), 20, f"a request of '{model}' to be executing")
     return pending
+
+
+def leased_requests(server: "Server", model: str) -> int:
+    """Requests of ``model`` that ran under a lease, from /metrics (for an ensemble: worker to
+    worker; for a BLS callee: called straight from the caller's worker)."""
+    import re
+    page = requests.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+    m = re.search(rf'^shmserve_leased_requests_total{{model="{model}"}} (\S+)$', page, re.M)
+    return int(float(m.group(1))) if m else 0

@@ -12,6 +12,15 @@ Each request carries its chain: the models whose executions wait for it. The sch
 one whose chain already runs in the model it asks for while no instance of that model is idle
 (it could only wait for itself).
 
+Like a frontend, the client takes leases (engine/leases.py; ipc/lease_table.py keeps them): once
+the scheduler has lent it an idle instance of the model it calls, its requests go straight to
+that worker (LeasedExecute), one hop instead of two and no scheduler code before the callee
+runs. The completion records that ride with the answers leave with the worker's own answer
+(``take_done``: its frontend passes them on with its own), or, for a call made outside a
+request's execution, in bulk after RECORDS_WAIT_MS (LeasedDone). A model in the request's own
+chain is never called under a lease: its instance may be the one waiting for the answer, and
+only the scheduler can refuse that.
+
 Requests may come from execute() or from any thread of the model: one receiver thread reads the
 inbox and hands each answer to the queue of the request it belongs to.
 """
@@ -26,11 +35,13 @@ import threading
 import time
 
 import numpy as np
+import zmq
 
 from shmserve.frontend import request as requests_
 from shmserve.frontend.catalog import ModelCatalog
 from shmserve.frontend.errors import InferError
 from shmserve.ipc import channel, packets
+from shmserve.ipc.lease_table import LeaseTable
 from shmserve.ipc.messages import (
     BLS_FRONTEND_BASE,
     CancelRequest,
@@ -40,6 +51,13 @@ from shmserve.ipc.messages import (
     FrontendHello,
     InferResult,
     InferResults,
+    LeaseBounced,
+    LeasedDone,
+    LeasedExecute,
+    LeasedRecord,
+    LeaseGranted,
+    LeaseLost,
+    LeaseRevoked,
     ModelTable,
     ReleaseOutputs,
     SubmitRequest,
@@ -55,6 +73,9 @@ from .pb_errors import FROM_ERROR_CODE
 log = logging.getLogger("shmserve.worker")
 
 FIRST_TABLE_WAIT_S = 30.0
+# How long the completion records of leased calls wait for the worker's own answer to take
+# them before they go to the scheduler on their own.
+RECORDS_WAIT_MS = 5
 
 
 class BlsClient:
@@ -74,15 +95,27 @@ class BlsClient:
         self.queries: dict[int, queue.SimpleQueue] = {}     # model control (model_control.py)
         self.maps = ShmMapCache()
         self.boxes: dict[str, packets.PacketOutbox] = {}
+        self.leases = LeaseTable()          # instances lent to this client (under ``lock``)
+        # what each pending request was sent as: a bounced or lost one goes to the scheduler
+        self.sent: dict[int, tuple[SubmitRequest, bytes]] = {}
+        self.done: list[LeasedRecord] = []  # completion records of leased requests, not sent
+        self.lost: list[LeaseLost] = []     # handled once the inbox is drained
         self.receiver = threading.Thread(target=self.receive, name="bls-receiver", daemon=True)
         self.receiver.start()
-        worker.tell(FrontendHello(self.fid, self.inbox.address, leases=False))
+        worker.tell(FrontendHello(self.fid, self.inbox.address))
 
     # ---- the receiver thread ----------------------------------------------------------------
     def receive(self) -> None:
+        armed = False
         while True:
+            if bool(self.done) != armed:
+                armed = not armed
+                self.inbox.set_timeout(RECORDS_WAIT_MS if armed else -1)
             try:
                 msg, _ = self.inbox.recv()
+            except zmq.Again:           # records nobody took: they go on their own
+                self.flush_done()
+                continue
             except Exception:           # closed: the worker is stopping
                 return
             if isinstance(msg, InferResult):
@@ -104,9 +137,85 @@ class BlsClient:
                 for rid in ended:
                     self.deliver(InferResult(rid, "", 0, error=msg.reason,
                                              code=ErrorCode.INTERNAL))
+            elif isinstance(msg, (LeaseGranted, LeaseRevoked, LeaseBounced, LeaseLost)):
+                self.lease_news(msg)
+            if self.lost and not self.inbox.has_message():
+                self.settle()
+
+    # ---- leases (the receiver thread) -------------------------------------------------------
+    def lease_news(self, msg) -> None:
+        with self.lock:
+            if isinstance(msg, LeaseGranted):
+                lease = self.leases.granted(msg, self.worker_box)
+                for rid in msg.returned:        # ours, held by the scheduler: they go first
+                    if rid in self.pending and rid in self.sent:
+                        head = self.sent[rid][0]
+                        head.no_lease = lease is None or head.model != msg.model
+                        self.send(rid, None if head.no_lease else lease)
+            elif isinstance(msg, LeaseRevoked):
+                self.leases.revoked(msg.lease_id)
+            elif isinstance(msg, LeaseBounced):     # read after its lease ended: not run
+                self.leases.done(msg.req_id)
+                if msg.req_id in self.pending and msg.req_id in self.sent:
+                    self.send(msg.req_id, None)
+            else:
+                self.leases.forget(lambda held: held.spawn_id == msg.spawn_id)
+                # its answers may still be unread in the inbox: decided once all is read
+                self.lost.append(msg)
+
+    def settle(self) -> None:
+        """The inbox is drained: the requests of leased workers that ended go to the
+        scheduler, to run again or fail."""
+        with self.lock:
+            lost, self.lost = self.lost, []
+            for msg in lost:
+                for rid in self.leases.lost(msg.spawn_id):
+                    sent = self.sent.get(rid)
+                    if sent is not None and rid in self.pending:
+                        sent[0].lost, sent[0].lost_retry = msg.reason, msg.retry
+                        self.send(rid, None)
+
+    def take_done(self) -> list[LeasedRecord]:
+        """The completion records of leased calls not yet sent (they ride with an answer)."""
+        with self.lock:
+            done, self.done = self.done, []
+        return done
+
+    def flush_done(self) -> None:
+        done = self.take_done()
+        if done:
+            self.worker.tell(LeasedDone(done))
+
+    def worker_box(self, spawn_id: int) -> packets.PacketOutbox:
+        address = channel.worker_address(self.worker.args.run_dir, spawn_id)
+        box = self.boxes.get(address)
+        if box is None or box.gone:
+            box = self.boxes[address] = packets.PacketOutbox(address)
+        return box
+
+    def send(self, req_id: int, lease) -> None:
+        """Send a request (held under ``lock``): under ``lease``, or to the scheduler when it
+        is None or its worker cannot take it."""
+        head, payload = self.sent[req_id]
+        if lease is not None and not lease.full:
+            self.leases.sent(lease, req_id)
+            try:
+                lease.box.send(LeasedExecute(lease.lease_id, head), (payload,),
+                               flags=channel.NOBLOCK)
+                return
+            except (packets.PeerGone, packets.PeerStalled, zmq.Again):
+                self.leases.done(req_id)
+                if lease.box.gone:
+                    self.leases.forget(lambda held: held.box is lease.box)
+        self.worker.tell(head, (payload,))
 
     def deliver(self, result: InferResult) -> None:
         with self.lock:
+            if result.final:
+                if self.leases.busy():
+                    self.leases.done(result.req_id)
+                if self.sent.pop(result.req_id, None) is not None and result.done is not None:
+                    self.done.append(result.done)
             q = self.pending.get(result.req_id)
             if q is not None and not result.final:
                 self.streams[result.req_id] = result.spawn_id
@@ -172,14 +281,17 @@ class BlsClient:
         prepared.payload.chain = chain
         req_id = next(self.ids)
         answers: queue.SimpleQueue = queue.SimpleQueue()
-        with self.lock:
-            self.pending[req_id] = answers
         head = SubmitRequest(req_id, self.fid, view.name, v, prepared.batch_size,
                              time.monotonic_ns(), prepared.priority, prepared.timeout_us,
                              prepared.shape_key, chain=chain,
                              sequence_id=prepared.payload.correlation_id,
                              sequence_flags=prepared.payload.flags)
-        worker.tell(head, (encode_message(prepared.payload),))
+        with self.lock:
+            self.pending[req_id] = answers
+            self.sent[req_id] = (head, encode_message(prepared.payload))
+            # never under a lease on a model whose execution waits for this answer
+            self.send(req_id, self.leases.pick(view.name, v)
+                      if self.leases and view.name not in chain else None)
         return req_id, answers, slots
 
     def answers(self, req, decoupled: bool):
@@ -199,7 +311,19 @@ class BlsClient:
         with self.lock:
             if req_id not in self.pending:
                 return
-        self.worker.tell(CancelRequest(self.fid, req_id))
+        self.tell_cancel(req_id)
+
+    def tell_cancel(self, req_id: int) -> None:
+        """To the leased worker the request went to, or to the scheduler."""
+        msg = CancelRequest(self.fid, req_id)
+        with self.lock:
+            for box in self.leases.boxes_of(req_id):
+                try:
+                    box.send(msg, flags=channel.NOBLOCK)
+                except (packets.PeerGone, packets.PeerStalled, zmq.Again):
+                    pass
+                return
+        self.worker.tell(msg)
 
     def _answers(self, req, decoupled: bool, req_id: int, answers, slots):
         timeout_s = req.timeout() / 1e6 if req.timeout() > 0 else None
@@ -260,7 +384,7 @@ class BlsClient:
             self.pending.pop(req_id, None)
             if slots:
                 self.abandoned[req_id] = slots
-        self.worker.tell(CancelRequest(self.fid, req_id))
+        self.tell_cancel(req_id)
 
     # ---- memory -----------------------------------------------------------------------------
     def free(self, slots: list) -> None:

@@ -25,11 +25,13 @@ from shmserve.ipc.messages import (
     ENSEMBLE_FRONTEND,
     BatchDone,
     CancelRequest,
+    ChainExecute,
     CudaRef,
     CustomMetrics,
     ErrorCode,
     ExecuteBatch,
     ForgetSegments,
+    InferPayload,
     InferResult,
     InferResults,
     LeaseBounced,
@@ -63,6 +65,7 @@ from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
 
 from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequence, tensors, warmup
 from .backend import WorkRequest, load_backend
+from .chain import Chains
 from .device_arena import DeviceArena
 from .device_arena import to_host as device_to_host
 from .gpu import CudaError, DeviceTensor
@@ -129,11 +132,12 @@ class Worker:
         pb_utils._bls = self.bls_client
         pb_utils._control = self.model_control     # load_model / unload_model / is_model_ready
         self.senders = False    # the backend answers through WorkRequest.emit: set by load()
+        self.chains = Chains(self)              # ensembles run worker to worker (chain.py)
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
         # longer running needs nothing
         self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
-                         Ping: self.pong, Wake: _ignore, CancelRequest: self.cancel_stream,
+                         Ping: self.pong, Wake: _ignore, CancelRequest: self.cancel,
                          RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings}
 
     def use_config(self, config_json: str) -> None:
@@ -286,6 +290,9 @@ class Worker:
             elif kind is ExecuteBatch:
                 waiting.hint(-1)        # from the scheduler: requests are queueing
                 self.execute(msg, frames)
+            elif kind is ChainExecute:
+                waiting.hint(msg.cpu)
+                self.chains.run(msg, frames)
             elif kind is Shutdown:
                 self.bounce_leased()
                 return
@@ -330,6 +337,8 @@ class Worker:
                 break
             if isinstance(msg, LeasedExecute):
                 self.leased(msg, frames)
+            elif isinstance(msg, ChainExecute):
+                self.chains.bounce(msg)
 
     def release_outputs(self, msg: ReleaseOutputs) -> None:
         with self.out_lock:
@@ -337,6 +346,10 @@ class Worker:
                 self.arena.free(ref)
             for dref in msg.device:
                 self.device_arena.free(dref)
+
+    def cancel(self, msg: CancelRequest) -> None:
+        self.cancel_stream(msg)
+        self.chains.cancel((msg.frontend, msg.req_id))
 
     def cancel_stream(self, msg: CancelRequest) -> None:
         """The client of a request still being answered through its response sender left:
@@ -371,6 +384,8 @@ class Worker:
                 del self.streams[key]
                 self.stream_cancelled.discard(key)
                 self.responses_reported.pop(key, None)
+        if self.chains.live and self.chains.answered(key, res):
+            return
         self.answer(route.frontend, res)
 
     def report_response(self, key: tuple[int, int], kind: str, start_ns: int,
@@ -435,7 +450,7 @@ class Worker:
                 if routes and any(r.req_id == msg.req_id and r.frontend == msg.frontend
                                   for r in routes):
                     self.cancelled.add((msg.frontend, msg.req_id))
-                self.cancel_stream(msg)     # a request that goes on streaming past execute()
+                self.cancel(msg)    # a request that goes on streaming past execute(), or a chain
             else:
                 self.backlog.append((msg, frames))
         return key in self.cancelled
@@ -458,7 +473,7 @@ class Worker:
         results: list[InferResult | None] = [None] * len(batch.routes)
         for i, frame in enumerate(frames):
             try:
-                p = decode_payload(frame)
+                p = frame if type(frame) is InferPayload else decode_payload(frame)
                 inputs, types = {}, {}
                 for t in p.inputs:
                     arr = tensors.to_numpy(t, self.maps) if t.cuda is None else \
@@ -539,12 +554,17 @@ class Worker:
             executed = sum(h.batch_size for h, r in zip(leased, results)
                            if r is not None and not r.error) or \
                 sum(h.batch_size for h in leased)
+            calls = self.bls.take_done() if self.bls is not None and self.bls.done else []
             for head, res in zip(leased, results):
                 if res is not None:
                     res.done = LeasedRecord(self.args.spawn_id, head.model, head.version,
                                             head.batch_size, head.received_ns, t3, t1 - t0,
                                             t2 - t1, t3 - t2, bool(res.error), executed)
                     executed = 0
+                    if calls:       # the BLS calls the execution made under leases
+                        res.steps, calls = calls, []
+            if calls and self.bls is not None:
+                self.bls.flush_done()
             self.answer_all(batch.routes, results)
             return
         failed = [i for i, res in enumerate(results) if res is not None and res.error]
@@ -558,8 +578,11 @@ class Worker:
         whole batch). An ensemble's steps are returned instead: they ride in the BatchDone (one
         message, one wake-up of the scheduler, which runs the ensemble)."""
         by_frontend: dict[int, list[InferResult]] = {}
+        chains = self.chains
         for route, res in zip(routes, results):
             if res is not None:
+                if chains.live and chains.answered((route.frontend, route.req_id), res):
+                    continue        # a step of an ensemble run worker to worker
                 by_frontend.setdefault(route.frontend, []).append(res)
         steps = by_frontend.pop(ENSEMBLE_FRONTEND, [])
         for fid, answers in by_frontend.items():
@@ -649,6 +672,7 @@ class Worker:
                 log.exception("finalize failed")
         if self.bls is not None:
             self.bls.close()
+        self.chains.close()
         self.arena.close()
         self.maps.close()
         self.record.close()

@@ -3,17 +3,15 @@ worker the scheduler lent it. The real server, the real clients; what the lease 
 a worker dying under a leased request, an unload while leased, clients racing for the one
 instance, and a client cancelling a leased request."""
 import os
-import re
 import textwrap
 import threading
 
 import numpy as np
 import pytest
-import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from repo_builder import PID_SLOW, write_model
-from serverproc import Server, alive, model_sleeping, wait_for
+from serverproc import Server, alive, leased_requests, model_sleeping, wait_for
 from tritonclient.utils import InferenceServerException
 
 ECHO_CONFIG = '''
@@ -103,12 +101,6 @@ def srv(repo):
     s.stop()
 
 
-def leased(srv, model: str) -> float:
-    page = requests.get(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).text
-    m = re.search(rf'^shmserve_leased_requests_total{{model="{model}"}} (\S+)$', page, re.M)
-    return float(m.group(1)) if m else 0.0
-
-
 def echo(client, model: str, value: float, **params):
     x = np.full((1, 4), value, dtype=np.float32)
     inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
@@ -124,8 +116,8 @@ def inference_count(client, model: str) -> int:
 
 def take_lease(srv, client, model: str, send) -> None:
     """Send requests one at a time until the frontend uses a lease for them."""
-    before = leased(srv, model)
-    wait_for(lambda: send() is not None and leased(srv, model) > before, 20,
+    before = leased_requests(srv, model)
+    wait_for(lambda: send() is not None and leased_requests(srv, model) > before, 20,
              f"requests for '{model}' to go under a lease")
 
 
@@ -137,12 +129,12 @@ def client(srv):
 
 
 def test_one_at_a_time_requests_go_straight_to_the_worker_and_are_counted(srv, client):
-    count, before = inference_count(client, "echo"), leased(srv, "echo")
+    count, before = inference_count(client, "echo"), leased_requests(srv, "echo")
     pids = {echo(client, "echo", i) for i in range(40)}
     assert len(pids) == 1
     # after the first request (through the scheduler) the frontend holds a lease; the lease is
     # renewed every 2 s, so a request may go through the scheduler now and then
-    assert leased(srv, "echo") - before >= 30
+    assert leased_requests(srv, "echo") - before >= 30
     assert inference_count(client, "echo") == count + 40        # the scheduler counts them all
     g = grpcclient.InferenceServerClient(srv.grpc_url)
     x = np.ones((1, 4), dtype=np.float32)
@@ -166,7 +158,7 @@ def test_worker_death_under_a_leased_request_is_retried_on_the_new_worker(srv, c
 
 def test_concurrent_clients_of_the_one_instance_lose_nothing(srv):
     count = inference_count(httpclient.InferenceServerClient(srv.url), "echo")
-    before = leased(srv, "echo")
+    before = leased_requests(srv, "echo")
     errors, done = [], []
 
     def run(k):
@@ -189,7 +181,7 @@ def test_concurrent_clients_of_the_one_instance_lose_nothing(srv):
     assert inference_count(httpclient.InferenceServerClient(srv.url), "echo") == count + 160
     # one frontend's concurrent load on a single-instance model: the scheduler hands its queue
     # over with the lease, and the frontend pipelines into the worker
-    assert leased(srv, "echo") - before >= 80
+    assert leased_requests(srv, "echo") - before >= 80
 
 
 def test_cancelling_a_leased_request_reaches_the_model(srv, repo, client):
@@ -233,7 +225,7 @@ def test_leased_requests_of_a_dynamic_batching_model_batch_in_the_worker(srv):
     take_lease(srv, client, "batched_echo", lambda: echo(client, "batched_echo", 1))
     stats = client.get_inference_statistics("batched_echo")["model_stats"][0]
     before = (int(stats["inference_count"]), int(stats["execution_count"]),
-              leased(srv, "batched_echo"))
+              leased_requests(srv, "batched_echo"))
     pending = []
     for i in range(16):
         x = np.full((1, 4), i, dtype=np.float32)
@@ -253,7 +245,7 @@ def test_leased_requests_of_a_dynamic_batching_model_batch_in_the_worker(srv):
     assert executions < 16, "nothing was batched"
     assert max(int(b["batch_size"]) for b in stats["batch_stats"]) <= 8
     # the lease is renewed every 2 s, so one may have gone through the scheduler
-    wait_for(lambda: leased(srv, "batched_echo") - before[2] >= 8, 20,
+    wait_for(lambda: leased_requests(srv, "batched_echo") - before[2] >= 8, 20,
              "the requests to be counted as leased")
     client.close()
 
@@ -273,7 +265,7 @@ def test_a_batching_pair_is_lent_whole_and_the_frontend_spreads_over_it(srv):
     requests over them; each worker batches what reaches its inbox."""
     client = httpclient.InferenceServerClient(srv.url, concurrency=16, network_timeout=60)
     take_lease(srv, client, "batched_pair", lambda: echo(client, "batched_pair", 1))
-    before = leased(srv, "batched_pair")
+    before = leased_requests(srv, "batched_pair")
     pids = set()
     for x, p in _send_16(client, "batched_pair", 100):
         r = p.get_result()
@@ -281,7 +273,7 @@ def test_a_batching_pair_is_lent_whole_and_the_frontend_spreads_over_it(srv):
         pids.add(int(r.as_numpy("PID")[0, 0]))
     assert len(pids) == 2, "one instance ran everything"
     # the leases are renewed every 2 s, so a few may have gone through the scheduler
-    wait_for(lambda: leased(srv, "batched_pair") - before >= 8, 20,
+    wait_for(lambda: leased_requests(srv, "batched_pair") - before >= 8, 20,
              "the requests to be counted as leased")
     client.close()
 

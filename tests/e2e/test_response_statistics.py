@@ -91,16 +91,22 @@ def _expected(counts, n):
 
 
 def _both(server, model="square_int32"):
-    """response_stats over HTTP, after checking gRPC reports the same."""
+    """response_stats over HTTP, after checking gRPC reports the same. A stream still running
+    may add a response between the two queries: they are compared once HTTP reads the same
+    before and after the gRPC query."""
     http = httpclient.InferenceServerClient(server.url)
     grpc = grpcclient.InferenceServerClient(server.grpc_url)
-    try:
-        by_http = http.get_inference_statistics(model)["model_stats"][0]
+
+    def read():
+        before = http.get_inference_statistics(model)["model_stats"][0]["response_stats"]
         by_grpc = grpc.get_inference_statistics(model, as_json=True)["model_stats"][0]
+        after = http.get_inference_statistics(model)["model_stats"][0]["response_stats"]
+        return (after, by_grpc.get("response_stats", {})) if before == after else None
+    try:
+        rs_http, rs_grpc = wait_for(read, 30, "the statistics to hold still for two queries")
     finally:
         http.close()
         grpc.close()
-    rs_http, rs_grpc = by_http["response_stats"], by_grpc.get("response_stats", {})
     assert sorted(rs_http) == sorted(rs_grpc)
     for index, kinds in rs_http.items():
         assert sorted(kinds) == sorted(KINDS)

@@ -3,7 +3,7 @@ loading after the composing models, steps as the scheduler's own requests, tenso
 shared-memory reference, slots given back, errors, cancellation, worker deaths, decoupled steps,
 statistics, explicit load and unload. No sockets, no processes, no sleeping."""
 import pytest
-from fakes import IO, ONE, Harness, tensor_payload, write_ensemble, write_model
+from fakes import FRONTEND, IO, ONE, Harness, tensor_payload, write_ensemble, write_model
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (
@@ -12,13 +12,17 @@ from shmserve.ipc.messages import (
     ControlAction,
     ControlRequest,
     ErrorCode,
+    FrontendHello,
     InferResult,
+    LeaseEnded,
+    LeaseGranted,
     ModelState,
     OutputSpec,
     ReleaseOutputs,
     ShmRef,
     StateCause,
     StatsQuery,
+    SubmitRequest,
     Tensor,
 )
 
@@ -681,3 +685,106 @@ def test_unloading_a_composing_model_unloads_the_ensemble(repo):
     # loading the ensemble again loads b again (explicit mode)
     control(h, ControlAction.LOAD, "E")
     assert h.states("b")[1][0] is ModelState.LOADING
+
+
+# ---- lending the steps, so the frontend runs the ensemble worker to worker (workers/chain.py) ---
+def granted(h):
+    return [m for f, m in h.port.to_frontend if isinstance(m, LeaseGranted)]
+
+
+def scheduled(h):
+    """A request of E the frontend could not send worker to worker: it runs here."""
+    return h.submit("E", payload=tensor_payload({"IN": CLIENT_IN}, ("OUT",)), no_lease=True)
+
+
+def test_a_request_whose_steps_are_idle_goes_back_with_their_leases(repo):
+    h = Harness(repo, instance_leases=True).start()
+    a, b = sid_of(h, "a"), sid_of(h, "b")
+    route = h.table().models[[m.name for m in h.table().models].index("E")].versions[0].route
+    assert [(hop.step, hop.model, hop.version, hop.inputs, hop.outputs) for hop in route] == \
+        [(0, "a", 1, {"INPUT0": "IN"}, {"OUTPUT0": "mid"}),
+         (1, "b", 1, {"INPUT0": "mid"}, {"OUTPUT0": "OUT"})]
+    rid = run(h)
+    assert h.batches() == []        # nothing ran here
+    # both granted, then the request goes back with the last (to go worker to worker)
+    assert [(g.model, g.spawn_id, g.returned) for g in granted(h)] == \
+        [("a", a, []), ("b", b, []), ("b", b, [rid])]
+    # a fork runs its steps side by side here: no route, never held
+    assert not [hop for m in h.table().models if m.name == "P" for v in m.versions
+                for hop in v.route]
+
+
+def test_a_chain_ensembles_steps_are_lent_once_a_run_here_ends(repo):
+    h = Harness(repo, instance_leases=True).start()
+    a, b = sid_of(h, "a"), sid_of(h, "b")
+    rid = scheduled(h)
+    h.answer(a)
+    assert granted(h) == []         # not after a step: the run's next step would revoke it
+    h.answer(b)
+    assert not h.results()[rid].error
+    assert sorted((g.model, g.spawn_id) for g in granted(h)) == [("a", a), ("b", b)]
+
+
+def test_requests_that_come_while_runs_end_are_returned_with_the_leases(repo):
+    h = Harness(repo, instance_leases=True).start()
+    a, b = sid_of(h, "a"), sid_of(h, "b")
+    first = scheduled(h)
+    second = run(h)                 # a run is under way: held, not started
+    assert len(h.batches(a)) == 1
+    h.answer(a)
+    h.answer(b)
+    assert not h.results()[first].error and second not in h.results()
+    leases = granted(h)
+    assert {g.model for g in leases} == {"a", "b"} and leases[-1].returned == [second]
+
+
+def test_held_requests_run_here_when_the_steps_cannot_be_lent(repo):
+    h = Harness(repo, instance_leases=True).start()
+    a, b = sid_of(h, "a"), sid_of(h, "b")
+    h.core.handle(FrontendHello(5, "inproc://frontend-5"))
+    first = scheduled(h)
+    second = run(h)                 # held
+    h.answer(a)                     # E's step 1 runs on b
+    h.core.handle(SubmitRequest(900, 5, "b", 1, 1, h.clock()), [b"other"])    # queues for b
+    h.answer(b)                     # b goes to the other frontend: it cannot be lent
+    assert not h.results()[first].error
+    mine = [m for f, m in h.port.to_frontend if f == FRONTEND and isinstance(m, LeaseGranted)]
+    assert all(not g.returned for g in mine)
+    # no run of E is left to end here: the held request runs here; a, lent meanwhile (it
+    # was idle), comes back for its step
+    for g in mine:
+        h.core.handle(LeaseEnded(g.spawn_id, g.lease_id))
+    _, batch, _ = h.batches(a)[-1]
+    assert len(h.batches(a)) == 2 and [r.frontend for r in batch.routes] == [ENSEMBLE_FRONTEND]
+    h.answer(a)
+    (other,) = [m for f, m in h.port.to_frontend if f == 5 and isinstance(m, LeaseGranted)]
+    h.core.handle(LeaseEnded(b, other.lease_id))    # E's step takes b back from frontend 5
+    h.answer(b)
+    assert not h.results()[second].error
+
+
+def test_a_chained_request_lost_with_its_worker_fails_by_its_step(repo):
+    h = Harness(repo, instance_leases=True).start()
+    h.core.handle(SubmitRequest(77, FRONTEND, "E", 1, 1, h.clock(),
+                                lost="the worker process of instance 'b_0_0' of model 'b' "
+                                     "exited unexpectedly", lost_retry=False),
+                  [tensor_payload({"IN": CLIENT_IN}, ("OUT",))])
+    res = h.results()[77]
+    assert res.code is ErrorCode.INTERNAL
+    assert res.error.startswith("in ensemble 'E', step 1 (model 'b'): the worker process")
+
+
+def test_held_requests_do_not_wait_for_another_frontends_runs(repo):
+    h = Harness(repo, instance_leases=True).start()
+    a = sid_of(h, "a")
+    h.core.handle(FrontendHello(5, "inproc://frontend-5"))
+    first = scheduled(h)
+    second = run(h)                 # held while the run ends
+    assert len(h.batches(a)) == 1
+    # the other frontend's request: they compete, so the held one runs here at once
+    h.core.handle(SubmitRequest(900, 5, "E", 1, 1, h.clock()),
+                  [tensor_payload({"IN": CLIENT_IN}, ("OUT",))])
+    assert not h.core.chains.held
+    # both wait for a here (it runs the first one's step): the held one was not left behind
+    assert len(h.core.versions[("a", 1)].queue) == 2
+    assert first not in h.results() and second not in h.results()

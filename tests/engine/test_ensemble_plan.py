@@ -337,3 +337,42 @@ def test_absent_tensors_follow_the_steps_that_can_never_run():
     # a's X is required: a never runs, and c's t (required) never comes either
     assert absent(plan, {"Y"}) == frozenset({"X", "t", "v"})
     assert absent(plan, set()) == frozenset({"X", "Y", "t", "u", "v"})
+
+
+# ---- chain: the ensembles whose steps may run worker to worker (workers/chain.py) ---------------
+def chained(steps, *models, **kw) -> list[int]:
+    cfg = ensemble(steps, **kw)
+    p = plan(cfg)
+    bind(p, cfg, configs(*models))
+    return [s.index for s in p.chain]
+
+
+def test_steps_that_can_only_run_one_after_the_other_form_a_chain_in_that_order():
+    # written out of order: the chain is the order they can run in
+    assert chained(list(reversed(CHAIN)), model("a"), model("b")) == [1, 0]
+    assert chained(CHAIN[:1] + [step("b", {"INPUT0": "mid"}, {"OUTPUT0": "mid2"}),
+                                step("c", {"INPUT0": "mid2"}, {"OUTPUT0": "OUT"})],
+                   model("a"), model("b"), model("c")) == [0, 1, 2]
+
+
+def test_steps_that_could_run_side_by_side_are_left_to_the_scheduler():
+    # a and b both read IN: they run in parallel there; c joins them
+    steps = [step("a", {"INPUT0": "IN"}, {"OUTPUT0": "p"}),
+             step("b", {"INPUT0": "IN"}, {"OUTPUT0": "q"}),
+             step("c", {"X": "p", "Y": "q"}, {"OUTPUT0": "OUT"})]
+    c = model("c", inputs=(("X", FP32), ("Y", FP32)))
+    assert chained(steps, model("a"), model("b"), c) == []
+
+
+def test_an_output_made_before_the_last_step_is_left_to_the_scheduler():
+    steps = [step("a", {"INPUT0": "IN"}, {"OUTPUT0": "mid"}),
+             step("b", {"INPUT0": "mid"}, {"OUTPUT0": "OUT2"})]
+    assert chained(steps, model("a"), model("b"),
+                   outputs=(("mid", FP32), ("OUT2", FP32))) == []
+
+
+def test_optional_inputs_and_streaming_steps_are_left_to_the_scheduler():
+    optional = model("b", inputs=(("INPUT0", FP32), ("EXTRA", FP32, "optional")))
+    assert chained(CHAIN, model("a"), optional) == []
+    streaming = model("b", extra="max_batch_size: 8\nmodel_transaction_policy { decoupled: true }")
+    assert chained(CHAIN, model("a"), streaming) == []

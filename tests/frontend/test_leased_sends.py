@@ -109,8 +109,8 @@ def test_an_idle_worker_gets_a_request_at_once_a_busy_one_a_packet_per_turn(run_
         await until(lambda: not client.corked)
         assert rig.at_worker(5) == rest
         assert rig.packets == [1, 5]
-        assert set(client.direct) == {first, *rest}
-        assert client.leases[("m", 1)][0].inflight == 6
+        assert set(client.leases.direct) == {first, *rest}
+        assert client.leases.held[("m", 1)][0].inflight == 6
         client.close()
 
     try:
@@ -132,10 +132,10 @@ def test_a_request_cancelled_while_held_for_its_worker_never_reaches_it(run_dir,
         assert client.corked
         client.cancel(dropped)
         assert rig.results[dropped].code == messages.ErrorCode.CANCELLED
-        assert dropped not in client.pending and dropped not in client.direct
+        assert dropped not in client.pending and dropped not in client.leases.direct
         await until(lambda: not client.corked)
         assert rig.at_worker(1) == [kept]
-        assert client.leases[("m", 1)][0].inflight == 2     # first and kept
+        assert client.leases.held[("m", 1)][0].inflight == 2     # first and kept
         client.cancel(kept)         # sent already: the worker is told (after it)
         client.close()
 
@@ -160,7 +160,7 @@ def test_requests_held_for_a_worker_that_has_gone_go_to_the_scheduler(run_dir, m
         assert [h.req_id for h in sent] == rest
         assert all(h.no_lease for h in sent)        # not to be handed back to us
         assert set(client.pending) == {first, *rest}    # nothing answered, nothing lost
-        assert set(client.direct) == {first}
+        assert set(client.leases.direct) == {first}
         client.close()
 
     try:
@@ -192,7 +192,7 @@ def test_what_a_full_worker_inbox_cannot_take_goes_to_the_scheduler(run_dir, mon
         # a lease with no depth limit we hold but could not use: not to be handed back to us
         assert all(h.no_lease for h in sent)
         assert client.leases                        # kept: the worker is only busy
-        assert not set(rest) & set(client.direct)
+        assert not set(rest) & set(client.leases.direct)
         assert set(rest) <= set(client.pending)
         client.close()
         return filler

@@ -34,6 +34,7 @@ from shmserve.ipc.messages import (
 from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers import cuda_ipc, gpu
 from shmserve.workers.backend import WorkResponse
+from shmserve.workers.chain import Chains
 from shmserve.workers.device_arena import ALIGN, DeviceArena, to_host
 from shmserve.workers.gpu import DeviceTensor
 from shmserve.workers.main import Worker
@@ -186,6 +187,7 @@ def execution_record() -> ExecutionRecord:
 
 def make_worker(backend, pool=None, config=CONFIG) -> tuple[Worker, list]:
     w = Worker.__new__(Worker)
+    w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.args = types.SimpleNamespace(spawn_id=1)
     w.spec = types.SimpleNamespace(model_name="m", version=1)
     w.inbox = types.SimpleNamespace(address="unix://test")

@@ -36,6 +36,7 @@ from shmserve.ipc.messages import (
     encode,
 )
 from shmserve.ipc.shm import ShmMapCache
+from shmserve.workers.chain import Chains
 from shmserve.workers.main import Worker
 
 START, END = 1, 2
@@ -65,6 +66,7 @@ def make_worker(model_dir: str) -> Worker:
         cfg_json = config_json(f.read())
     cfg = json.loads(cfg_json)
     w = Worker.__new__(Worker)
+    w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.args = SimpleNamespace(spawn_id=1)
     w.args_path = ""
     w.spec = InstanceSpec(cfg["name"], 1, model_dir, cfg_json, f"{cfg['name']}_0", "CPU", 0,

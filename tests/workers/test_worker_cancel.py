@@ -10,12 +10,14 @@ from serverproc import wait_for
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import CancelRequest, ForgetSegments, Ping, RequestRoute
+from shmserve.workers.chain import Chains
 from shmserve.workers.main import Worker
 
 
 @pytest.fixture
 def worker(tmp_path):
     w = Worker.__new__(Worker)              # only what poll_cancelled uses; no model, no arena
+    w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), 1))
     w.backlog, w.running, w.cancelled = deque(), None, set()
     w.streams, w.stream_cancelled, w.responses_reported = {}, set(), {}

@@ -22,6 +22,7 @@ from shmserve.ipc.messages import (
     RevokeLease,
     SubmitRequest,
 )
+from shmserve.workers.chain import Chains
 from shmserve.workers.lease_batch import LeasedBatcher
 from shmserve.workers.main import Worker
 
@@ -48,6 +49,7 @@ def worker(tmp_path):
     w.executed, w.answers = [], []
     w.execute = lambda batch, frames, leased=None: w.executed.append((batch, frames, leased))
     w.answer = lambda fid, msg: w.answers.append((fid, msg))
+    w.chains = Chains(w)
     out = channel.outbox_for(w.inbox.address)
     yield w, out
     out.close()

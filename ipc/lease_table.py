@@ -1,0 +1,139 @@
+"""The lease taker's half of instance leases (engine/leases.py has the protocol): the instances
+a frontend, or a worker's BLS client, holds; which of its requests went under which; which to
+send the next one under. Both takers keep their leases here, so the rules are written once.
+
+Pure: no sockets of its own; ``granted`` opens a worker's inbox through the callable it is
+given, and the caller sends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from .messages import ChainHop, LeaseGranted
+from .packets import PeerGone
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: int
+    spawn_id: int
+    box: Any                    # the worker's inbox (a PacketOutbox)
+    depth: int = 1              # requests in flight at once; 0 = no limit
+    inflight: int = 0
+
+    @property
+    def full(self) -> bool:
+        return bool(self.depth) and self.inflight >= self.depth
+
+
+class LeaseTable:
+    def __init__(self) -> None:
+        # (model, version) -> its leases: one, or (no depth limit) one per idle instance
+        self.held: dict[tuple[str, int], list[Lease]] = {}
+        self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
+        # an ensemble's request sent worker to worker (workers/chain.py) -> its steps' leases
+        self.chained: dict[int, list[Lease]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self.held)
+
+    # ---- choosing -------------------------------------------------------------------------------
+    def pick(self, model: str, version: int) -> Lease | None:
+        """The lease to send the next request for ``model`` under: the one with the fewest in
+        flight (it may be full)."""
+        held = self.held.get((model, version))
+        if not held:
+            return None
+        return held[0] if len(held) == 1 else min(held, key=lambda h: h.inflight)
+
+    def route(self, hops: list[ChainHop]) -> list[Lease] | None:
+        """A lease with room for every step of an ensemble that may run worker to worker;
+        None: the scheduler runs it."""
+        chosen = []
+        for hop in hops:
+            lease = self.pick(hop.model, hop.version)
+            if lease is None or lease.full:
+                return None
+            chosen.append(lease)
+        return chosen
+
+    def holds_all(self, hops: list[ChainHop]) -> bool:
+        return all((h.model, h.version) in self.held for h in hops)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def sent(self, lease: Lease, req_id: int) -> None:
+        lease.inflight += 1
+        self.direct[req_id] = lease
+
+    def sent_route(self, leases: list[Lease], req_id: int) -> None:
+        """An ensemble request counts as in flight under each of its steps' leases."""
+        for lease in leases:
+            lease.inflight += 1
+        self.chained[req_id] = leases
+
+    def busy(self) -> bool:
+        return bool(self.direct or self.chained)
+
+    def done(self, req_id: int) -> None:
+        lease = self.direct.pop(req_id, None)
+        if lease is not None:
+            lease.inflight -= 1
+        if self.chained:
+            for lease in self.chained.pop(req_id, ()):
+                lease.inflight -= 1
+
+    def boxes_of(self, req_id: int) -> set:
+        """The inboxes of the workers a request went to under leases (a cancel goes there)."""
+        lease = self.direct.get(req_id)
+        if lease is not None:
+            return {lease.box}
+        return {lease.box for lease in self.chained.get(req_id, ())}
+
+    def lost(self, spawn_id: int) -> list[int]:
+        """The requests that went under a lease on the worker ``spawn_id``, or through it
+        worker to worker: no longer under any lease."""
+        rids = [rid for rid, leases in self.chained.items()
+                if any(lease.spawn_id == spawn_id for lease in leases)]
+        rids += [rid for rid, lease in self.direct.items() if lease.spawn_id == spawn_id]
+        for rid in rids:
+            self.done(rid)
+        return rids
+
+    # ---- what the scheduler says ----------------------------------------------------------------
+    def granted(self, msg: LeaseGranted, box_for: Callable[[int], Any]) -> Lease | None:
+        """A grant (or a grant again, with requests returned): the lease, None when its worker
+        is gone already (``box_for`` raised; its LeaseLost follows)."""
+        key = (msg.model, msg.version)
+        held = self.held.setdefault(key, [])
+        lease = next((h for h in held if h.lease_id == msg.lease_id), None)
+        if lease is None:
+            # a lease on the same worker ended already (its revoke came first, in order)
+            held[:] = [h for h in held if h.spawn_id != msg.spawn_id]
+            try:
+                lease = Lease(msg.lease_id, msg.spawn_id, box_for(msg.spawn_id), msg.depth)
+                held.append(lease)
+            except PeerGone:
+                lease = None
+            if not held:
+                del self.held[key]
+        return lease
+
+    def forget(self, match: Callable[[Lease], bool]) -> None:
+        """Stop using the leases ``match`` picks (requests sent under them still finish)."""
+        for key, held in list(self.held.items()):
+            kept = [h for h in held if not match(h)]
+            if not kept:
+                del self.held[key]
+            elif len(kept) != len(held):
+                self.held[key] = kept
+
+    def revoked(self, lease_id: int) -> None:
+        self.forget(lambda h: h.lease_id == lease_id)
+
+    def clear(self) -> Iterable[Lease]:
+        self.direct.clear()
+        self.chained.clear()
+        leases = [h for held in self.held.values() for h in held]
+        self.held.clear()
+        return leases
