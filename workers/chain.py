@@ -78,7 +78,8 @@ class Chains:
             return
         hop = msg.hops[k]
         try:
-            p = decode_payload(frames[0])
+            # from this worker's own queue the payload comes as it was made, not encoded
+            p = frames[0] if type(frames[0]) is InferPayload else decode_payload(frames[0])
         except Exception as e:
             self.end(msg, ErrorCode.INVALID_ARG, f"invalid request tensors: {e}")
             return
@@ -148,16 +149,15 @@ class Chains:
                 held.append((res.worker, t.shm))
         nxt = ChainExecute(head, msg.hops, msg.leases, msg.workers, k + 1, held, records,
                            msg.cpu)
-        frame = encode(InferPayload(p.request_id, list(known.values()), p.outputs,
-                                    p.parameters, p.correlation_id, p.flags, p.chain))
-        self.forward(nxt, frame)
+        self.forward(nxt, InferPayload(p.request_id, list(known.values()), p.outputs,
+                                       p.parameters, p.correlation_id, p.flags, p.chain))
         return True
 
-    def forward(self, msg: ChainExecute, frame: bytes) -> None:
+    def forward(self, msg: ChainExecute, payload: InferPayload) -> None:
         w = self.worker
         sid = msg.workers[msg.at]
         if sid == w.args.spawn_id and threading.get_ident() == w.main_thread:
-            w.backlog.append((msg, [frame]))    # ours too: next, without a socket
+            w.backlog.append((msg, [payload]))  # ours too: next, without a socket
             return
         address = channel.worker_address(w.args.run_dir, sid)
         try:
@@ -165,7 +165,7 @@ class Chains:
                 box = self.peers.get(address)
                 if box is None:
                     box = self.peers[address] = packets.PacketOutbox(address)
-                box.send(msg, (frame,), flags=channel.NOBLOCK)
+                box.send(msg, (encode(payload),), flags=channel.NOBLOCK)
             return
         except (packets.PeerGone, packets.PeerStalled, zmq.Again) as e:
             log.debug("chained request %d: worker %d cannot take it (%s)", msg.head.req_id,
