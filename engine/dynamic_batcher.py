@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator
 
+from .batch_rule import BatchGrowth, BatchRule
 from .batching import IdleInstances, QueuedRequest, QueueFull
 
 
@@ -59,8 +60,8 @@ class DynamicBatcher(IdleInstances):
         self.policies = dict(cfg.level_policies)
         self.levels: dict[int, _Level] = {}     # level index -> its queue, while not empty
         self.order: list[int] = []              # their indexes, highest priority (lowest) first
-        self.preferred = sorted(p for p in cfg.preferred if 0 < p <= cfg.max_batch_size)
-        self.delay_ns = cfg.max_queue_delay_us * 1000
+        self.rule = BatchRule.of(cfg.max_batch_size, cfg.preferred, cfg.max_queue_delay_us)
+        self.delay_ns = self.rule.delay_ns
         self.idle: list[Hashable] = []
         self.count = 0
         # earliest queue timeout of any request (may be stale-early after dispatch: that only
@@ -68,7 +69,8 @@ class DynamicBatcher(IdleInstances):
         self.earliest_deadline = 0
         self._version = 0           # bumped by every change to the queues
         self._scanned = -1          # the version _scan_result was computed at
-        self._scan_result: tuple = ([], 0, False, 0)
+        self._scan_result: tuple[list[QueuedRequest], BatchGrowth, int] = \
+            ([], self.rule.grow(), 0)
 
     # ---- queueing ------------------------------------------------------------------------------
     def level_of(self, priority: int) -> int:
@@ -156,53 +158,34 @@ class DynamicBatcher(IdleInstances):
             yield from level.ready
             yield from level.delayed
 
-    def _scan(self) -> tuple[list[QueuedRequest], int, bool, int]:
-        """The batch the queue head can form: (requests, length of the longest prefix whose size
-        is a preferred size, whether it cannot grow, its oldest enqueue time). Remembered until
-        the queue changes: the shell asks twice per message (next_batches, next_deadline_ns)."""
+    def _scan(self) -> tuple[list[QueuedRequest], BatchGrowth, int]:
+        """The batch the queue head can form by the rule (engine/batch_rule.py), how it grew,
+        and its oldest enqueue time. Remembered until the queue changes: the shell asks twice
+        per message (next_batches, next_deadline_ns)."""
         if self._scanned == self._version:
             return self._scan_result
-        mbs = self.cfg.max_batch_size
-        # past the largest preferred size a batch is not worth growing further
-        limit = self.preferred[-1] if self.preferred else mbs
         batch: list[QueuedRequest] = []
-        total = 0
-        best = 0
-        closed = False      # the batch cannot grow: full, or the next request does not fit
+        growth = self.rule.grow()
         oldest = 0
         for r in self.pending():
-            if batch and (r.alone or r.shape_key != batch[0].shape_key
-                          or total + r.batch_size > limit):
-                closed = True
+            if not growth.add(r.batch_size, r.shape_key, r.alone):
                 break
             batch.append(r)
-            if r.alone:         # a retry after a worker death runs by itself, and at once
-                closed = True
-                total = r.batch_size
-                oldest = r.enqueued_ns
-                break
-            total += r.batch_size
             if not oldest or r.enqueued_ns < oldest:
                 oldest = r.enqueued_ns
-            if total in self.preferred:
-                best = len(batch)
-            if total >= mbs:
-                closed = True
+            if growth.closed:
                 break
-        self._scan_result = (batch, best, closed, oldest)
+        self._scan_result = (batch, growth, oldest)
         self._scanned = self._version
         return self._scan_result
 
     def _candidate(self) -> tuple[list[QueuedRequest], bool]:
         """The batch the queue head can form, and whether it must wait no longer."""
-        batch, best, closed, oldest = self._scan()
+        batch, growth, oldest = self._scan()
         if not batch:
             return batch, False
-        if self.delay_ns and self.clock() - oldest >= self.delay_ns:
-            return batch, True          # the oldest has waited long enough: send all we have
-        if best:
-            return batch[:best], True
-        return batch, closed or self.delay_ns == 0
+        n = growth.due(self.clock() - oldest)
+        return (batch[:n], True) if n else (batch, False)
 
     def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]:
         out = []
@@ -238,7 +221,7 @@ class DynamicBatcher(IdleInstances):
             # without an idle instance nothing can go anyway; one becoming idle wakes the shell
             batch, due = self._candidate()
             if batch:
-                deadlines.append(self.clock() if due else self._scan()[3] + self.delay_ns)
+                deadlines.append(self.clock() if due else self._scan()[2] + self.delay_ns)
         return min(deadlines) if deadlines else None
 
     def requeue(self, req: QueuedRequest) -> None:

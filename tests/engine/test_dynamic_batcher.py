@@ -139,7 +139,7 @@ def test_preferred_size_counts_request_batch_sizes(clock):
 
 def test_preferred_sizes_above_max_batch_size_are_ignored(clock):
     b = make(clock, max_batch_size=4, preferred=(0, 2, 16))
-    assert b.preferred == [2]
+    assert b.rule.preferred == (2,)
 
 
 # ---- max_batch_size ---------------------------------------------------------------------------
