@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shmserve.ipc.messages import ENSEMBLE_FRONTEND, LeaseGranted, SubmitRequest
+from shmserve.ipc.messages import ENSEMBLE_FRONTEND, ErrorCode, LeaseGranted, SubmitRequest
 
 from .ensemble_plan import EnsemblePlan
 from .leases import unlimited
@@ -39,6 +39,25 @@ class ChainLending:
                 return None
             steps.append(self.core.versions[(step.model, v)])
         return steps
+
+    def lost(self, ver: ModelVersion, msg: SubmitRequest) -> bool:
+        """A request of ``ver`` ran worker to worker and a worker of its route died: whether
+        it fails now (the worker died of it, its model does not retry, or the server stops),
+        answered as a request of a dead batch would be, named by the step whose model's
+        worker died; otherwise it runs again here."""
+        core = self.core
+        blamed = core.deaths.blamed(msg.frontend, msg.req_id)
+        if not blamed and msg.lost_retry and not core.stopping:
+            return False
+        reason = blamed or msg.lost
+        plan = ver.ensemble
+        step = next((s for s in plan.chain if f"model '{s.model}'" in reason), None) \
+            if plan is not None else None
+        where = f", {step.label}" if step is not None else ""
+        ver.stats.failed("OTHER", core.clock() - msg.received_ns)
+        core.reply_error(msg.frontend, msg.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
+                         f"in ensemble '{ver.name}'{where}: {reason}")
+        return True
 
     def hold(self, ver: ModelVersion, msg: SubmitRequest, payload) -> bool:
         """A request of an ensemble that may run worker to worker, from a frontend that could

@@ -357,22 +357,8 @@ class SchedulerCore:
                              f"'{ver.name}' more instances or break the cycle")
             return
         if ver.ensemble is not None:
-            if msg.lost:
-                # it ran worker to worker and a worker of its steps died (workers/chain.py):
-                # run again here, or failed as a request of a dead batch would be
-                blamed = self.deaths.blamed(msg.frontend, msg.req_id)
-                if blamed or not msg.lost_retry or self.stopping:
-                    reason = blamed or msg.lost
-                    # named by its step, as when the step runs here (the reason names the
-                    # model whose worker died)
-                    step = next((s for s in ver.ensemble.chain if f"model '{s.model}'" in reason),
-                                None)
-                    where = f", {step.label}" if step is not None else ""
-                    ver.stats.failed("OTHER", self.clock() - msg.received_ns)
-                    self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
-                                     ErrorCode.INTERNAL, f"in ensemble '{ver.name}'{where}: "
-                                                         f"{reason}")
-                    return
+            if msg.lost and self.chains.lost(ver, msg):
+                return
             if not self.chains.hold(ver, msg, payload):
                 self.ensembles.start(ver, ver.ensemble, msg, payload)
             return

@@ -159,22 +159,8 @@ class Chains:
         if sid == w.args.spawn_id and threading.get_ident() == w.main_thread:
             w.backlog.append((msg, [payload]))  # ours too: next, without a socket
             return
-        address = channel.worker_address(w.args.run_dir, sid)
-        try:
-            with self.lock:
-                box = self.peers.get(address)
-                if box is None:
-                    box = self.peers[address] = packets.PacketOutbox(address)
-                box.send(msg, (encode(payload),), flags=channel.NOBLOCK)
-            return
-        except (packets.PeerGone, packets.PeerStalled, zmq.Again) as e:
-            log.debug("chained request %d: worker %d cannot take it (%s)", msg.head.req_id,
-                      sid, type(e).__name__)
-            with self.lock:
-                gone = self.peers.pop(address, None)
-            if gone is not None:
-                gone.close()
-        self.bounce(msg)
+        if not self.send(channel.worker_address(w.args.run_dir, sid), msg, (encode(payload),)):
+            self.bounce(msg)
 
     # ---- how it ends, other than answered -----------------------------------------------------------
     def bounce(self, msg: ChainExecute) -> None:
@@ -232,19 +218,26 @@ class Chains:
                 for ref in mine:
                     w.arena.free(ref)
         for owner, refs in by_owner.items():
-            try:
-                with self.lock:
-                    box = self.peers.get(owner)
-                    if box is None:
-                        box = self.peers[owner] = packets.PacketOutbox(owner)
-                    box.send(ReleaseOutputs(refs), flags=channel.NOBLOCK)
-            except (packets.PeerGone, packets.PeerStalled, zmq.Again) as e:
-                # gone: its slots went with it; full: they stay until it restarts
-                log.debug("could not give %d slot(s) back to %s: %s", len(refs), owner, e)
-                with self.lock:
-                    gone = self.peers.pop(owner, None)
-                if gone is not None:
-                    gone.close()
+            # one gone took its slots with it; one that is full keeps them until it restarts
+            self.send(owner, ReleaseOutputs(refs))
+
+    def send(self, address: str, msg, payloads=()) -> bool:
+        """To another worker, without waiting; False when it is gone or cannot take it."""
+        try:
+            with self.lock:
+                box = self.peers.get(address)
+                if box is None:
+                    box = self.peers[address] = packets.PacketOutbox(address)
+                box.send(msg, payloads, flags=channel.NOBLOCK)
+            return True
+        except (packets.PeerGone, packets.PeerStalled, zmq.Again) as e:
+            log.debug("could not send %s to %s: %s", type(msg).__name__, address,
+                      type(e).__name__)
+            with self.lock:
+                gone = self.peers.pop(address, None)
+            if gone is not None:
+                gone.close()
+            return False
 
     def close(self) -> None:
         with self.lock:
