@@ -65,14 +65,14 @@ from .chain_lending import ChainLending
 from .deaths import WorkerDeaths
 from .ensemble import EnsembleRunner
 from .instances import InstanceSupervisor
-from .leases import LeaseBook, unlimited
+from .leases import LeaseBook, submitted, unlimited
 from .lifecycle import ModelLifecycle, Waiter
 from .models import ModelVersion
 from .on_demand import OnDemand
 from .port import SchedulerPort
 from .rate_limiter import RateLimiter
 from .repository import ModelRepository
-from .sequence_batcher import SequenceError
+from .sequence_batcher import SequenceBatcher, SequenceError
 from .states import InstanceState, KillReason, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
@@ -380,7 +380,7 @@ class SchedulerCore:
         # for the answer (the instance it would be lent may be the one waiting)
         taker = not msg.chain or (msg.frontend > ENSEMBLE_FRONTEND and ver.name not in msg.chain)
         if self.leases.by_version and not msg.no_lease and taker and not msg.lost and \
-                self.leases.give_back(ver, msg.frontend, msg.req_id):
+                self.leases.give_back(ver, msg, payload):
             return
         if taker:
             self.leases.note_request(ver, msg.frontend)
@@ -389,17 +389,21 @@ class SchedulerCore:
             # either, as a lease granted as the step ends would be revoked by the next step
             # (a pipeline's steps are lent when its run ends: engine/chain_lending.py)
             self.leases.note_request(ver, None)
+        if self.enqueue(ver, req):
+            self.dispatch(ver)
+
+    def enqueue(self, ver: ModelVersion, req: QueuedRequest) -> bool:
         try:
             ver.queue.enqueue(req)
         except QueueFull as e:
             self.reject(ver, req, str(e))
-            return
+            return False
         except SequenceError as e:      # the sequence rules refuse it: the client's mistake
-            self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+            self.reply_error(req.frontend, req.req_id, ver.name, ver.version,
                              ErrorCode.INVALID_ARG, str(e))
-            return
-        self.queued_in[(msg.frontend, msg.req_id)] = ver
-        self.dispatch(ver)
+            return False
+        self.queued_in[(req.frontend, req.req_id)] = ver
+        return True
 
     def cancel(self, msg: CancelRequest) -> None:
         """The client went away: a queued request is dropped; a running one is finished by its
@@ -498,17 +502,23 @@ class SchedulerCore:
         they all come from one frontend, lease it the idle instances and return them to it to
         send under the leases (engine/leases.py), instead of dispatching them here."""
         frontend = next(iter(queue.pending())).frontend
+        if isinstance(queue, SequenceBatcher) and queue.backlog:
+            return False        # a sequence waits for a slot: the worker would give it back
         if frontend not in self.lease_takers or any(r.frontend != frontend or r.alone
                                                     for r in queue.pending()) or \
                 not self.leases.can_hand_over(ver, frontend):
             return False
         taken = queue.drain()
-        if not self.leases.offer(ver, queue.idle, frontend, [r.req_id for r in taken]):
+        sequences = isinstance(queue, SequenceBatcher)
+        if not self.leases.offer(ver, queue.idle, frontend,
+                                 [] if sequences else [r.req_id for r in taken]):
             for r in reversed(taken):
                 queue.requeue(r)
             return False
         for r in taken:
             self.queued_in.pop((r.frontend, r.req_id), None)
+        if sequences:       # they go behind the sequences lent (engine/leases.py forward)
+            self.leases.forward(ver, frontend, [(submitted(ver, r), r.payload) for r in taken])
         return True
 
     def leased_done(self, msg: LeasedDone) -> None:
@@ -573,6 +583,13 @@ class SchedulerCore:
         if lease is None:
             return
         ver, inst = lease.version, lease.instance
+        if isinstance(ver.queue, SequenceBatcher) and inst in ver.queue.lent:
+            # its live sequences come back; what came for them meanwhile is judged now
+            waiting = ver.queue.take_back(inst, [(s.cid, s.last_ns)
+                                                 for s in msg.sequences or ()])
+            for req in waiting:
+                self.queued_in.pop((req.frontend, req.req_id), None)
+                self.enqueue(ver, req)
         if inst.state == InstanceState.LEASED:
             inst.state = InstanceState.IDLE
             ver.queue.instance_idle(inst)

@@ -26,6 +26,7 @@ from shmserve.ipc.messages import (
 
 from .instances import Death, Outcome
 from .models import Instance, ModelVersion
+from .sequence_batcher import SequenceBatcher
 from .states import ModelState
 
 if TYPE_CHECKING:
@@ -108,6 +109,11 @@ class WorkerDeaths:
             ver.stats.failed("OTHER", now - r.received_ns)
             core.reply_error(r.frontend, r.req_id, ver.name, ver.version, ErrorCode.INTERNAL,
                              why)
+        if isinstance(ver.queue, SequenceBatcher):
+            # they waited for its lent sequences, lost with it: judged now
+            for r in ver.queue.take_orphans():
+                core.queued_in.pop((r.frontend, r.req_id), None)
+                core.enqueue(ver, r)
         if death.outcome == Outcome.LOAD_FAILED:
             core.lifecycle.version_failed(ver, death.load_error or (
                 f"worker process of instance '{inst.name}' {death.how} while loading the model"))

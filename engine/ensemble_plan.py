@@ -32,6 +32,7 @@ class Step:
     optional_inputs: frozenset = frozenset()
     input_dims: dict[str, list[int]] = field(default_factory=dict)     # without the batch
     device_inputs: bool = False     # its model reads inputs in GPU memory where they are
+    stateful: bool = False          # its model has a sequence batcher
 
     @property
     def label(self) -> str:
@@ -184,6 +185,7 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
         step.optional_inputs = frozenset(t.name for t in sub.input if t.optional)
         step.input_dims = {t.name: list(t.dims) for t in sub.input}
         step.device_inputs = takes_device_inputs(sub)
+        step.stateful = sub.HasField("sequence_batching")
     p.decoupled = any(s.decoupled for s in p.steps)
     streaming = [s.label for s in p.steps if s.decoupled]
     if cfg.response_cache.enable and streaming:
@@ -201,9 +203,10 @@ def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
     every ensemble output; [] otherwise. Such an ensemble loses nothing when its steps run one
     after the other, each worker handing the request to the next step's, and its answer comes
     from one worker. Left to the scheduler: streaming steps, tensors kept on a GPU, optional
-    inputs (what a step gets depends on what the client sent)."""
+    inputs (what a step gets depends on what the client sent), stateful steps (the sequence
+    batcher orders their requests)."""
     if p.decoupled or p.device_tensors or any(t.optional for t in cfg.input) or \
-            any(s.optional_inputs for s in p.steps):
+            any(s.optional_inputs or s.stateful for s in p.steps):
         return []
     have = set(p.inputs)
     left = list(p.steps)

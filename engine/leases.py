@@ -38,22 +38,44 @@ A version with a plain dynamic batcher is leased too: its requests meet in each 
 inbox instead of the scheduler's queue, and the worker batches them by the same rules
 (workers/lease_batch.py); each completion record counts its request, and the first of a batch
 counts the execution. With several instances, each batches what the frontend spread to it, as
-the scheduler's batcher would have handed each idle instance what had queued by then. Not
-leased: sequence batching, decoupled models, dynamic batching with priorities or queue policies
-(the scheduler's queue applies those), and any version while the server stops.
+the scheduler's batcher would have handed each idle instance what had queued by then.
+
+A sequence model with one instance is leased too: the live sequences the scheduler pinned to
+it go to its worker (LendSequences, before the grant), whose own sequence batcher applies the
+same rules to the leased requests (workers/lease_sequences.py), and come back with LeaseEnded.
+Requests that reach the scheduler meanwhile wait for them (their sequence's state is judged
+where it is): they revoke the lease like any request that queues. The frontend keeps each
+sequence's requests on one path at a time (frontend/sequence_paths.py), so none overtakes
+another.
+
+Not leased: sequence models with several instances (placing a new sequence needs all their
+live sequences), decoupled models, dynamic batching with priorities or queue policies (the
+scheduler's queue applies those), and any version while the server stops.
 
 Pure: no sockets; it acts through the port and reads the injected clock.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
-from shmserve.ipc.messages import LeaseGranted, LeaseLost, LeaseRevoked, RevokeLease
+from shmserve.ipc.messages import (
+    BLS_FRONTEND_BASE,
+    LeasedExecute,
+    LeaseGranted,
+    LeaseLost,
+    LeaseRevoked,
+    LendSequences,
+    RevokeLease,
+    SequenceSlot,
+    SubmitRequest,
+)
 
+from .batching import QueuedRequest
 from .dynamic_batcher import DynamicBatcher, QueuePolicy
 from .models import PING_TIMEOUT_S, Instance, ModelVersion
 from .port import SchedulerPort
+from .sequence_batcher import SequenceBatcher
 from .states import InstanceState, ModelState
 
 # After a revoke, a version gets no new lease for this long: under load (requests queueing) the
@@ -77,6 +99,13 @@ def unlimited(ver: ModelVersion) -> bool:
     """Whether ``ver``'s workers may take any number of leased requests in flight, run in
     arrival order: a single instance, or requests that batch in the worker anyway."""
     return len(ver.instances) == 1 or worker_batches(ver)
+
+
+def submitted(ver: ModelVersion, r: QueuedRequest) -> SubmitRequest:
+    """The head a queued request came with (what a leased worker reads)."""
+    return SubmitRequest(r.req_id, r.frontend, ver.name, ver.version, r.batch_size,
+                         r.received_ns, r.priority, r.timeout_us, r.shape_key,
+                         sequence_id=r.sequence_id, sequence_flags=r.flags, trace=r.trace)
 
 
 @dataclass(eq=False)
@@ -107,11 +136,15 @@ class LeaseBook:
         self.stopping = False
 
     def leasable(self, ver: ModelVersion) -> bool:
-        # a sequence batcher needs its slots, and a decoupled model answers past its execution
-        # (the lease's completion records ride with one answer): never lent
+        # a decoupled model answers past its execution (the lease's completion records ride
+        # with one answer): never lent. A sequence model is, with one instance: its live
+        # sequences go with the lease (below); with several, placing a new sequence needs
+        # every instance's, which only the scheduler sees. An iterative sequence (one request,
+        # rescheduled in its worker) is not lent
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
-                and not ver.config.HasField("sequence_batching")
                 and not ver.config.model_transaction_policy.decoupled
+                and (not ver.config.HasField("sequence_batching")
+                     or isinstance(ver.queue, SequenceBatcher) and len(ver.instances) == 1)
                 and (not ver.config.HasField("dynamic_batching") or worker_batches(ver)))
 
     def note_request(self, ver: ModelVersion, frontend: int | None) -> None:
@@ -134,6 +167,9 @@ class LeaseBook:
             frontend = self.last_frontend.get(key)
         if frontend is None or self.clock() < self.cooldown_until.get(key, 0):
             return False
+        sequences = ver.queue if isinstance(ver.queue, SequenceBatcher) else None
+        if sequences is not None and frontend >= BLS_FRONTEND_BASE:
+            return False    # a BLS client does not keep a sequence's requests in order
         held = self.by_version.get(ver)
         depth = 0 if unlimited(ver) else 1
         # one frontend holds a version's leases, all in force; a limited lease comes alone
@@ -148,6 +184,9 @@ class LeaseBook:
             held.append(lease)
             self.by_spawn[inst.spawn_id] = lease
             self.holders.setdefault(inst.spawn_id, set()).add(frontend)
+            if sequences is not None:   # the worker takes over its live sequences first
+                live = [SequenceSlot(cid, t) for cid, t in sequences.lend(inst)]
+                self.port.send_worker(inst.spawn_id, LendSequences(lease.lease_id, live))
             self.port.send_frontend(frontend, LeaseGranted(lease.lease_id, ver.name, ver.version,
                                                            inst.spawn_id, depth, returned or []))
             returned = None
@@ -163,13 +202,35 @@ class LeaseBook:
                 and all(h.frontend == frontend and not h.revoked_ns for h in held)
                 and self.clock() >= self.cooldown_until.get((ver.name, ver.version), 0))
 
-    def give_back(self, ver: ModelVersion, frontend: int, req_id: int) -> bool:
+    def give_back(self, ver: ModelVersion, msg: SubmitRequest, payload) -> bool:
         """A request from the frontend that holds unlimited leases on ``ver`` (sent before it
-        heard of a grant): returned to it, to go under one of them."""
+        heard of a grant): returned to it, to go under one of them; a sequence model's is
+        forwarded to the worker instead (``forward``)."""
+        if isinstance(ver.queue, SequenceBatcher):
+            return self.forward(ver, msg.frontend, [(msg, payload)])
         for lease in self.by_version.get(ver, ()):
-            if lease.frontend == frontend and not lease.depth and not lease.revoked_ns:
+            if lease.frontend == msg.frontend and not lease.depth and not lease.revoked_ns:
+                self.port.send_frontend(msg.frontend, LeaseGranted(
+                    lease.lease_id, ver.name, ver.version, lease.instance.spawn_id, 0,
+                    [msg.req_id]))
+                return True
+        return False
+
+    def forward(self, ver: ModelVersion, frontend: int,
+                requests: list[tuple[SubmitRequest, Any]]) -> bool:
+        """Requests of the frontend that holds the lease on a sequence model: sent to the
+        leased worker by the scheduler itself, behind the live sequences it lent (on one
+        channel, so in order; the frontend may have later ones of the same sequences on their
+        way here, which come the same way: frontend/sequence_paths.py), and the frontend told
+        they went under the lease (LeaseGranted.forwarded)."""
+        for lease in self.by_version.get(ver, ()):
+            if lease.frontend == frontend and not lease.revoked_ns:
+                sid = lease.instance.spawn_id
+                for head, payload in requests:
+                    self.port.send_worker(sid, LeasedExecute(lease.lease_id, head), [payload])
                 self.port.send_frontend(frontend, LeaseGranted(
-                    lease.lease_id, ver.name, ver.version, lease.instance.spawn_id, 0, [req_id]))
+                    lease.lease_id, ver.name, ver.version, sid, lease.depth,
+                    forwarded=[head.req_id for head, _ in requests]))
                 return True
         return False
 
@@ -211,6 +272,12 @@ class LeaseBook:
         lease = self.by_spawn.get(spawn_id)
         if lease is None or lease.lease_id != lease_id:
             return None
+        if not lease.revoked_ns:
+            # the worker gave it up (a sequence found no slot): the frontend stops using it,
+            # and the version waits out the cooldown as after a revoke
+            ver = lease.version
+            self.cooldown_until[(ver.name, ver.version)] = self.clock() + COOLDOWN_NS
+            self.port.send_frontend(lease.frontend, LeaseRevoked(lease.lease_id))
         self._forget(lease)
         return lease
 

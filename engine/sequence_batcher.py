@@ -54,19 +54,24 @@ class SequenceConfig:
 
 
 def sequence_config(cfg) -> SequenceConfig:
-    """From a normalized ModelConfig with ``sequence_batching``."""
-    sb = cfg.sequence_batching
-    mbs = max(1, cfg.max_batch_size)
-    idle = sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US
-    if sb.HasField("oldest"):
-        o = sb.oldest
-        return SequenceConfig(cfg.name, max(1, o.max_candidate_sequences), mbs, True,
-                              o.max_queue_delay_microseconds,
-                              tuple(sorted(p for p in o.preferred_batch_size if 0 < p <= mbs)),
-                              idle_us=idle)
-    d = sb.direct
-    return SequenceConfig(cfg.name, mbs, mbs, False, d.max_queue_delay_microseconds,
-                          min_slot_utilization=d.minimum_slot_utilization, idle_us=idle)
+    """From a normalized ModelConfig with ``sequence_batching``, or its dict (the worker's)."""
+    if not isinstance(cfg, dict):
+        from .model_config import config_to_dict
+        cfg = config_to_dict(cfg)
+    sb = cfg.get("sequence_batching") or {}
+    mbs = max(1, int(cfg.get("max_batch_size") or 0))
+    idle = int(sb.get("max_sequence_idle_microseconds") or 0) or DEFAULT_IDLE_US
+    if "oldest" in sb:
+        o = sb["oldest"]
+        preferred = (int(p) for p in o.get("preferred_batch_size") or ())
+        return SequenceConfig(cfg["name"], max(1, int(o.get("max_candidate_sequences") or 0)),
+                              mbs, True, int(o.get("max_queue_delay_microseconds") or 0),
+                              tuple(sorted(p for p in preferred if 0 < p <= mbs)), idle_us=idle)
+    d = sb.get("direct") or {}
+    return SequenceConfig(cfg["name"], mbs, mbs, False,
+                          int(d.get("max_queue_delay_microseconds") or 0),
+                          min_slot_utilization=float(d.get("minimum_slot_utilization") or 0.0),
+                          idle_us=idle)
 
 
 @dataclass(eq=False)
@@ -95,13 +100,28 @@ class SequenceBatcher(IdleInstances):
         self.backlog: deque[Sequence] = deque()
         self.lost: OrderedDict[int | str, str] = OrderedDict()  # cid -> why it ended
         self.failed: list[tuple[QueuedRequest, str]] = []
+        # requests that waited for a lent instance whose worker died: the caller enqueues them
+        # again (take_back), where the lost sequences' ones are refused with the reason
+        self.orphans: list[QueuedRequest] = []
         self.count = 0                  # queued requests
+        # instances lent (engine/leases.py): the cids handed over, and the requests that wait
+        # for them to come back (their sequences' rules are applied where they are)
+        self.lent: dict[Hashable, tuple[list[int | str], list[QueuedRequest]]] = {}
         self.delay_ns = cfg.delay_us * 1000
         self.idle_ns = cfg.idle_us * 1000
 
     # ---- requests ----------------------------------------------------------------------------
     def enqueue(self, req: QueuedRequest) -> None:
         cid, name = req.sequence_id, self.cfg.model
+        if self.lent:
+            # the live sequences are the lent worker's: it hands them back (LeaseEnded, or
+            # its death) before this is judged; meanwhile it counts as queued (the lease is
+            # revoked for it)
+            if self.max_queue_size and self.count >= self.max_queue_size:
+                raise QueueFull("Exceeds maximum queue size")
+            next(iter(self.lent.values()))[1].append(req)
+            self.count += 1
+            return
         if cid == 0 or cid == "":
             raise SequenceError(f"inference request to model '{name}' must specify a non-zero "
                                 f"or non-empty correlation ID")
@@ -166,6 +186,48 @@ class SequenceBatcher(IdleInstances):
                 nxt = self.backlog.popleft()
                 nxt.instance = inst
                 pinned.append(nxt)
+
+    # ---- lending (engine/leases.py) ---------------------------------------------------------------
+    def lend(self, key: Hashable) -> list[tuple[int | str, int]]:
+        """The idle instance ``key`` is lent, with nothing queued: its live sequences go with it,
+        as (cid, last ran); the worker applies the rules to them until ``take_back``."""
+        assert not self.count, "a sequence instance is lent only with nothing queued"
+        pinned = self.instances.pop(key, [])
+        if key in self.idle:
+            self.idle.remove(key)
+        for seq in self.backlog:        # drained (engine/core.py hand_over): they start afresh
+            self.sequences.pop(seq.cid, None)
+        self.backlog.clear()
+        live = []
+        for seq in pinned:
+            self.sequences.pop(seq.cid, None)
+            self.quiet.pop(seq, None)
+            if seq.ran:     # one that never ran starts afresh where its START goes
+                live.append((seq.cid, seq.last_ns))
+        self.lent[key] = ([cid for cid, _ in live], [])
+        return live
+
+    def take_back(self, key: Hashable, live: list[tuple[int | str, int]] | None
+                  ) -> list[QueuedRequest]:
+        """The lent instance ``key`` comes back with its live sequences (None: its worker died
+        holding them: they are lost). Returns the requests that came meanwhile, in arrival
+        order, for the caller to enqueue again."""
+        cids, waiting = self.lent.pop(key, ([], []))
+        self.count -= len(waiting)
+        if live is None:
+            why = ("lost its state: the worker process that held it ended; start the "
+                   "sequence again")
+            for cid in cids:
+                self.lost[cid] = f"sequence {cid} of model '{self.cfg.model}' {why}"
+            while len(self.lost) > LOST_KEPT:
+                self.lost.popitem(last=False)
+            return waiting
+        pinned = self.instances.setdefault(key, [])
+        for cid, last_ns in sorted(live, key=lambda c: c[1]):     # the quiet order
+            seq = self.sequences[cid] = Sequence(cid, instance=key, ran=True)
+            pinned.append(seq)
+            self.calm(seq, last_ns)
+        return waiting
 
     # ---- batches -----------------------------------------------------------------------------
     def next_batches(self) -> list[tuple[Any, list[QueuedRequest]]]:
@@ -233,6 +295,8 @@ class SequenceBatcher(IdleInstances):
         next request is a START (it never ran there) lost nothing: it goes back to the backlog."""
         if key in self.idle:
             self.idle.remove(key)
+        if key in self.lent:
+            self.orphans.extend(self.take_back(key, None))
         pinned = self.instances.pop(key, None) or []
         fresh = []
         for seq in pinned:
@@ -258,6 +322,10 @@ class SequenceBatcher(IdleInstances):
         for seq in list(self.backlog):      # room may have opened elsewhere
             self.backlog.remove(seq)
             self.place(seq)
+
+    def take_orphans(self) -> list[QueuedRequest]:
+        out, self.orphans = self.orphans, []
+        return out
 
     def take_failed(self) -> list[tuple[QueuedRequest, str]]:
         out, self.failed = self.failed, []
@@ -329,6 +397,14 @@ class SequenceBatcher(IdleInstances):
         """The client cancelled a queued request of a sequence: as in Triton, the sequence's
         other queued requests are cancelled with it (they could only run out of order, or
         without their START); the cancelled one comes first."""
+        for _, waiting in self.lent.values():
+            for r in waiting:
+                if r.req_id == req_id and r.frontend == frontend:
+                    out = [r] + [q for q in waiting if q is not r and
+                                 q.sequence_id == r.sequence_id]
+                    waiting[:] = [q for q in waiting if q not in out]
+                    self.count -= len(out)
+                    return out
         for seq in self.sequences.values():
             for r in seq.queue:
                 if r.req_id == req_id and r.frontend == frontend:
@@ -352,11 +428,15 @@ class SequenceBatcher(IdleInstances):
     def pending(self) -> Iterator[QueuedRequest]:
         for seq in self.sequences.values():
             yield from seq.queue
+        for _, waiting in self.lent.values():
+            yield from waiting
 
     def drain(self) -> list[QueuedRequest]:
         out = list(self.pending())
         for seq in self.sequences.values():
             seq.queue.clear()
+        for _, waiting in self.lent.values():
+            waiting.clear()
         self.count = 0
         return out
 

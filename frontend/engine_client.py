@@ -68,6 +68,7 @@ from .colocation import NO_CPU, Colocation
 from .deadlines import Deadlines
 from .priority import DrainPriority
 from .request import PreparedRequest
+from .sequence_paths import HOLD, SequencePaths
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -109,6 +110,7 @@ class EngineClient:
         # trace settings another frontend's client changed: (changes, model) -> None
         self.on_trace_settings: Callable[[TraceChanges, str], None] | None = None
         self.leases = LeaseTable()              # the instances lent to us (ipc/lease_table.py)
+        self.sequences = SequencePaths()        # which way each sequence's requests go
         # ensembles whose steps may run worker to worker (workers/chain.py): their steps
         self.routes: dict[tuple[str, int], list[ChainHop]] = {}
         # leased requests of this turn of the event loop, per worker, sent when it ends
@@ -168,6 +170,12 @@ class EngineClient:
             # a lease we hold but cannot use: the scheduler must not hand it back to us
             head.no_lease = not lease.depth
             lease = None
+        hold = False
+        if head.sequence_id and chain is None:      # one way at a time for each sequence
+            seq_key = (model, version, head.sequence_id)
+            lease = self.sequences.choose(seq_key, lease)
+            if lease is HOLD:
+                hold, lease = True, None
         # pending before it is sent: a send that fails answers it at once (_resubmit)
         self.pending[req_id] = on_result
         self.sent[req_id] = (head, payload)
@@ -178,6 +186,11 @@ class EngineClient:
             key = (model, version)
             self.order.setdefault(key, deque()).append(req_id)
             self.ordered_key[req_id] = key
+        if head.sequence_id and chain is None:
+            self.sequences.track(seq_key, req_id)
+            if hold:
+                self.sequences.hold(req_id)
+                return req_id
         if chain is not None:
             self._send_chain(chain, self.routes[(model, version)], head, payload)
         elif lease is not None:
@@ -185,6 +198,26 @@ class EngineClient:
         else:
             self._resubmit(head, payload)
         return req_id
+
+    def _send_sequence(self, req_id: int) -> None:
+        """A request of a sequence that waited for the earlier ones to come back."""
+        sent = self.sent.get(req_id)
+        if sent is None or req_id not in self.pending:
+            self._sequence_done(req_id)
+            return
+        head, payload = sent
+        lease = self.leases.pick(head.model, head.version) if self.leases else None
+        lease = self.sequences.choose((head.model, head.version, head.sequence_id), lease)
+        if lease is HOLD:
+            self.sequences.hold(req_id)
+        elif lease is None:
+            self._resubmit(head, payload)
+        else:
+            self._send_leased(lease, head, payload)
+
+    def _sequence_done(self, req_id: int) -> None:
+        for rid in self.sequences.finished(req_id):
+            self._send_sequence(rid)
 
     def _deliver(self, msg: InferResult) -> None:
         if not msg.final:
@@ -195,6 +228,8 @@ class EngineClient:
         sent = self.sent.pop(msg.req_id, None)
         if self.leases.busy():
             self.leases.done(msg.req_id)
+        if self.sequences:
+            self._sequence_done(msg.req_id)
         if msg.done is not None and sent is not None:
             self.done.append(msg.done)
             if msg.steps:
@@ -395,6 +430,8 @@ class EngineClient:
         the worker reads them in one wake-up, and would not have started them sooner."""
         idle = not lease.inflight
         self.leases.sent(lease, head.req_id)
+        if head.sequence_id:
+            self.sequences.went(head.req_id, lease.lease_id)
         held = self.corked.get(lease.box)
         if held is not None:
             held.append((lease, head, payload))
@@ -468,6 +505,16 @@ class EngineClient:
                 self._resubmit(head, payload)
             else:
                 self._send_leased(lease, head, payload)
+        for rid in msg.forwarded:       # a sequence model's: sent to the worker by the scheduler
+            sent = self.sent.get(rid)
+            if sent is None or rid not in self.pending:
+                continue
+            if lease is None:           # its worker is gone: it goes round again as lost
+                sent[0].lost = f"the worker process {msg.spawn_id} that held it ended"
+                self._resubmit(*sent)
+            else:
+                self.leases.sent(lease, rid)
+                self.sequences.went(rid, lease.lease_id)
 
     def _lease_revoked(self, msg: LeaseRevoked) -> None:
         self.leases.revoked(msg.lease_id)
@@ -504,6 +551,8 @@ class EngineClient:
                 self._resubmit(head, sent[1])
 
     def _resubmit(self, head: SubmitRequest, payload: bytes) -> None:
+        if head.sequence_id:
+            self.sequences.went(head.req_id, 0)
         try:
             self.scheduler.send(head, (payload,), channel.NOBLOCK)
         except zmq.Again:
@@ -635,6 +684,7 @@ class EngineClient:
         self.streaming.clear()
         self.corked.clear()
         self.leases.clear()
+        self.sequences.clear()
         self.deadlines.clear()
         self.order.clear()
         self.ordered_key.clear()

@@ -400,6 +400,22 @@ class ExecuteBatch(msgspec.Struct, array_like=True, tag=20):
     routes: list[RequestRoute]
 
 
+class SequenceSlot(msgspec.Struct, array_like=True):
+    """A live sequence pinned to an instance that is lent (engine/sequence_batcher.py): its
+    correlation id, and when it last ran (CLOCK_MONOTONIC, system-wide: its idle time goes on
+    counting in the other process)."""
+    cid: int | str
+    last_ns: int
+
+
+class LendSequences(msgspec.Struct, array_like=True, tag=28):
+    """Sent to a sequence model's worker before its lease is granted: the live sequences the
+    scheduler had pinned to it, which its own sequence batcher takes over for the lease
+    (workers/lease_sequences.py). LeaseEnded gives them back."""
+    lease_id: int
+    sequences: list[SequenceSlot]
+
+
 class RevokeLease(msgspec.Struct, array_like=True, tag=25):
     """Leases up to ``lease_id`` end: a LeasedExecute of one of them that the worker reads
     after this goes back to its frontend (LeaseBounced). Answered by LeaseEnded."""
@@ -578,9 +594,11 @@ class CacheRecord(msgspec.Struct, array_like=True):
 
 class LeaseEnded(msgspec.Struct, array_like=True, tag=35):
     """The worker read RevokeLease(lease_id): every leased request it accepted is done, and
-    the scheduler may dispatch to it again."""
+    the scheduler may dispatch to it again. ``sequences``: a sequence model's live sequences
+    (LendSequences), handed back; None for any other model."""
     spawn_id: int
     lease_id: int
+    sequences: list[SequenceSlot] | None = None
 
 
 # ---- a scheduler thread -> the scheduler's own inbox (inproc) ---------------------------------
@@ -637,13 +655,17 @@ class LeaseGranted(msgspec.Struct, array_like=True, tag=14):
     directly (LeasedExecute), up to ``depth`` at a time (0: no limit; the worker runs them in
     order), until the lease is revoked. ``returned``: requests of this frontend the scheduler
     held for the version (queued, or arrived after the grant); the frontend sends them under
-    the lease, first. Sent again with the same id to return more."""
+    the lease, first. Sent again with the same id to return more. ``forwarded``: requests of
+    this frontend the scheduler sent the worker itself under the lease (a sequence model's:
+    on the scheduler's own channel they stay behind the sequences it lent; they count as sent
+    under the lease from now on)."""
     lease_id: int
     model: str
     version: int
     spawn_id: int
     depth: int = 1
     returned: list[int] = []
+    forwarded: list[int] = []
 
 
 class LeaseRevoked(msgspec.Struct, array_like=True, tag=15):
@@ -665,7 +687,7 @@ Message = Union[
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,
     BatchDone, CustomMetrics, ResponseReport, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
-    RevokeLease, LeasedExecute, ChainExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted,
+    RevokeLease, LendSequences, LeasedExecute, ChainExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted,
     LeaseRevoked, LeaseLost,
     SetLogSettings, SetTraceSettings,
 ]

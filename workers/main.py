@@ -38,6 +38,7 @@ from shmserve.ipc.messages import (
     LeasedExecute,
     LeasedRecord,
     LeaseEnded,
+    LendSequences,
     Ping,
     Pong,
     ReleaseOutputs,
@@ -70,6 +71,7 @@ from .device_arena import DeviceArena
 from .device_arena import to_host as device_to_host
 from .gpu import CudaError, DeviceTensor
 from .lease_batch import LeasedBatcher
+from .lease_sequences import SequenceLease
 from .waiting_cpu import WaitingCpu
 
 log = logging.getLogger("shmserve.worker")
@@ -138,7 +140,8 @@ class Worker:
         # longer running needs nothing
         self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
                          Ping: self.pong, Wake: _ignore, CancelRequest: self.cancel,
-                         RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings}
+                         RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings,
+                         LendSequences: self.lend_sequences}
 
     def use_config(self, config_json: str) -> None:
         """What the config decides about every answer: reshapes and the output checks."""
@@ -146,6 +149,10 @@ class Worker:
         self.reshapes = tensors.Reshapes(config)
         self.checks = tensors.OutputChecks(config)
         self.lease_batcher = LeasedBatcher(config)
+        # a sequence model's leased requests meet in its own sequence batcher
+        sb = config.get("sequence_batching")
+        self.sequence_lease = SequenceLease(self, config) \
+            if sb is not None and not sb.get("iterative_sequence") else None
         # read again after load: auto_complete_config may have made the model decoupled
         self.decoupled = bool((config.get("model_transaction_policy") or {}).get("decoupled"))
 
@@ -267,6 +274,9 @@ class Worker:
             else:
                 # metrics waiting for the rate limit need a wake-up; otherwise nothing is due
                 ms = _METRICS_WAIT_MS if registry.dirty else IDLE_TIMEOUT_MS
+                seqs = self.sequence_lease
+                if seqs is not None and seqs.seqs.waiting():   # a batch delay, a backlog
+                    ms = min(ms, seqs.seqs.wait_ms())
                 if ms != armed:
                     inbox.set_timeout(ms)
                     armed = ms
@@ -275,6 +285,8 @@ class Worker:
                     msg, frames = inbox.recv()
                 except zmq.Again:
                     waiting.after_wait()
+                    if seqs is not None and seqs.seqs.waiting():
+                        seqs.run()
                     self.send_metrics()
                     # idle: give back arena chunks nothing has used for a while, and mappings
                     # of segments their owner unlinked (they pin its pages in /dev/shm)
@@ -312,6 +324,9 @@ class Worker:
         if msg.lease_id <= self.revoked_upto:
             self.answer(head.frontend, LeaseBounced(self.args.spawn_id, head.req_id))
             return
+        if self.sequence_lease is not None:
+            self.sequence_lease.leased(msg, frames)
+            return
         batch = [(msg, frames)]
         if self.lease_batcher.limit:    # requests behind it in the inbox may join it
             batch = self.lease_batcher.gather(msg, frames, self.inbox, self.backlog,
@@ -321,14 +336,26 @@ class Worker:
                      [f for _, fs in batch for f in fs], heads)
 
     def revoke_lease(self, msg: RevokeLease) -> None:
-        # everything accepted under the lease ran before this message was read (one loop)
-        self.revoked_upto = max(self.revoked_upto, msg.lease_id)
-        self.tell(LeaseEnded(self.args.spawn_id, msg.lease_id))
+        self.end_lease(msg.lease_id)
+
+    def end_lease(self, lease_id: int) -> None:
+        """Revoked, or given up (workers/lease_sequences.py): everything accepted under the
+        lease ran before this (one loop), but a sequence model's requests still queued, which
+        go back to their frontend."""
+        self.revoked_upto = max(self.revoked_upto, lease_id)
+        live = self.sequence_lease.end() if self.sequence_lease is not None else None
+        self.tell(LeaseEnded(self.args.spawn_id, lease_id, live))
+
+    def lend_sequences(self, msg: LendSequences) -> None:
+        if self.sequence_lease is not None:
+            self.sequence_lease.lend(msg)
 
     def bounce_leased(self) -> None:
         """Stopping: leased requests already in the inbox go back to their frontends (the
         scheduler tells them the lease is lost once we have exited, for any that come later)."""
         self.revoked_upto = 1 << 62
+        if self.sequence_lease is not None:
+            self.sequence_lease.end()
         inbox = self.inbox
         while self.backlog or inbox.has_message():
             try:
@@ -348,6 +375,8 @@ class Worker:
                 self.device_arena.free(dref)
 
     def cancel(self, msg: CancelRequest) -> None:
+        if self.sequence_lease is not None:
+            self.sequence_lease.cancel(msg.frontend, msg.req_id)
         self.cancel_stream(msg)
         self.chains.cancel((msg.frontend, msg.req_id))
 

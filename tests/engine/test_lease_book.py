@@ -435,15 +435,6 @@ def test_a_dynamic_batching_queue_of_one_frontend_is_handed_over_with_the_lease(
     assert len(h.batches(sid)) == 1 and len(h.core.versions[("batched", 1)].queue) == 0
 
 
-def test_a_version_with_a_sequence_batcher_is_never_lent(repo):
-    # refused at load today; the guard keeps a future sequence batcher's slots its own
-    h = leased_harness(repo)
-    ver = h.core.versions[("plain", 1)]
-    assert h.core.leases.leasable(ver)
-    ver.config.sequence_batching.SetInParent()
-    assert not h.core.leases.leasable(ver)
-
-
 BLS = 1 << 24       # a worker's BLS client (workers/bls.py)
 
 

@@ -5,7 +5,19 @@ import pytest
 from fakes import IO, ONE, TWO, Harness, write_model
 
 from shmserve.engine.sequence_batcher import SEQUENCE_END, SEQUENCE_START
-from shmserve.ipc.messages import CancelRequest, ErrorCode, LeaseGranted, StatsQuery
+from shmserve.ipc.messages import (
+    CancelRequest,
+    ErrorCode,
+    FrontendHello,
+    LeasedExecute,
+    LeaseEnded,
+    LeaseGranted,
+    LendSequences,
+    RevokeLease,
+    SequenceSlot,
+    StatsQuery,
+    SubmitRequest,
+)
 
 S, E = SEQUENCE_START, SEQUENCE_END
 
@@ -341,18 +353,86 @@ def test_backlog_sequence_promoted_during_a_dying_end_is_not_lost(repo):
 
 
 # ---- leases, ids ------------------------------------------------------------------------------------------
-def test_sequence_models_are_never_leased(repo):
+OTHER = 2       # a second frontend
+
+
+def grants(h):
+    return [m for _, m in h.port.to_frontend if isinstance(m, LeaseGranted)]
+
+
+def lent_to_frontend(h, sid):
+    """Sequence 9 runs its START on the scheduler path, then the idle instance is lent."""
+    r = h.submit_seq("one", 9, S)
+    h.finish(sid)
+    [g] = grants(h)
+    return r, g
+
+
+def test_a_one_instance_sequence_model_is_lent_with_its_live_sequences(repo):
     h = Harness(repo, instance_leases=True).start()
     [sid] = sids(h, "one")
-    for _ in range(3):
-        h.submit_seq("one", 9, S | E)
-        h.finish(sid)
-    [psid] = sids(h, "plain")
-    h.submit("plain")
-    h.finish(psid)                          # the control: a plain model is lent
-    grants = [m for _, m in h.port.to_frontend if isinstance(m, LeaseGranted)]
-    assert [g.model for g in grants] == ["plain"]
-    assert len(h.sent_to(sid)) == 3
+    _, g = lent_to_frontend(h, sid)
+    assert (g.model, g.spawn_id, g.depth) == ("one", sid, 0)
+    # the worker hears of sequence 9 before the frontend hears of the lease
+    kinds = [type(m) for s, m, _ in h.port.to_worker if s == sid]
+    [lend] = [m for _, m, _ in h.port.to_worker if isinstance(m, LendSequences)]
+    assert kinds.index(LendSequences) == len(kinds) - 1
+    assert lend.lease_id == g.lease_id and [s.cid for s in lend.sequences] == [9]
+    # a sequence model with two instances stays on the scheduler path
+    a, _ = sids(h, "seq")
+    h.submit_seq("seq", 1, S | E)
+    h.finish(a)
+    assert [x.model for x in grants(h)] == ["one"]
+
+
+def test_requests_that_reach_the_scheduler_wait_for_the_lent_sequences(repo):
+    h = Harness(repo, instance_leases=True).start()
+    h.core.handle(FrontendHello(OTHER, "inproc://frontend-1"))
+    [sid] = sids(h, "one")
+    _, g = lent_to_frontend(h, sid)
+    # another frontend's requests: sequence 9 goes on, 5 never started; they take the lease back
+    h.core.handle(SubmitRequest(100, OTHER, "one", 1, 1, h.clock(), sequence_id=9), [b"p"])
+    h.core.handle(SubmitRequest(101, OTHER, "one", 1, 1, h.clock(), sequence_id=5), [b"p"])
+    assert [m.lease_id for _, m, _ in h.port.to_worker if isinstance(m, RevokeLease)] == \
+        [g.lease_id]
+    assert 100 not in h.results() and 101 not in h.results() and len(h.sent_to(sid)) == 1
+    # the worker gives 9 back, and one it started meanwhile (7); 9 goes on where it was
+    h.core.handle(LeaseEnded(sid, g.lease_id, [SequenceSlot(9, h.clock()),
+                                               SequenceSlot(7, h.clock())]))
+    assert error(h, 101) == (ErrorCode.INVALID_ARG, START_ERR.format(5, "one"))
+    assert h.sent_to(sid)[-1] == [100]
+    h.finish(sid)
+    r7 = h.submit_seq("one", 7, E)          # 7 lives on at the scheduler too
+    assert h.sent_to(sid)[-1] == [r7]
+
+
+def test_a_request_sent_before_the_grant_is_forwarded_to_the_worker(repo):
+    h = Harness(repo, instance_leases=True).start()
+    [sid] = sids(h, "one")
+    _, g = lent_to_frontend(h, sid)
+    r = h.submit_seq("one", 9, E)           # the frontend had not heard of the lease yet
+    [fwd] = [(m, p) for _, m, p in h.port.to_worker if isinstance(m, LeasedExecute)]
+    assert fwd[0].lease_id == g.lease_id and fwd[0].head.req_id == r
+    assert fwd[1] == [b"payload-%d" % r]
+    note = grants(h)[-1]
+    assert note.forwarded == [r] and note.returned == [] and r not in h.results()
+
+
+def test_lent_sequences_die_with_their_worker(repo):
+    h = Harness(repo, instance_leases=True).start()
+    h.core.handle(FrontendHello(OTHER, "inproc://frontend-1"))
+    [sid] = sids(h, "one")
+    lent_to_frontend(h, sid)
+    h.core.handle(SubmitRequest(100, OTHER, "one", 1, 1, h.clock(), sequence_id=9), [b"p"])
+    h.core.handle(SubmitRequest(101, OTHER, "one", 1, 1, h.clock(), sequence_id=3,
+                                sequence_flags=S), [b"p"])
+    h.die(sid)
+    code, text = error(h, 100)
+    assert code is ErrorCode.INVALID_ARG and "sequence 9 of model 'one' lost its state" in text
+    h.tick(0)
+    [new] = h.waiting()
+    h.ready(new)
+    assert h.sent_to(new) == [[101]]        # a new sequence runs on the new worker
 
 
 def test_int_and_string_correlation_ids(repo):

@@ -18,6 +18,7 @@ from shmserve.workers.main import Worker
 def worker(tmp_path):
     w = Worker.__new__(Worker)              # only what poll_cancelled uses; no model, no arena
     w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
+    w.sequence_lease = None             # not a sequence model
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), 1))
     w.backlog, w.running, w.cancelled = deque(), None, set()
     w.streams, w.stream_cancelled, w.responses_reported = {}, set(), {}

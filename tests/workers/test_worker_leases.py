@@ -4,10 +4,12 @@ that lease it reads later, or still holds when it stops."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from serverproc import wait_for
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import (
@@ -17,13 +19,16 @@ from shmserve.ipc.messages import (
     LeaseBounced,
     LeasedExecute,
     LeaseEnded,
+    LendSequences,
     Ping,
     RequestRoute,
     RevokeLease,
+    SequenceSlot,
     SubmitRequest,
 )
 from shmserve.workers.chain import Chains
 from shmserve.workers.lease_batch import LeasedBatcher
+from shmserve.workers.lease_sequences import SequenceLease
 from shmserve.workers.main import Worker
 
 SPAWN = 7
@@ -44,6 +49,7 @@ def worker(tmp_path):
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), SPAWN))
     w.backlog, w.revoked_upto = deque(), 0
     w.lease_batcher = LeasedBatcher({"max_batch_size": 0})     # no dynamic batching
+    w.sequence_lease = None                                     # not a sequence model
     w.scheduler = Recorder()
     w.tell_lock = threading.Lock()
     w.executed, w.answers = [], []
@@ -100,3 +106,52 @@ def test_the_answers_of_one_execution_go_one_message_per_frontend(worker):
     assert w.answers == [(2, InferResults([results[0], results[1], results[3]])),
                          (4, results[2])]
     assert steps == [results[4]]
+
+
+def seq_head(req_id: int, cid: int, flags: int = 0) -> SubmitRequest:
+    return SubmitRequest(req_id, 2, "m", 1, 1, received_ns=5, sequence_id=cid,
+                         sequence_flags=flags)
+
+
+def test_a_sequence_lease_runs_in_order_and_hands_back_what_it_still_queues(worker):
+    """The lent sequences come first (a LeasedExecute may be read before the LendSequences
+    the scheduler sent ahead of the grant: it is looked for in the inbox); requests behind a
+    leased one join its batch, one per sequence; the revoke hands back what is still queued,
+    in order, and the live sequences go with LeaseEnded."""
+    w, out = worker
+    w.sequence_lease = SequenceLease(w, {"name": "m", "max_batch_size": 4,
+                                         "sequence_batching": {}})
+    out.send(LendSequences(3, [SequenceSlot(9, time.monotonic_ns())]))
+    out.send(LeasedExecute(3, seq_head(11, 9)), (b"p11",))
+    out.send(LeasedExecute(3, seq_head(12, 5, 1)), (b"p12",))
+    out.send(LeasedExecute(3, seq_head(13, 9)), (b"p13",))
+    wait_for(lambda: w.inbox.has_message(), 10, "the inbox to fill")
+    w.leased(LeasedExecute(3, seq_head(10, 9)), [b"p10"])   # read first, from the frontend
+    ran = [[h.req_id for h in leased] for _, _, leased in w.executed]
+    # 10 and 12 together (one per sequence); 11 and 13 of sequence 9 after, one each
+    assert ran == [[10, 12], [11], [13]]
+    assert w.executed[0][1] == [b"p10", b"p12"]
+    w.executed.clear()
+    out.send(LeasedExecute(3, seq_head(14, 9)), (b"p14",))
+    w.sequence_lease.seqs.batcher.idle.clear()          # as if the worker were busy
+    wait_for(lambda: w.inbox.has_message(), 10, "the inbox to fill")
+    w.leased(*w.inbox.recv())
+    assert w.executed == []
+    w.revoke_lease(RevokeLease(3))
+    [ended] = w.scheduler.sent
+    assert (ended.lease_id, sorted(s.cid for s in ended.sequences)) == (3, [5, 9])
+    assert w.answers == [(2, LeaseBounced(SPAWN, 14))]
+
+
+def test_a_sequence_that_finds_no_slot_gives_the_lease_back(worker):
+    w, _ = worker
+    w.sequence_lease = SequenceLease(w, {"name": "m", "max_batch_size": 1,
+                                         "sequence_batching": {}})
+    w.lend_sequences(LendSequences(3, [SequenceSlot(9, time.monotonic_ns())]))
+    w.leased(LeasedExecute(3, seq_head(10, 4, 1)), [b"p10"])    # the one slot is 9's
+    assert w.executed == [] and w.revoked_upto == 3
+    [ended] = w.scheduler.sent
+    assert [s.cid for s in ended.sequences] == [9]
+    assert w.answers == [(2, LeaseBounced(SPAWN, 10))]
+    w.leased(LeasedExecute(3, seq_head(11, 9)), [b"p11"])       # later ones bounce too
+    assert w.answers[-1] == (2, LeaseBounced(SPAWN, 11))

@@ -1,0 +1,202 @@
+"""Sequences on the lease path (workers/lease_sequences.py, frontend/sequence_paths.py): a
+sequence model with one instance is lent to a frontend with its live sequences, and its requests
+go straight to the worker, which applies the sequence batcher's rules itself. What must hold
+there as through the scheduler: every sequence's requests run in order and see their own state,
+under concurrency, across leases that come and go (two frontends racing for the instance), a
+worker that dies, an unload; every request counted; nothing left behind."""
+import os
+import threading
+
+import numpy as np
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from repo_builder import write_model
+from serverproc import Server, descendants, leased_requests, segments_of, wait_for
+from test_sequences import ACCUMULATE, START_MSG, accumulate_config
+from tritonclient.utils import InferenceServerException
+
+MODEL = "seq_lent"
+_ids = iter(range(70_000, 1 << 30))
+
+
+def build(repo: str) -> str:
+    # one instance, 4 slots: lent; values of -1 make its worker exit
+    write_model(repo, MODEL, accumulate_config(4, 1, 5_000_000), ACCUMULATE)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    s = Server(build(str(tmp_path_factory.mktemp("sequence_leases"))))
+    yield s
+    assert s.stop() == 0
+    assert "Traceback" not in s.log_text()
+
+
+def client_of(s, proto: str):
+    if proto == "grpc":
+        return grpcclient.InferenceServerClient(s.grpc_url)
+    return httpclient.InferenceServerClient(s.url, network_timeout=60)
+
+
+def step(client, cid: int, value: int, start=False, end=False) -> int:
+    mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
+    inp = mod.InferInput("INPUT", [1, 1], "INT32")
+    inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
+    r = client.infer(MODEL, [inp], sequence_id=cid, sequence_start=start, sequence_end=end)
+    return int(r.as_numpy("OUTPUT").reshape(-1)[0])
+
+
+def run_sequence(client, values: list[int]) -> list[int]:
+    cid = next(_ids)
+    return [step(client, cid, v, start=i == 0, end=i == len(values) - 1)
+            for i, v in enumerate(values)]
+
+
+def sums(values: list[int]) -> list[int]:
+    return [int(x) for x in np.cumsum(values)]
+
+
+def inferences(s) -> int:
+    stats = requests.get(f"{s.base}/v2/models/{MODEL}/stats", timeout=10).json()
+    return stats["model_stats"][0]["inference_count"]
+
+
+def lent_now(s) -> int:
+    """Sequences until one runs under a lease (the first ones get the instance lent); returns
+    how many requests that took."""
+    c = client_of(s, "http")
+    sent = 0
+
+    def lent() -> bool:
+        nonlocal sent
+        sent += 2
+        return run_sequence(c, [1, 2]) == [1, 3] and leased_requests(s, MODEL) > before
+    try:
+        before = leased_requests(s, MODEL)
+        wait_for(lent, 20, "a sequence to run under a lease")
+    finally:
+        c.close()
+    return sent
+
+
+def concurrent_sequences(s, clients: int, per_client: int, length: int) -> list:
+    """Each client runs its sequences one after the other, the clients at once; returns the
+    failures (wrong sums, errors)."""
+    errors: list = []
+
+    def run(k: int) -> None:
+        c = client_of(s, "grpc" if k % 2 else "http")
+        try:
+            for j in range(per_client):
+                values = [k * 100 + j * 10 + i for i in range(length)]
+                got = run_sequence(c, values)
+                if got != sums(values):
+                    errors.append((k, j, got))
+        except Exception as e:      # noqa: BLE001 - reported by the caller
+            errors.append(e)
+        finally:
+            c.close()
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return errors
+
+
+def test_concurrent_sequences_run_in_order_under_the_lease_and_are_counted(srv):
+    lent_now(srv)
+    leased, counted = leased_requests(srv, MODEL), inferences(srv)
+    assert concurrent_sequences(srv, 4, 5, 12) == []
+    # 240 requests; a lease may be renewed on the way (those few go through the scheduler)
+    assert leased_requests(srv, MODEL) - leased >= 200
+    wait_for(lambda: inferences(srv) == counted + 240, 10, "every request to be counted")
+
+
+def test_a_new_sequence_beyond_the_slots_waits_at_the_scheduler(srv):
+    """Four slots: a fifth live sequence takes the lease back (the scheduler's queue holds it
+    until a slot frees), and runs once one ends."""
+    lent_now(srv)
+    c = client_of(srv, "http")
+    try:
+        live = [next(_ids) for _ in range(4)]
+        for cid in live:
+            assert step(c, cid, 5, start=True) == 5
+        fifth = next(_ids)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(step(client_of(srv, "grpc"), fifth, 7,
+                                                            start=True)))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive()                 # no slot yet
+        assert step(c, live[0], 1, end=True) == 6
+        t.join(30)
+        assert got == [7]
+        for cid in live[1:]:
+            assert step(c, cid, 1, end=True) == 6
+        assert step(c, fifth, 1, end=True) == 8
+    finally:
+        c.close()
+    lent_now(srv)
+
+
+def test_a_worker_that_dies_under_a_lease_loses_its_sequences_only(srv):
+    lent_now(srv)
+    c = client_of(srv, "http")
+    try:
+        alive = next(_ids)
+        assert step(c, alive, 3, start=True) == 3
+        with pytest.raises(InferenceServerException) as e:
+            step(c, next(_ids), -1, start=True)         # its worker exits
+        assert "exited unexpectedly" in e.value.message(), e.value.message()
+        wait_for(lambda: srv.model_ready(MODEL), 30, "the model's worker to be restarted")
+        with pytest.raises(InferenceServerException) as e:
+            step(c, alive, 1)                           # its state died with the worker
+        assert e.value.status() == "400"
+        assert e.value.message().startswith(START_MSG.format(cid=alive, model=MODEL))
+    finally:
+        c.close()
+    lent_now(srv)                   # the new worker is lent in turn
+
+
+def test_two_frontends_racing_for_the_instance_lose_nothing_and_leave_nothing(tmp_path):
+    s = Server(build(str(tmp_path)), "--frontends", "2")
+    try:
+        sent = lent_now(s) + 240
+        assert concurrent_sequences(s, 6, 4, 10) == []
+        # each frontend passes its records on within 50 ms (a statistics query flushes only
+        # the frontend it reaches)
+        wait_for(lambda: inferences(s) == sent, 10, "every request to be counted")
+        pids = descendants(s.proc.pid)
+    finally:
+        s.stop()
+    assert segments_of(s.proc.pid) == []
+    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), 10,
+             "the server's processes to end")
+
+
+def test_unloading_while_sequences_live_under_a_lease(tmp_path):
+    s = Server(build(str(tmp_path)), "--model-control-mode", "explicit", "--load-model", MODEL)
+    try:
+        lent_now(s)
+        c = client_of(s, "http")
+        cid = next(_ids)
+        assert step(c, cid, 2, start=True) == 2
+        r = requests.post(f"{s.base}/v2/repository/models/{MODEL}/unload", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+        with pytest.raises(InferenceServerException) as e:
+            step(c, cid, 1)
+        assert MODEL in e.value.message()
+        r = requests.post(f"{s.base}/v2/repository/models/{MODEL}/load", json={}, timeout=60)
+        assert r.status_code == 200, r.text
+        with pytest.raises(InferenceServerException) as e:
+            step(c, cid, 1)                 # a new worker: the sequence must start again
+        assert e.value.message().startswith(START_MSG.format(cid=cid, model=MODEL))
+        lent_now(s)
+        c.close()
+    finally:
+        s.stop()
+    assert segments_of(s.proc.pid) == []
