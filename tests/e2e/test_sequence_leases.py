@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from repo_builder import write_model
 from serverproc import Server, descendants, leased_requests, segments_of, wait_for
-from test_sequences import ACCUMULATE, START_MSG, accumulate_config
+from test_sequences import ACCUMULATE, START_MSG, accumulate_config, pending
 from tritonclient.utils import InferenceServerException
 
 MODEL = "seq_lent"
@@ -127,11 +127,18 @@ def test_a_new_sequence_beyond_the_slots_waits_at_the_scheduler(srv):
             assert step(c, cid, 5, start=True) == 5
         fifth = next(_ids)
         got: list = []
-        t = threading.Thread(target=lambda: got.append(step(client_of(srv, "grpc"), fifth, 7,
-                                                            start=True)))
+
+        def start_fifth() -> None:
+            other = client_of(srv, "grpc")
+            try:
+                got.append(step(other, fifth, 7, start=True))
+            finally:
+                other.close()
+        t = threading.Thread(target=start_fifth)
         t.start()
-        t.join(0.5)
-        assert t.is_alive()                 # no slot yet
+        # no slot yet: it waits in the scheduler's queue, where statistics see it
+        wait_for(lambda: pending(srv, MODEL) == 1, 20, "the fifth sequence to wait")
+        assert t.is_alive()
         assert step(c, live[0], 1, end=True) == 6
         t.join(30)
         assert got == [7]
