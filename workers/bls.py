@@ -21,8 +21,9 @@ request's execution, in bulk after RECORDS_WAIT_MS (LeasedDone). A model in the 
 chain is never called under a lease: its instance may be the one waiting for the answer, and
 only the scheduler can refuse that.
 
-Requests may come from execute() or from any thread of the model: one receiver thread reads the
-inbox and hands each answer to the queue of the request it belongs to.
+Requests may come from execute() or from any thread of the model. Each answer goes to the queue
+of the request it belongs to, read by the thread waiting for an answer or, while none waits, by a
+background thread (bls_inbox.py: one wake-up per answer, not two).
 """
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ from shmserve.ipc.messages import encode as encode_message
 from shmserve.ipc.shm import ShmError, ShmMapCache
 
 from . import pb_utils, tensors
+from .bls_inbox import SharedInbox
 from .pb_errors import FROM_ERROR_CODE
 
 log = logging.getLogger("shmserve.worker")
@@ -100,49 +102,40 @@ class BlsClient:
         self.sent: dict[int, tuple[SubmitRequest, bytes]] = {}
         self.done: list[LeasedRecord] = []  # completion records of leased requests, not sent
         self.lost: list[LeaseLost] = []     # handled once the inbox is drained
-        self.receiver = threading.Thread(target=self.receive, name="bls-receiver", daemon=True)
-        self.receiver.start()
+        self.shared = SharedInbox(self.inbox, self.handle, self.drained,
+                                  lambda: bool(self.done), self.flush_done)
+        self.shared.start()
         worker.tell(FrontendHello(self.fid, self.inbox.address))
 
-    # ---- the receiver thread ----------------------------------------------------------------
-    def receive(self) -> None:
-        armed = False
-        while True:
-            if bool(self.done) != armed:
-                armed = not armed
-                self.inbox.set_timeout(RECORDS_WAIT_MS if armed else -1)
-            try:
-                msg, _ = self.inbox.recv()
-            except zmq.Again:           # records nobody took: they go on their own
-                self.flush_done()
-                continue
-            except Exception:           # closed: the worker is stopping
-                return
-            if isinstance(msg, InferResult):
-                self.deliver(msg)
-            elif isinstance(msg, InferResults):
-                for r in msg.results:
-                    self.deliver(r)
-            elif isinstance(msg, ModelTable):
-                self.catalog.update(msg)
-                self.table_seen.set()
-            elif isinstance(msg, ControlReply):
-                with self.lock:
-                    waiting = self.queries.pop(msg.query_id, None)
-                if waiting is not None:
-                    waiting.put(msg)
-            elif isinstance(msg, WorkerGone) and msg.reason:
-                with self.lock:
-                    ended = [rid for rid, sid in self.streams.items() if sid == msg.spawn_id]
-                for rid in ended:
-                    self.deliver(InferResult(rid, "", 0, error=msg.reason,
-                                             code=ErrorCode.INTERNAL))
-            elif isinstance(msg, (LeaseGranted, LeaseRevoked, LeaseBounced, LeaseLost)):
-                self.lease_news(msg)
-            if self.lost and not self.inbox.has_message():
-                self.settle()
+    # ---- what the inbox brings (read by whoever holds its token: bls_inbox.py) ------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, InferResult):
+            self.deliver(msg)
+        elif isinstance(msg, InferResults):
+            for r in msg.results:
+                self.deliver(r)
+        elif isinstance(msg, ModelTable):
+            self.catalog.update(msg)
+            self.table_seen.set()
+        elif isinstance(msg, ControlReply):
+            with self.lock:
+                waiting = self.queries.pop(msg.query_id, None)
+            if waiting is not None:
+                waiting.put(msg)
+        elif isinstance(msg, WorkerGone) and msg.reason:
+            with self.lock:
+                ended = [rid for rid, sid in self.streams.items() if sid == msg.spawn_id]
+            for rid in ended:
+                self.deliver(InferResult(rid, "", 0, error=msg.reason,
+                                         code=ErrorCode.INTERNAL))
+        elif isinstance(msg, (LeaseGranted, LeaseRevoked, LeaseBounced, LeaseLost)):
+            self.lease_news(msg)
 
-    # ---- leases (the receiver thread) -------------------------------------------------------
+    def drained(self) -> None:
+        if self.lost:
+            self.settle()
+
+    # ---- leases (whoever reads the inbox) -------------------------------------------------------
     def lease_news(self, msg) -> None:
         with self.lock:
             if isinstance(msg, LeaseGranted):
@@ -332,8 +325,7 @@ class BlsClient:
             final = False
             while not final:
                 try:
-                    result = answers.get(timeout=max(0.0, deadline - time.monotonic())
-                                         if timeout_s else None)
+                    result = self.shared.wait(answers, deadline if timeout_s else None)
                 except queue.Empty:
                     self.give_up(req_id, slots)
                     slots = []
@@ -409,6 +401,7 @@ class BlsClient:
                 self.boxes.pop(result.worker, None)
 
     def close(self) -> None:
+        self.shared.close()
         self.inbox.close()
         with self.lock:
             for box in self.boxes.values():
