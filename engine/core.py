@@ -72,7 +72,7 @@ from .on_demand import OnDemand
 from .port import SchedulerPort
 from .rate_limiter import RateLimiter
 from .repository import ModelRepository
-from .sequence_batcher import SequenceBatcher, SequenceError
+from .sequence_batcher import SEQUENCE_START, SequenceBatcher, SequenceError
 from .states import InstanceState, KillReason, ModelState
 
 log = logging.getLogger("shmserve.scheduler")
@@ -369,6 +369,15 @@ class SchedulerCore:
                             trace=msg.trace)
         if msg.lost:        # it went to a leased worker that died: retried alone, or failed
             blamed = self.deaths.blamed(msg.frontend, msg.req_id)
+            if msg.sequence_id and isinstance(ver.queue, SequenceBatcher):
+                # its sequence's state died with the worker: it fails (the one the worker
+                # died of with that reason), as on the scheduler path; a START may run anew
+                why = ver.queue.mark_lost(msg.sequence_id)
+                if blamed or not msg.sequence_flags & SEQUENCE_START:
+                    ver.stats.failed("OTHER", self.clock() - msg.received_ns)
+                    self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+                                     ErrorCode.INTERNAL, blamed or why)
+                    return
             retry = msg.lost_retry and ver.retry_on_death and not self.stopping
             if not retry or blamed:
                 ver.stats.failed("BACKEND", self.clock() - msg.received_ns)

@@ -40,17 +40,17 @@ inbox instead of the scheduler's queue, and the worker batches them by the same 
 counts the execution. With several instances, each batches what the frontend spread to it, as
 the scheduler's batcher would have handed each idle instance what had queued by then.
 
-A sequence model with one instance is leased too: the live sequences the scheduler pinned to
-it go to its worker (LendSequences, before the grant), whose own sequence batcher applies the
-same rules to the leased requests (workers/lease_sequences.py), and come back with LeaseEnded.
-Requests that reach the scheduler meanwhile wait for them (their sequence's state is judged
-where it is): they revoke the lease like any request that queues. The frontend keeps each
-sequence's requests on one path at a time (frontend/sequence_paths.py), so none overtakes
-another.
+A sequence model is leased too, all its instances at once: the live sequences the scheduler
+pinned to each go to its worker (LendSequences, before the grant, which names them to the
+frontend), whose own sequence batcher applies the same rules to the leased requests
+(workers/lease_sequences.py), and come back with LeaseEnded. Requests that reach the scheduler
+meanwhile wait for them (their sequence's state is judged where it is): they revoke the leases
+like any request that queues; one from the lease holder is forwarded to the worker that has its
+sequence instead. The frontend keeps each sequence's requests on one path at a time
+(frontend/sequence_paths.py), so none overtakes another.
 
-Not leased: sequence models with several instances (placing a new sequence needs all their
-live sequences), decoupled models, dynamic batching with priorities or queue policies (the
-scheduler's queue applies those), and any version while the server stops.
+Not leased: iterative sequences, decoupled models, dynamic batching with priorities or queue
+policies (the scheduler's queue applies those), and any version while the server stops.
 
 Pure: no sockets; it acts through the port and reads the injected clock.
 """
@@ -97,8 +97,9 @@ def worker_batches(ver: ModelVersion) -> bool:
 
 def unlimited(ver: ModelVersion) -> bool:
     """Whether ``ver``'s workers may take any number of leased requests in flight, run in
-    arrival order: a single instance, or requests that batch in the worker anyway."""
-    return len(ver.instances) == 1 or worker_batches(ver)
+    arrival order: a single instance, requests that batch in the worker anyway, or a sequence
+    model's (each sequence lives on one worker, whose batcher orders them)."""
+    return len(ver.instances) == 1 or worker_batches(ver) or isinstance(ver.queue, SequenceBatcher)
 
 
 def submitted(ver: ModelVersion, r: QueuedRequest) -> SubmitRequest:
@@ -106,6 +107,17 @@ def submitted(ver: ModelVersion, r: QueuedRequest) -> SubmitRequest:
     return SubmitRequest(r.req_id, r.frontend, ver.name, ver.version, r.batch_size,
                          r.received_ns, r.priority, r.timeout_us, r.shape_key,
                          sequence_id=r.sequence_id, sequence_flags=r.flags, trace=r.trace)
+
+
+def place(held: list, cid) -> "Lease":
+    """The lease of ``held`` whose worker has sequence ``cid``, or (a new one) the one with
+    the fewest sequences, which takes it."""
+    for lease in held:
+        if cid in lease.cids:
+            return lease
+    lease = min(held, key=lambda h: len(h.cids))
+    lease.cids[cid] = None
+    return lease
 
 
 @dataclass(eq=False)
@@ -118,6 +130,9 @@ class Lease:
     depth: int = 1              # requests in flight at once; 0 = no limit
     revoked_ns: int = 0         # 0 = in force
     progress_ns: int = 0        # when its worker last finished a leased request
+    # a sequence model's: the sequences lent with it or forwarded to it (engine/core.py
+    # forward), to forward a sequence's later requests to the same worker
+    cids: dict | None = None
 
 
 class LeaseBook:
@@ -137,14 +152,13 @@ class LeaseBook:
 
     def leasable(self, ver: ModelVersion) -> bool:
         # a decoupled model answers past its execution (the lease's completion records ride
-        # with one answer): never lent. A sequence model is, with one instance: its live
-        # sequences go with the lease (below); with several, placing a new sequence needs
-        # every instance's, which only the scheduler sees. An iterative sequence (one request,
-        # rescheduled in its worker) is not lent
+        # with one answer): never lent. A sequence model is: each instance's live sequences go
+        # with its lease (below). An iterative sequence (one request, rescheduled in its
+        # worker: no SequenceBatcher) is not
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
                 and not ver.config.model_transaction_policy.decoupled
                 and (not ver.config.HasField("sequence_batching")
-                     or isinstance(ver.queue, SequenceBatcher) and len(ver.instances) == 1)
+                     or isinstance(ver.queue, SequenceBatcher))
                 and (not ver.config.HasField("dynamic_batching") or worker_batches(ver)))
 
     def note_request(self, ver: ModelVersion, frontend: int | None) -> None:
@@ -171,6 +185,10 @@ class LeaseBook:
         if sequences is not None and frontend >= BLS_FRONTEND_BASE:
             return False    # a BLS client does not keep a sequence's requests in order
         held = self.by_version.get(ver)
+        if sequences is not None and (held or len(idle) != len(ver.instances)):
+            # all its instances at once: a sequence on an instance not lent would be out of
+            # the frontend's reach, and a new one must find every slot
+            return False
         depth = 0 if unlimited(ver) else 1
         # one frontend holds a version's leases, all in force; a limited lease comes alone
         if held and (depth or held[0].frontend != frontend or any(h.revoked_ns for h in held)):
@@ -184,11 +202,14 @@ class LeaseBook:
             held.append(lease)
             self.by_spawn[inst.spawn_id] = lease
             self.holders.setdefault(inst.spawn_id, set()).add(frontend)
+            grant = LeaseGranted(lease.lease_id, ver.name, ver.version, inst.spawn_id, depth,
+                                 returned or [])
             if sequences is not None:   # the worker takes over its live sequences first
                 live = [SequenceSlot(cid, t) for cid, t in sequences.lend(inst)]
                 self.port.send_worker(inst.spawn_id, LendSequences(lease.lease_id, live))
-            self.port.send_frontend(frontend, LeaseGranted(lease.lease_id, ver.name, ver.version,
-                                                           inst.spawn_id, depth, returned or []))
+                lease.cids = {s.cid: None for s in live}
+                grant.sequences, grant.slots = list(lease.cids), sequences.cfg.capacity
+            self.port.send_frontend(frontend, grant)
             returned = None
             if depth:
                 break
@@ -223,16 +244,20 @@ class LeaseBook:
         channel, so in order; the frontend may have later ones of the same sequences on their
         way here, which come the same way: frontend/sequence_paths.py), and the frontend told
         they went under the lease (LeaseGranted.forwarded)."""
-        for lease in self.by_version.get(ver, ()):
-            if lease.frontend == frontend and not lease.revoked_ns:
-                sid = lease.instance.spawn_id
-                for head, payload in requests:
-                    self.port.send_worker(sid, LeasedExecute(lease.lease_id, head), [payload])
-                self.port.send_frontend(frontend, LeaseGranted(
-                    lease.lease_id, ver.name, ver.version, sid, lease.depth,
-                    forwarded=[head.req_id for head, _ in requests]))
-                return True
-        return False
+        held = [h for h in self.by_version.get(ver, ()) if h.frontend == frontend]
+        if not held or any(h.revoked_ns for h in held):
+            return False
+        by_lease: dict[Lease, list[int]] = {}
+        for head, payload in requests:
+            lease = place(held, head.sequence_id)
+            self.port.send_worker(lease.instance.spawn_id, LeasedExecute(lease.lease_id, head),
+                                  [payload])
+            by_lease.setdefault(lease, []).append(head.req_id)
+        for lease, rids in by_lease.items():
+            self.port.send_frontend(frontend, LeaseGranted(
+                lease.lease_id, ver.name, ver.version, lease.instance.spawn_id, lease.depth,
+                forwarded=rids))
+        return True
 
     def progress(self, spawn_id: int, finished_ns: int) -> None:
         lease = self.by_spawn.get(spawn_id)
@@ -273,11 +298,13 @@ class LeaseBook:
         if lease is None or lease.lease_id != lease_id:
             return None
         if not lease.revoked_ns:
-            # the worker gave it up (a sequence found no slot): the frontend stops using it,
-            # and the version waits out the cooldown as after a revoke
+            # the worker gave it up (a new sequence found no slot): the version's leases all
+            # end (the waiting is the scheduler's to do), this one without a revoke
+            lease.revoked_ns = self.clock()
+            self.port.send_frontend(lease.frontend, LeaseRevoked(lease.lease_id))
+            self.revoke(lease.version)
             ver = lease.version
             self.cooldown_until[(ver.name, ver.version)] = self.clock() + COOLDOWN_NS
-            self.port.send_frontend(lease.frontend, LeaseRevoked(lease.lease_id))
         self._forget(lease)
         return lease
 
@@ -287,6 +314,10 @@ class LeaseBook:
         lease = self.by_spawn.get(spawn_id)
         if lease is not None:
             self._forget(lease)
+            if lease.cids is not None:
+                # its sequences are lost: the scheduler says so to their next requests, with
+                # the model's other sequences back in its hands
+                self.revoke(lease.version)
         for frontend in self.holders.pop(spawn_id, ()):
             self.port.send_frontend(frontend, LeaseLost(spawn_id, reason, retry))
 

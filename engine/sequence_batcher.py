@@ -215,12 +215,8 @@ class SequenceBatcher(IdleInstances):
         cids, waiting = self.lent.pop(key, ([], []))
         self.count -= len(waiting)
         if live is None:
-            why = ("lost its state: the worker process that held it ended; start the "
-                   "sequence again")
             for cid in cids:
-                self.lost[cid] = f"sequence {cid} of model '{self.cfg.model}' {why}"
-            while len(self.lost) > LOST_KEPT:
-                self.lost.popitem(last=False)
+                self.mark_lost(cid)
             return waiting
         pinned = self.instances.setdefault(key, [])
         for cid, last_ns in sorted(live, key=lambda c: c[1]):     # the quiet order
@@ -308,12 +304,8 @@ class SequenceBatcher(IdleInstances):
                 seq.instance = None
                 fresh.append(seq)
                 continue
-            why = (f"sequence {seq.cid} of model '{self.cfg.model}' lost its state: the worker "
-                   f"process that held it ended; start the sequence again")
             self.sequences.pop(seq.cid, None)
-            self.lost[seq.cid] = why
-            while len(self.lost) > LOST_KEPT:
-                self.lost.popitem(last=False)
+            why = self.mark_lost(seq.cid)
             for req in seq.queue:
                 self.failed.append((req, why))
             self.count -= len(seq.queue)
@@ -322,6 +314,15 @@ class SequenceBatcher(IdleInstances):
         for seq in list(self.backlog):      # room may have opened elsewhere
             self.backlog.remove(seq)
             self.place(seq)
+
+    def mark_lost(self, cid: int | str) -> str:
+        """Sequence ``cid`` died with its worker: why, which its next request is told."""
+        why = self.lost[cid] = (f"sequence {cid} of model '{self.cfg.model}' lost its state: "
+                                f"the worker process that held it ended; start the sequence "
+                                f"again")
+        while len(self.lost) > LOST_KEPT:
+            self.lost.popitem(last=False)
+        return why
 
     def take_orphans(self) -> list[QueuedRequest]:
         out, self.orphans = self.orphans, []

@@ -67,7 +67,7 @@ from .catalog import ModelCatalog
 from .colocation import NO_CPU, Colocation
 from .deadlines import Deadlines
 from .priority import DrainPriority
-from .request import PreparedRequest
+from .request import SEQUENCE_END, SEQUENCE_START, PreparedRequest
 from .sequence_paths import HOLD, SequencePaths
 
 log = logging.getLogger("shmserve.frontend")
@@ -173,6 +173,8 @@ class EngineClient:
         hold = False
         if head.sequence_id and chain is None:      # one way at a time for each sequence
             seq_key = (model, version, head.sequence_id)
+            if lease is not None and lease.cids is not None:
+                lease = self._sequence_lease(head)
             lease = self.sequences.choose(seq_key, lease)
             if lease is HOLD:
                 hold, lease = True, None
@@ -207,6 +209,8 @@ class EngineClient:
             return
         head, payload = sent
         lease = self.leases.pick(head.model, head.version) if self.leases else None
+        if lease is not None and lease.cids is not None:
+            lease = self._sequence_lease(head)
         lease = self.sequences.choose((head.model, head.version, head.sequence_id), lease)
         if lease is HOLD:
             self.sequences.hold(req_id)
@@ -214,6 +218,11 @@ class EngineClient:
             self._resubmit(head, payload)
         else:
             self._send_leased(lease, head, payload)
+
+    def _sequence_lease(self, head: SubmitRequest) -> Lease | None:
+        """Of a sequence model's leases, the one whose worker has the request's sequence."""
+        return self.leases.place(head.model, head.version, head.sequence_id,
+                                 bool(head.sequence_flags & SEQUENCE_START))
 
     def _sequence_done(self, req_id: int) -> None:
         for rid in self.sequences.finished(req_id):
@@ -229,6 +238,8 @@ class EngineClient:
         if self.leases.busy():
             self.leases.done(msg.req_id)
         if self.sequences:
+            if sent is not None and sent[0].sequence_flags & SEQUENCE_END and not msg.error:
+                self.leases.ended_sequence(sent[0].model, sent[0].version, sent[0].sequence_id)
             self._sequence_done(msg.req_id)
         if msg.done is not None and sent is not None:
             self.done.append(msg.done)
@@ -515,6 +526,10 @@ class EngineClient:
             else:
                 self.leases.sent(lease, rid)
                 self.sequences.went(rid, lease.lease_id)
+                # the scheduler placed its sequence there (a new one may differ from our guess)
+                head = sent[0]
+                self.leases.ended_sequence(head.model, head.version, head.sequence_id)
+                lease.took(head.sequence_id)
 
     def _lease_revoked(self, msg: LeaseRevoked) -> None:
         self.leases.revoked(msg.lease_id)

@@ -7,6 +7,7 @@ given, and the caller sends.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -21,10 +22,22 @@ class Lease:
     box: Any                    # the worker's inbox (a PacketOutbox)
     depth: int = 1              # requests in flight at once; 0 = no limit
     inflight: int = 0
+    # a sequence model's: the sequences its worker has (least recently used first; at most
+    # ``slots``: one the worker holds no more has ended), None for any other model
+    cids: OrderedDict | None = None
+    slots: int = 0
 
     @property
     def full(self) -> bool:
         return bool(self.depth) and self.inflight >= self.depth
+
+    def took(self, cid: int | str) -> None:
+        """Its worker has sequence ``cid`` now."""
+        if self.cids is not None:
+            self.cids[cid] = None
+            self.cids.move_to_end(cid)
+            while len(self.cids) > max(1, self.slots):
+                self.cids.popitem(last=False)
 
 
 class LeaseTable:
@@ -46,6 +59,26 @@ class LeaseTable:
         if not held:
             return None
         return held[0] if len(held) == 1 else min(held, key=lambda h: h.inflight)
+
+    def place(self, model: str, version: int, cid: int | str, start: bool) -> Lease | None:
+        """The lease whose worker has sequence ``cid`` of a sequence model; for one it does
+        not know, the lease with the fewest sequences (which takes it, if ``start``)."""
+        held = self.held.get((model, version))
+        if not held:
+            return None
+        for lease in held:
+            if lease.cids is not None and cid in lease.cids:
+                lease.cids.move_to_end(cid)
+                return lease
+        lease = min(held, key=lambda h: len(h.cids or ()))
+        if start:
+            lease.took(cid)
+        return lease
+
+    def ended_sequence(self, model: str, version: int, cid: int | str) -> None:
+        for lease in self.held.get((model, version), ()):
+            if lease.cids is not None:
+                lease.cids.pop(cid, None)
 
     def route(self, hops: list[ChainHop]) -> list[Lease] | None:
         """A lease with room for every step of an ensemble that may run worker to worker;
@@ -112,6 +145,9 @@ class LeaseTable:
             held[:] = [h for h in held if h.spawn_id != msg.spawn_id]
             try:
                 lease = Lease(msg.lease_id, msg.spawn_id, box_for(msg.spawn_id), msg.depth)
+                if msg.sequences is not None:
+                    lease.cids = OrderedDict.fromkeys(msg.sequences)
+                    lease.slots = msg.slots
                 held.append(lease)
             except PeerGone:
                 lease = None

@@ -666,6 +666,10 @@ class LeaseGranted(msgspec.Struct, array_like=True, tag=14):
     depth: int = 1
     returned: list[int] = []
     forwarded: list[int] = []
+    # a sequence model's lease: the live sequences its worker took over, and how many it
+    # holds at most (None: not a sequence model)
+    sequences: list[int | str] | None = None
+    slots: int = 0
 
 
 class LeaseRevoked(msgspec.Struct, array_like=True, tag=15):

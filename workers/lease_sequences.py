@@ -1,8 +1,8 @@
 """The sequence batcher of a leased stateful model, in its worker.
 
-A sequence model with one instance is lent to a frontend like any other (engine/leases.py):
-the scheduler sends the worker the live sequences it had pinned there (LendSequences), and the
-frontend sends the model's requests straight to the worker. They meet here, in the scheduler's
+A sequence model's instances are lent to a frontend like any others (engine/leases.py): the
+scheduler sends each worker the live sequences it had pinned there (LendSequences), and the
+frontend sends each sequence's requests straight to the worker that has it. They meet here, in the scheduler's
 own sequence batcher (engine/sequence_batcher.py: the same class, so the same rules: START
 required, capacity and backlog, one request per sequence in a batch, oldest first, the delay,
 idle release). A new sequence that finds no free slot ends the lease from the worker's side:

@@ -343,7 +343,9 @@ class Worker:
         lease ran before this (one loop), but a sequence model's requests still queued, which
         go back to their frontend."""
         self.revoked_upto = max(self.revoked_upto, lease_id)
-        live = self.sequence_lease.end() if self.sequence_lease is not None else None
+        seqs = self.sequence_lease
+        # (the sequences of a later lease stay: a revoke of one this worker gave up already)
+        live = seqs.end() if seqs is not None and seqs.seqs.lease_id <= lease_id else None
         self.tell(LeaseEnded(self.args.spawn_id, lease_id, live))
 
     def lend_sequences(self, msg: LendSequences) -> None:

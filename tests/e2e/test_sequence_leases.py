@@ -21,9 +21,14 @@ MODEL = "seq_lent"
 _ids = iter(range(70_000, 1 << 30))
 
 
+PAIR = "seq_pair"
+
+
 def build(repo: str) -> str:
     # one instance, 4 slots: lent; values of -1 make its worker exit
     write_model(repo, MODEL, accumulate_config(4, 1, 5_000_000), ACCUMULATE)
+    # two instances of 2 slots: lent together, each with its own sequences
+    write_model(repo, PAIR, accumulate_config(2, 2, 5_000_000), ACCUMULATE)
     return repo
 
 
@@ -41,17 +46,17 @@ def client_of(s, proto: str):
     return httpclient.InferenceServerClient(s.url, network_timeout=60)
 
 
-def step(client, cid: int, value: int, start=False, end=False) -> int:
+def step(client, cid: int, value: int, start=False, end=False, model=MODEL, out="OUTPUT") -> int:
     mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
     inp = mod.InferInput("INPUT", [1, 1], "INT32")
     inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
-    r = client.infer(MODEL, [inp], sequence_id=cid, sequence_start=start, sequence_end=end)
-    return int(r.as_numpy("OUTPUT").reshape(-1)[0])
+    r = client.infer(model, [inp], sequence_id=cid, sequence_start=start, sequence_end=end)
+    return int(r.as_numpy(out).reshape(-1)[0])
 
 
-def run_sequence(client, values: list[int]) -> list[int]:
+def run_sequence(client, values: list[int], model=MODEL) -> list[int]:
     cid = next(_ids)
-    return [step(client, cid, v, start=i == 0, end=i == len(values) - 1)
+    return [step(client, cid, v, start=i == 0, end=i == len(values) - 1, model=model)
             for i, v in enumerate(values)]
 
 
@@ -59,12 +64,12 @@ def sums(values: list[int]) -> list[int]:
     return [int(x) for x in np.cumsum(values)]
 
 
-def inferences(s) -> int:
-    stats = requests.get(f"{s.base}/v2/models/{MODEL}/stats", timeout=10).json()
+def inferences(s, model=MODEL) -> int:
+    stats = requests.get(f"{s.base}/v2/models/{model}/stats", timeout=10).json()
     return stats["model_stats"][0]["inference_count"]
 
 
-def lent_now(s) -> int:
+def lent_now(s, model=MODEL) -> int:
     """Sequences until one runs under a lease (the first ones get the instance lent); returns
     how many requests that took."""
     c = client_of(s, "http")
@@ -73,16 +78,16 @@ def lent_now(s) -> int:
     def lent() -> bool:
         nonlocal sent
         sent += 2
-        return run_sequence(c, [1, 2]) == [1, 3] and leased_requests(s, MODEL) > before
+        return run_sequence(c, [1, 2], model) == [1, 3] and leased_requests(s, model) > before
     try:
-        before = leased_requests(s, MODEL)
+        before = leased_requests(s, model)
         wait_for(lent, 20, "a sequence to run under a lease")
     finally:
         c.close()
     return sent
 
 
-def concurrent_sequences(s, clients: int, per_client: int, length: int) -> list:
+def concurrent_sequences(s, clients: int, per_client: int, length: int, model=MODEL) -> list:
     """Each client runs its sequences one after the other, the clients at once; returns the
     failures (wrong sums, errors)."""
     errors: list = []
@@ -92,7 +97,7 @@ def concurrent_sequences(s, clients: int, per_client: int, length: int) -> list:
         try:
             for j in range(per_client):
                 values = [k * 100 + j * 10 + i for i in range(length)]
-                got = run_sequence(c, values)
+                got = run_sequence(c, values, model)
                 if got != sums(values):
                     errors.append((k, j, got))
         except Exception as e:      # noqa: BLE001 - reported by the caller
@@ -114,6 +119,27 @@ def test_concurrent_sequences_run_in_order_under_the_lease_and_are_counted(srv):
     # 240 requests; a lease may be renewed on the way (those few go through the scheduler)
     assert leased_requests(srv, MODEL) - leased >= 200
     wait_for(lambda: inferences(srv) == counted + 240, 10, "every request to be counted")
+
+
+def test_two_instances_are_lent_together_each_keeping_its_sequences(srv):
+    lent_now(srv, PAIR)
+    leased, counted = leased_requests(srv, PAIR), inferences(srv, PAIR)
+    # three live sequences at a time on 2 x 2 slots
+    assert concurrent_sequences(srv, 3, 4, 10, PAIR) == []
+    assert leased_requests(srv, PAIR) - leased >= 100
+    wait_for(lambda: inferences(srv, PAIR) == counted + 120, 10, "every request to be counted")
+    # both workers served (each answer names its worker's pid)
+    c = client_of(srv, "http")
+    try:
+        pids = set()
+        cids = [next(_ids) for _ in range(4)]
+        for cid in cids:
+            pids.add(step(c, cid, 1, start=True, model=PAIR, out="PID"))
+        for cid in cids:
+            assert step(c, cid, 1, end=True, model=PAIR) == 2
+        assert len(pids) == 2
+    finally:
+        c.close()
 
 
 def test_a_new_sequence_beyond_the_slots_waits_at_the_scheduler(srv):

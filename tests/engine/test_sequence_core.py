@@ -378,11 +378,33 @@ def test_a_one_instance_sequence_model_is_lent_with_its_live_sequences(repo):
     [lend] = [m for _, m, _ in h.port.to_worker if isinstance(m, LendSequences)]
     assert kinds.index(LendSequences) == len(kinds) - 1
     assert lend.lease_id == g.lease_id and [s.cid for s in lend.sequences] == [9]
-    # a sequence model with two instances stays on the scheduler path
-    a, _ = sids(h, "seq")
-    h.submit_seq("seq", 1, S | E)
+    assert (g.sequences, g.slots) == ([9], 1)       # what the frontend routes by
+
+
+def test_a_sequence_model_lends_all_its_instances_at_once_each_with_its_sequences(repo):
+    h = Harness(repo, instance_leases=True).start()
+    a, b = sids(h, "seq")
+    r1 = h.submit_seq("seq", 1, S)
+    r2 = h.submit_seq("seq", 2, S)
+    assert h.sent_to(a) == [[r1]] and h.sent_to(b) == [[r2]]
     h.finish(a)
-    assert [x.model for x in grants(h)] == ["one"]
+    assert grants(h) == []                  # b is busy: none is lent yet
+    h.finish(b)
+    by_spawn = {g.spawn_id: g for g in grants(h)}
+    assert sorted(by_spawn) == [a, b]
+    assert by_spawn[a].sequences == [1] and by_spawn[b].sequences == [2]
+    assert {g.depth for g in by_spawn.values()} == {0}
+    # sent before the grants arrived: each goes to the worker that has its sequence, a new
+    # one to the worker with the fewest
+    r3 = h.submit_seq("seq", 2)
+    r4 = h.submit_seq("seq", 1, E)
+    r5 = h.submit_seq("seq", 3, S)
+    fwd = {m.head.req_id: s for s, m, _ in h.port.to_worker if isinstance(m, LeasedExecute)}
+    assert fwd[r3] == b and fwd[r4] == a and fwd[r5] in (a, b)
+    # a worker that gives its lease up (a new sequence found no slot) ends them all
+    h.core.handle(LeaseEnded(a, by_spawn[a].lease_id, [SequenceSlot(1, h.clock())]))
+    revoked = [m.lease_id for _, m, _ in h.port.to_worker if isinstance(m, RevokeLease)]
+    assert revoked == [by_spawn[b].lease_id]
 
 
 def test_requests_that_reach_the_scheduler_wait_for_the_lent_sequences(repo):
