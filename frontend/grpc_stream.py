@@ -103,7 +103,9 @@ class StreamSession:
             reader.cancel()
             for task in self.tasks:     # the stream ended early: drop what it still runs
                 task.cancel()
-            for slot in self.waiting:
+            # (a copy: a cancel may answer at once, which takes the slot off ``waiting``: a
+            # request still held for its leased worker is answered as cancelled right there)
+            for slot in list(self.waiting):
                 cancel, slot[2] = slot[2], None
                 if cancel is not None:
                     cancel()
