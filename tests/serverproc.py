@@ -125,6 +125,14 @@ def alive(pid: int) -> bool:
         return False
 
 
+def left_nothing(server: "Server", pids: list[int]) -> None:
+    """After ``server.stop()``: none of its shared memory segments and none of its processes
+    (``pids``: descendants() before the stop) remain."""
+    assert segments_of(server.proc.pid) == []
+    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), 10,
+             "the server's processes to end")
+
+
 def segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve_{pid}_")]
 

@@ -15,7 +15,15 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import Server, descendants, leased_requests, model_sleeping, segments_of, wait_for
+from serverproc import (
+    Server,
+    descendants,
+    leased_requests,
+    left_nothing,
+    model_sleeping,
+    segments_of,
+    wait_for,
+)
 from tritonclient.utils import InferenceServerException
 
 # Y = X + 1 (inc) or 2 * X (dbl). Parameters: "sleep_ms" (inc sleeps, watching is_cancelled(),
@@ -178,9 +186,7 @@ def test_two_frontends_at_once_lose_nothing_and_leave_nothing(tmp_path):
         pids = descendants(s.proc.pid)
     finally:
         s.stop()
-    assert segments_of(s.proc.pid) == []
-    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), 10,
-             "the server's processes to end")
+    left_nothing(s, pids)
 
 
 def _explicit(tmp_path) -> Server:

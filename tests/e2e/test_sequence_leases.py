@@ -4,7 +4,6 @@ go straight to the worker, which applies the sequence batcher's rules itself. Wh
 there as through the scheduler: every sequence's requests run in order and see their own state,
 under concurrency, across leases that come and go (two frontends racing for the instance), a
 worker that dies, an unload; every request counted; nothing left behind."""
-import os
 import threading
 
 import numpy as np
@@ -13,7 +12,7 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import Server, descendants, leased_requests, segments_of, wait_for
+from serverproc import Server, descendants, leased_requests, left_nothing, segments_of, wait_for
 from test_sequences import ACCUMULATE, START_MSG, accumulate_config, pending
 from tritonclient.utils import InferenceServerException
 
@@ -206,9 +205,7 @@ def test_two_frontends_racing_for_the_instance_lose_nothing_and_leave_nothing(tm
         pids = descendants(s.proc.pid)
     finally:
         s.stop()
-    assert segments_of(s.proc.pid) == []
-    wait_for(lambda: not any(os.path.exists(f"/proc/{p}") for p in pids), 10,
-             "the server's processes to end")
+    left_nothing(s, pids)
 
 
 def test_unloading_while_sequences_live_under_a_lease(tmp_path):
