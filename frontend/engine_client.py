@@ -173,9 +173,7 @@ class EngineClient:
         hold = False
         if head.sequence_id and chain is None:      # one way at a time for each sequence
             seq_key = (model, version, head.sequence_id)
-            if lease is not None and lease.cids is not None:
-                lease = self._sequence_lease(head)
-            lease = self.sequences.choose(seq_key, lease)
+            lease = self._sequence_way(head, lease)
             if lease is HOLD:
                 hold, lease = True, None
         # pending before it is sent: a send that fails answers it at once (_resubmit)
@@ -208,10 +206,8 @@ class EngineClient:
             self._sequence_done(req_id)
             return
         head, payload = sent
-        lease = self.leases.pick(head.model, head.version) if self.leases else None
-        if lease is not None and lease.cids is not None:
-            lease = self._sequence_lease(head)
-        lease = self.sequences.choose((head.model, head.version, head.sequence_id), lease)
+        lease = self._sequence_way(head, self.leases.pick(head.model, head.version)
+                                   if self.leases else None)
         if lease is HOLD:
             self.sequences.hold(req_id)
         elif lease is None:
@@ -219,10 +215,14 @@ class EngineClient:
         else:
             self._send_leased(lease, head, payload)
 
-    def _sequence_lease(self, head: SubmitRequest) -> Lease | None:
-        """Of a sequence model's leases, the one whose worker has the request's sequence."""
-        return self.leases.place(head.model, head.version, head.sequence_id,
-                                 bool(head.sequence_flags & SEQUENCE_START))
+    def _sequence_way(self, head: SubmitRequest, lease: Lease | None):
+        """How a sequence's request goes (frontend/sequence_paths.py): under ``lease`` or, for
+        a sequence model's, the lease whose worker has its sequence; None (the scheduler);
+        or HOLD."""
+        if lease is not None and lease.cids is not None:
+            lease = self.leases.place(head.model, head.version, head.sequence_id,
+                                      bool(head.sequence_flags & SEQUENCE_START))
+        return self.sequences.choose((head.model, head.version, head.sequence_id), lease)
 
     def _sequence_done(self, req_id: int) -> None:
         for rid in self.sequences.finished(req_id):
