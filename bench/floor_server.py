@@ -1,24 +1,32 @@
 #!/usr/bin/env python3
-"""The floors under shmserve's shape, servable to perf_analyzer: a bare HTTP server and the same
-server with shmserve's three ZeroMQ hops behind it, both with no inference code at all.
+"""The floors under shmserve's shape, servable to perf_analyzer: a bare HTTP server, and the same
+server with N message hops behind it, with no inference code at all.
 
 ``--hops 0`` is a bare uvloop + httptools server. It answers perf_analyzer's metadata and config
 requests for one model with canned JSON. For an infer request in binary form it echoes the input
 tensor back as OUTPUT0.
 
-``--hops 3`` sends each request's bytes the way shmserve's request travels:
-frontend -> relay A (the scheduler's place) -> relay B (the worker's place) -> frontend. Each
-relay is a bare PULL/PUSH loop. The difference between the two floors is what ZeroMQ costs.
-Anything shmserve adds above ``--hops 3`` is our own Python.
+``--hops N`` sends each request's bytes through N - 1 relays and back to the frontend; each
+relay is a bare loop that passes the record on. ``--transport unix`` makes each hop an AF_UNIX
+SOCK_SEQPACKET socket read and written by the process's own thread, as shmserve's leased hops
+are (ipc/packets.py); ``--transport zmq`` makes it a ZeroMQ PUSH/PULL pair, which moves every
+message through an I/O thread on each side (one hop wakes three threads instead of one).
 
-``--hops 2`` is a path with one relay (frontend -> worker -> frontend), what a request would
-cost if the frontend could hand it to a worker itself. ``--transport unix`` makes each hop an
-AF_UNIX SOCK_SEQPACKET socket read and written by the process's own thread, with no I/O thread
-in between (ZeroMQ moves every message through an I/O thread on each side, so one hop wakes
-three threads instead of one). These two are not shmserve's shape: they measure what the
-alternatives to it would give, for small messages only (a record is at most 64 KiB).
+What each floor stands for on shmserve's one path (docs/architecture.md has the hop counts):
 
-  python bench/floor_server.py --port 0 --hops 3 --port-file /tmp/floor.json
+- ``--hops 2 --transport unix``: a plain model's request under a lease (frontend -> worker ->
+  frontend), and a sequence's request under its lease.
+- ``--hops 3 --transport unix``: a two-step pipeline (ensemble) under leases, handed worker to
+  worker (frontend -> step 1 -> step 2 -> frontend); a BLS call adds the same one hop out and
+  one back (caller -> callee -> caller) to its caller's two.
+- ``--hops 4 --transport unix``: a three-step pipeline (row h's ``ensemble3``).
+- ``--hops 3 --transport zmq``: a request that queues in the scheduler (frontend -> scheduler ->
+  worker -> frontend; the first hop is ZeroMQ, the rest are not, so this is its upper bound).
+
+The difference between a floor and shmserve on the same request kind is shmserve's own Python
+(codecs, routing, statistics, the model's backend).
+
+  python bench/floor_server.py --port 0 --hops 2 --transport unix --port-file /tmp/floor.json
   python bench/floor_server.py --port 0 --hops 3 --transport unix
 """
 from __future__ import annotations
@@ -277,7 +285,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0)
-    ap.add_argument("--hops", type=int, choices=(0, 2, 3), default=0)
+    ap.add_argument("--hops", type=int, choices=(0, 2, 3, 4), default=0,
+                    help="message hops behind the HTTP server (see above); 0: none")
     ap.add_argument("--transport", choices=("zmq", "unix"), default="zmq",
                     help="what carries each hop (unix: SOCK_SEQPACKET, no I/O threads)")
     ap.add_argument("--protocol", choices=("http", "grpc"), default="http",

@@ -45,6 +45,7 @@ from shmserve.ipc.messages import (
     ReleaseOutputs,
     RequestRoute,
     ResponseReport,
+    SequencesLost,
     ServerSettings,
     SetLogSettings,
     SetTraceSettings,
@@ -135,6 +136,7 @@ class SchedulerCore:
             CustomMetrics: self.custom_metrics_in, ResponseReport: self.response_report,
             Wake: lambda msg: None,
             LeaseEnded: self.lease_ended, LeasedDone: self.leased_done,
+            SequencesLost: self.sequences_lost,
             SetLogSettings: self.set_log_settings,
             SetTraceSettings: self.set_trace_settings,
             ReleaseOutputs: self.release_handed,
@@ -529,6 +531,11 @@ class SchedulerCore:
         if sequences:       # they go behind the sequences lent (engine/leases.py forward)
             self.leases.forward(ver, frontend, [(submitted(ver, r), r.payload) for r in taken])
         return True
+
+    def sequences_lost(self, msg: SequencesLost) -> None:
+        ver = self.versions.get((msg.model, msg.version))
+        if ver is not None and isinstance(ver.queue, SequenceBatcher):
+            ver.queue.lost_with_worker(msg.cids)
 
     def leased_done(self, msg: LeasedDone) -> None:
         """Statistics of requests frontends sent under leases (their workers answered them),

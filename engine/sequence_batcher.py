@@ -315,6 +315,14 @@ class SequenceBatcher(IdleInstances):
             self.backlog.remove(seq)
             self.place(seq)
 
+    def lost_with_worker(self, cids: list[int | str]) -> None:
+        """A leased worker that held ``cids`` ended (the frontend says so: some started under
+        the lease, unknown here). One this batcher has open lives on; it started again."""
+        for cid in cids:
+            seq = self.sequences.get(cid)
+            if seq is None or not seq.open:
+                self.mark_lost(cid)
+
     def mark_lost(self, cid: int | str) -> str:
         """Sequence ``cid`` died with its worker: why, which its next request is told."""
         why = self.lost[cid] = (f"sequence {cid} of model '{self.cfg.model}' lost its state: "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Any
 
 from tritonclient.grpc.model_config_pb2 import DataType
 
@@ -54,13 +55,21 @@ class ModelView:
     response_cache: bool = False
     raw_config: bytes = b""             # as the table carried it (unchanged: the view is reused)
     raw_versions: list = field(default_factory=list)    # the table's VersionInfos, likewise
+    _ready: list = field(default_factory=list, repr=False, compare=False)
+    _ready_of: Any = field(default=None, repr=False, compare=False)
 
     @property
     def batch_sensitive(self) -> bool:
         return bool(self.variable_inputs) or self.has_optional
 
     def ready_versions(self) -> list[int]:
-        return sorted(v for v, (s, _, _) in self.states.items() if s == ModelState.READY)
+        """The READY versions, lowest first (do not change the list: it is kept). Every request
+        that names no version asks; ``states`` is replaced, never changed, when a table comes."""
+        states = self.states
+        if self._ready_of is not states:
+            self._ready = sorted(v for v, (s, _, _) in states.items() if s == ModelState.READY)
+            self._ready_of = states
+        return self._ready
 
     def servable(self, state: tuple[ModelState, str, StateCause]) -> bool:
         """Whether a request for a version in ``state`` is served: READY, or (on demand) not

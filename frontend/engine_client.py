@@ -52,6 +52,7 @@ from shmserve.ipc.messages import (
     LogSettings,
     ModelTable,
     ReleaseOutputs,
+    SequencesLost,
     SetLogSettings,
     SetTraceSettings,
     ShmRef,
@@ -468,7 +469,7 @@ class EngineClient:
         if sent == len(held):
             return
         if box.gone:
-            self.leases.forget(lambda lease: lease.box is box)
+            self._forget_worker(lambda lease: lease.box is box)
         for lease, head, payload in held[sent:]:
             self.leases.done(head.req_id)
             # a lease we hold but could not use: the scheduler must not hand it back to us
@@ -488,7 +489,7 @@ class EngineClient:
         if box.send_many([(msg, (payload,))], channel.NOBLOCK) == 1:
             return
         if box.gone:
-            self.leases.forget(lambda lease: lease.box is box)
+            self._forget_worker(lambda lease: lease.box is box)
         self.leases.done(head.req_id)
         self._resubmit(head, payload)
 
@@ -541,10 +542,18 @@ class EngineClient:
         if sent is not None and msg.req_id in self.pending:
             self._resubmit(sent[0], sent[1])
 
+    def _forget_worker(self, match) -> None:
+        """Stop using the leases on a worker that ended. The sequences it held are lost; the
+        scheduler hears which before any later request of theirs (one channel, in order), so
+        that their next requests say why they must start again."""
+        for (model, version), lease in self.leases.forget(match):
+            if lease.cids:
+                self.scheduler.send(SequencesLost(model, version, list(lease.cids)))
+
     def _lease_lost(self, msg: LeaseLost) -> None:
         if self.corked:         # what is held for the worker finds it gone, before its box closes
             self._uncork()
-        self.leases.forget(lambda held: held.spawn_id == msg.spawn_id)
+        self._forget_worker(lambda held: held.spawn_id == msg.spawn_id)
         gone = self.workers.pop(channel.worker_address(self.run_dir, msg.spawn_id), None)
         if gone is not None:
             gone.close()

@@ -155,14 +155,18 @@ class LeaseTable:
                 del self.held[key]
         return lease
 
-    def forget(self, match: Callable[[Lease], bool]) -> None:
-        """Stop using the leases ``match`` picks (requests sent under them still finish)."""
+    def forget(self, match: Callable[[Lease], bool]) -> list[tuple[tuple[str, int], Lease]]:
+        """Stop using the leases ``match`` picks (requests sent under them still finish);
+        returns them, each with its (model, version)."""
+        gone = []
         for key, held in list(self.held.items()):
             kept = [h for h in held if not match(h)]
+            gone += [(key, h) for h in held if match(h)]
             if not kept:
                 del self.held[key]
             elif len(kept) != len(held):
                 self.held[key] = kept
+        return gone
 
     def revoked(self, lease_id: int) -> None:
         self.forget(lambda h: h.lease_id == lease_id)

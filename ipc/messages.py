@@ -179,6 +179,15 @@ class CancelRequest(msgspec.Struct, array_like=True, tag=5):
     req_id: int
 
 
+class SequencesLost(msgspec.Struct, array_like=True, tag=9):
+    """The leased worker that held these sequences of a model ended (LeaseLost): the scheduler
+    tells their next requests why they must start again, as it does for the sequences it
+    lent (the frontend alone knows the ones started under the lease)."""
+    model: str
+    version: int
+    cids: list[int | str]
+
+
 class StatsQuery(msgspec.Struct, array_like=True, tag=3):
     frontend: int
     query_id: int
@@ -686,7 +695,7 @@ class LeaseLost(msgspec.Struct, array_like=True, tag=16):
 
 
 Message = Union[
-    FrontendHello, SubmitRequest, StatsQuery, ControlRequest, CancelRequest, ModelTable,
+    FrontendHello, SubmitRequest, SequencesLost, StatsQuery, ControlRequest, CancelRequest, ModelTable,
     StatsReply,
     ControlReply, ExecuteBatch,
     Shutdown, Ping, Pong, ReleaseOutputs, ForgetSegments, WorkerReady, WorkerLoadFailed,

@@ -260,7 +260,8 @@ class BlsClient:
                         slots.append(placed.shm)
                     ins.append(placed)
             wanted = [requests_.OutputWanted(n) for n in req.requested_output_names()] or None
-            params = dict(json.loads(req.parameters()))
+            text = req.parameters()
+            params = dict(json.loads(text)) if text != "{}" else {}
             if req.timeout():
                 params["timeout"] = req.timeout()
             prepared = requests_.prepare(view, ins, wanted, params, req.request_id(), [], [],

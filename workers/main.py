@@ -201,6 +201,9 @@ class Worker:
             log.warning("could not send the scheduler a %s: %s", type(msg).__name__, e)
 
     def bls_client(self):
+        bls = self.bls
+        if bls is not None:         # every BLS call asks: no import statement on the way
+            return bls
         # imported on first use: BLS reuses the frontend's request checks, which a worker
         # that never makes a BLS request should not pay for in memory
         from .bls import BlsClient

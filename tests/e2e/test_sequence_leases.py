@@ -188,7 +188,9 @@ def test_a_worker_that_dies_under_a_lease_loses_its_sequences_only(srv):
         with pytest.raises(InferenceServerException) as e:
             step(c, alive, 1)                           # its state died with the worker
         assert e.value.status() == "400"
+        # started under the lease, the scheduler never had it, yet the reason is the same
         assert e.value.message().startswith(START_MSG.format(cid=alive, model=MODEL))
+        assert f"sequence {alive} of model '{MODEL}' lost its state" in e.value.message()
     finally:
         c.close()
     lent_now(srv)                   # the new worker is lent in turn

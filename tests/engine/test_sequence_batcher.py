@@ -572,6 +572,19 @@ def test_an_instance_that_dies_idle_fails_the_queued_requests_of_its_sequences(c
         b.enqueue(req(2))                           # it had state there, queued or not
 
 
+def test_sequences_lost_with_a_leased_worker_are_refused_with_the_reason(clock, req):
+    """A frontend names the sequences a leased worker held when it ended (some started under
+    the lease, never seen here); one this batcher has open is not touched."""
+    b = make(clock, capacity=2, max_batch=2)
+    send(b, req(1, S))
+    b.lost_with_worker([1, 7])
+    with pytest.raises(SequenceError, match="sequence 7 of model 'm' lost its state"):
+        b.enqueue(req(7))
+    send(b, req(1))                                 # open here: it lives on
+    send(b, req(7, S))                              # a START begins it again
+    assert 7 not in b.lost
+
+
 # ---- ids -------------------------------------------------------------------------------------------------
 
 def test_int_and_string_ids_are_different_sequences(clock, req):

@@ -44,6 +44,7 @@ MESSAGES = [
     m.LeaseGranted(3, "seq", 1, 4, 0, forwarded=[11, 12]),
     m.LeaseRevoked(3),
     m.LeaseLost(4, "exited unexpectedly", retry=False),
+    m.SequencesLost("seq", 1, [7, "abc"]),
     m.BatchDone(4, 0, [0], 1, 2, 3),
     m.LeasedDone([m.LeasedRecord(4, "simple", 1, 2, 5, 9, 1, 2, 3),
                   m.LeasedRecord(4, "simple", 1, 1, 6, 9, failed=True, executed=0)]),
