@@ -1,8 +1,9 @@
 """BLS calls under leases (workers/bls.py): once the scheduler has lent the callee's instance to
 the caller's BLS client, a call goes straight to the callee's worker. What must hold on that
 path as through the scheduler: every call counted at once, a callee that dies under a call, a
-call that times out (its cancel reaches the callee), a callee unloaded while a call runs, a
-model calling itself still refused; and nothing left behind."""
+call that times out (its cancel reaches the callee), a callee unloaded or reloaded while a call
+runs, two frontends racing for the caller, a model calling itself still refused; and nothing
+left behind."""
 import json
 import os
 import textwrap
@@ -13,7 +14,15 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import Server, leased_requests, model_sleeping, segments_of, wait_for
+from serverproc import (
+    Server,
+    descendants,
+    leased_requests,
+    left_nothing,
+    model_sleeping,
+    segments_of,
+    wait_for,
+)
 
 # OUT = 10 * callee(IN); the request's parameters go to the call ("target": whom to call, and
 # "timeout_us" its timeout); a failed call's message comes back in ERR
@@ -164,6 +173,63 @@ def test_unloading_the_callee_while_a_call_runs_lets_it_finish(tmp_path):
         assert requests.post(f"{s.base}/v2/repository/models/callee/load", data=body,
                              timeout=60).status_code == 200
         leased_now(s)
+    finally:
+        s.stop()
+    assert segments_of(s.proc.pid) == []
+
+
+def test_two_frontends_racing_lose_nothing_and_leave_nothing(tmp_path):
+    """Requests to the caller come through two frontends at once (its lease changes hands
+    between them); its BLS calls go on under the callee's lease through all of it."""
+    s = Server(build(str(tmp_path)), "--frontends", "2")
+    try:
+        leased_now(s)
+        before = inferences(s, "callee")
+        errors: list = []
+
+        def client(k: int) -> None:
+            try:
+                for i in range(25):
+                    got = call(s, k * 100 + i)
+                    if got != (10 * (k * 100 + i + 1), ""):
+                        errors.append((k, i, got))
+            except Exception as e:      # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[:3]
+        # the BLS client's records come back with each call: counted at once, by either path
+        wait_for(lambda: inferences(s, "callee") == before + 150, 10,
+                 "every call to be counted")
+        pids = descendants(s.proc.pid)
+    finally:
+        s.stop()
+    left_nothing(s, pids)
+
+
+def test_reloading_the_callee_while_a_call_runs_loses_nothing(tmp_path):
+    s = Server(build(str(tmp_path)), "--model-control-mode", "explicit", "--load-model",
+               "caller", "--load-model", "callee")
+    try:
+        leased_now(s)
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(call(s, 1, sleep_ms=600)))
+        t.start()
+        wait_for(lambda: model_sleeping(s, "callee"), 20, "the call to run in the callee")
+        # a new config: the callee's new worker serves the next calls, the old one drains
+        config = {"name": "callee", "backend": "python", "max_batch_size": 0,
+                  "input": [{"name": "IN", "data_type": "TYPE_INT32", "dims": [1]}],
+                  "output": [{"name": "OUT", "data_type": "TYPE_INT32", "dims": [1]}],
+                  "parameters": {"reloaded": {"string_value": "1"}}}
+        r = requests.post(f"{s.base}/v2/repository/models/callee/load",
+                          json={"parameters": {"config": json.dumps(config)}}, timeout=60)
+        assert r.status_code == 200, r.text
+        t.join(30)
+        assert got == [(20, "")]
+        leased_now(s)                   # the new worker is lent to the caller in turn
     finally:
         s.stop()
     assert segments_of(s.proc.pid) == []

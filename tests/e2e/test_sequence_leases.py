@@ -3,7 +3,11 @@ sequence model with one instance is lent to a frontend with its live sequences, 
 go straight to the worker, which applies the sequence batcher's rules itself. What must hold
 there as through the scheduler: every sequence's requests run in order and see their own state,
 under concurrency, across leases that come and go (two frontends racing for the instance), a
-worker that dies, an unload; every request counted; nothing left behind."""
+worker that dies, a cancelled request, an unload, a reload; every request counted; nothing left
+behind."""
+import json
+import os
+import textwrap
 import threading
 
 import numpy as np
@@ -12,7 +16,15 @@ import requests
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import Server, descendants, leased_requests, left_nothing, segments_of, wait_for
+from serverproc import (
+    Server,
+    descendants,
+    leased_requests,
+    left_nothing,
+    model_sleeping,
+    segments_of,
+    wait_for,
+)
 from test_sequences import ACCUMULATE, START_MSG, accumulate_config, pending
 from tritonclient.utils import InferenceServerException
 
@@ -21,6 +33,47 @@ _ids = iter(range(70_000, 1 << 30))
 
 
 PAIR = "seq_pair"
+SLOW = "seq_slow"
+# OUTPUT = the sequence's running sum; parameters: "sleep_ms" (it sleeps first, watching
+# is_cancelled(); cancelled, it writes the "flag" file and adds nothing)
+SLOW_ACCUMULATE = textwrap.dedent("""
+    import json, time
+    import triton_python_backend_utils as pb_utils
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.sums = {}
+
+        def execute(self, requests):
+            out = []
+            for r in requests:
+                p = json.loads(r.parameters())
+                cid = r.correlation_id()
+                if r.flags() & pb_utils.TRITONSERVER_REQUEST_FLAG_SEQUENCE_START:
+                    self.sums[cid] = 0
+                deadline = time.monotonic() + p.get("sleep_ms", 0) / 1000.0
+                cancelled = False
+                while time.monotonic() < deadline and not cancelled:
+                    cancelled = r.is_cancelled()
+                    time.sleep(0.005)
+                if cancelled:
+                    open(p["flag"], "w").close()
+                    out.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        "cancelled", pb_utils.TritonError.CANCELLED)))
+                    continue
+                x = pb_utils.get_input_tensor_by_name(r, "INPUT").as_numpy()
+                total = (self.sums.get(cid, 0) + x).astype("int32")
+                self.sums[cid] = total
+                out.append(pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT", total)]))
+            return out
+""")
+SLOW_CONFIG = """
+    backend: "python"
+    max_batch_size: 4
+    sequence_batching { max_sequence_idle_microseconds: 5000000 }
+    input [ { name: "INPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+    output [ { name: "OUTPUT", data_type: TYPE_INT32, dims: [ 1 ] } ]
+"""
 
 
 def build(repo: str) -> str:
@@ -28,6 +81,8 @@ def build(repo: str) -> str:
     write_model(repo, MODEL, accumulate_config(4, 1, 5_000_000), ACCUMULATE)
     # two instances of 2 slots: lent together, each with its own sequences
     write_model(repo, PAIR, accumulate_config(2, 2, 5_000_000), ACCUMULATE)
+    # one instance; requests that sleep, and see a cancel
+    write_model(repo, SLOW, SLOW_CONFIG, SLOW_ACCUMULATE)
     return repo
 
 
@@ -45,11 +100,12 @@ def client_of(s, proto: str):
     return httpclient.InferenceServerClient(s.url, network_timeout=60)
 
 
-def step(client, cid: int, value: int, start=False, end=False, model=MODEL, out="OUTPUT") -> int:
+def step(client, cid: int, value: int, start=False, end=False, model=MODEL, out="OUTPUT",
+         **kw) -> int:
     mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
     inp = mod.InferInput("INPUT", [1, 1], "INT32")
     inp.set_data_from_numpy(np.full((1, 1), value, np.int32))
-    r = client.infer(model, [inp], sequence_id=cid, sequence_start=start, sequence_end=end)
+    r = client.infer(model, [inp], sequence_id=cid, sequence_start=start, sequence_end=end, **kw)
     return int(r.as_numpy(out).reshape(-1)[0])
 
 
@@ -232,3 +288,66 @@ def test_unloading_while_sequences_live_under_a_lease(tmp_path):
     finally:
         s.stop()
     assert segments_of(s.proc.pid) == []
+
+
+
+def test_a_cancelled_request_reaches_the_model_and_its_sequence_goes_on(srv, tmp_path):
+    lent_now(srv, SLOW)
+    c = client_of(srv, "grpc")
+    try:
+        cid, flag = next(_ids), str(tmp_path / "cancelled")
+        assert step(c, cid, 5, start=True, model=SLOW) == 5
+        leased = leased_requests(srv, SLOW)
+        with pytest.raises(InferenceServerException) as e:
+            step(c, cid, 100, model=SLOW, client_timeout=0.3,
+                 parameters={"sleep_ms": 20_000, "flag": flag})
+        assert "Deadline" in e.value.message(), e.value.message()
+        wait_for(lambda: os.path.exists(flag), 20, "the model to see the cancel")
+        assert step(c, cid, 1, model=SLOW) == 6             # the cancelled one added nothing
+        assert step(c, cid, 1, end=True, model=SLOW) == 7
+        assert leased_requests(srv, SLOW) > leased          # they went under the lease
+    finally:
+        c.close()
+    lent_now(srv, SLOW)
+
+
+def test_reloading_while_sequences_live_under_a_lease(tmp_path):
+    """The running request finishes on the old worker; a live sequence's state stays with the
+    old model, so its next request must start again; the new worker is lent in turn."""
+    s = Server(build(str(tmp_path)), "--model-control-mode", "explicit", "--load-model", SLOW)
+    try:
+        lent_now(s, SLOW)
+        c = client_of(s, "http")
+        idle = next(_ids)
+        assert step(c, idle, 2, start=True, model=SLOW) == 2
+        got: list = []
+
+        def running() -> None:
+            other = client_of(s, "http")
+            try:
+                got.append(step(other, next(_ids), 7, start=True, end=True, model=SLOW,
+                                parameters={"sleep_ms": 600}))
+            finally:
+                other.close()
+        t = threading.Thread(target=running)
+        t.start()
+        wait_for(lambda: model_sleeping(s, SLOW), 20, "the request to run in the model")
+        config = {"name": SLOW, "backend": "python", "max_batch_size": 4,
+                  "sequence_batching": {"max_sequence_idle_microseconds": 5_000_000},
+                  "input": [{"name": "INPUT", "data_type": "TYPE_INT32", "dims": [1]}],
+                  "output": [{"name": "OUTPUT", "data_type": "TYPE_INT32", "dims": [1]}],
+                  "parameters": {"reloaded": {"string_value": "1"}}}
+        r = requests.post(f"{s.base}/v2/repository/models/{SLOW}/load",
+                          json={"parameters": {"config": json.dumps(config)}}, timeout=60)
+        assert r.status_code == 200, r.text
+        t.join(30)
+        assert got == [7]
+        with pytest.raises(InferenceServerException) as e:
+            step(c, idle, 1, model=SLOW)
+        assert e.value.message().startswith(START_MSG.format(cid=idle, model=SLOW))
+        lent_now(s, SLOW)
+        c.close()
+        pids = descendants(s.proc.pid)
+    finally:
+        s.stop()
+    left_nothing(s, pids)
