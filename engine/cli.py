@@ -190,7 +190,19 @@ def build_parser() -> argparse.ArgumentParser:
     compat_flags.add_header_forward(p)
     compat_flags.add_rate_limit(p)
     compat_flags.add_backend_config(p)
+    _show_defaults(p)
     return p
+
+
+def _show_defaults(p: argparse.ArgumentParser) -> None:
+    """Every flag's help ends with its default (argparse's own formatter shows it only for
+    flags with a help text, and also for those whose default is nothing)."""
+    for a in p._actions:
+        if a.help == argparse.SUPPRESS or a.default in (None, [], argparse.SUPPRESS) \
+                or isinstance(a.default, bool) and a.nargs == 0 \
+                or "%(default)" in (a.help or ""):
+            continue
+        a.help = f"{a.help} (default: %(default)s)" if a.help else "default: %(default)s"
 
 
 def metrics_config(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, bool]:

@@ -687,7 +687,8 @@ class SchedulerCore:
         live = self.lifecycle.live_versions()
         wait = min(sup.restart_due(), self.poll_due(), sup.hang_due(live),
                    self.on_demand.due() if self.on_demand is not None else 1.0,
-                   sup.ping_due(self.versions.values()), self.leases_due())
+                   sup.ping_due(self.versions.values()), self.leases_due(),
+                   self.lifecycle.slow_loads_due())
         self.housekeeping_at = self.clock() / 1e9 + wait
         if self.rate_limiter is not None and self.rate_limiter.blocked:
             self.dispatch_waiting()     # an instance that died busy held resources

@@ -41,6 +41,35 @@ ORPHANED_FRONTEND_S = 5.0
 RUN_DIR_PREFIX = "shmserve-"
 
 
+def _listen_addresses(settings: ServerSettings) -> list[tuple[str, str, str]]:
+    """(address, port field, its flag) of each port the frontends will listen on."""
+    return [(host, field, flag) for allowed, host, field, flag in (
+        (settings.allow_http, settings.http_address, "http_port", "--http-port"),
+        (settings.allow_grpc, settings.grpc_address, "grpc_port", "--grpc-port"),
+        (settings.allow_metrics, settings.metrics_address or settings.http_address,
+         "metrics_port", "--metrics-port")) if allowed]
+
+
+def port_in_use(settings: ServerSettings) -> str:
+    """Before any model loads: a line naming the first port another program holds, and the
+    flag that moves it ("" when all are free). Bound without SO_REUSEPORT, so a port another
+    shmserve shares out to its frontends counts as taken too."""
+    for host, field, flag in _listen_addresses(settings):
+        port = getattr(settings, field)
+        if not port:
+            continue            # the OS picks a free one
+        try:
+            family, kind, proto, _, addr = socket.getaddrinfo(
+                host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            with socket.socket(family, kind, proto) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(addr)
+        except OSError as e:
+            return (f"cannot listen on {host or '0.0.0.0'}:{port}: "
+                    f"{e.strerror or e}; choose another port with {flag}")
+    return ""
+
+
 def reserve_ports(settings: ServerSettings) -> list[socket.socket]:
     """With several frontends, each listens on the same HTTP and gRPC port with SO_REUSEPORT.
     A port of 0 must become one port for all of them, so the launcher binds a socket of that
@@ -49,13 +78,7 @@ def reserve_ports(settings: ServerSettings) -> list[socket.socket]:
     metrics port too, which frontend 0 alone serves: a frontend 0 started in the place of one
     that died finds its port again."""
     held = []
-    for allowed, host, port_field in (
-            (settings.allow_http, settings.http_address, "http_port"),
-            (settings.allow_grpc, settings.grpc_address, "grpc_port"),
-            (settings.allow_metrics, settings.metrics_address or settings.http_address,
-             "metrics_port")):
-        if not allowed:
-            continue
+    for host, port_field, _ in _listen_addresses(settings):
         port = getattr(settings, port_field)
         family, kind, proto, _, addr = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
@@ -174,6 +197,10 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
     removed = shm.remove_stale_segments()
     if removed:
         log.info("removed %d shared-memory segment(s) left by a server that was killed", removed)
+    taken = port_in_use(settings)
+    if taken:
+        log.error("%s", taken)
+        return 1
     settings.model_repositories = [os.path.abspath(p) for p in settings.model_repositories]
     stale = remove_stale_run_dirs()
     if stale:

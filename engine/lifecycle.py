@@ -35,6 +35,7 @@ from .model_config import ConfigError
 from .models import Instance, ModelVersion
 from .rate_limiter import RateLimiter, RateLimitError
 from .repository import ModelEntry, ModelRepository
+from .startup_report import SlowLoads, status_table
 from .states import ModelState
 from .uploads import UploadDirs
 
@@ -89,6 +90,7 @@ class ModelLifecycle:
         self.batching: list[ModelVersion] = []      # serving versions whose queue has deadlines
         self.uploads = UploadDirs(settings.model_upload_dir)
         self.startup_done = False
+        self.slow_loads = SlowLoads()
         self.rate_limiter: RateLimiter | None = None     # set by the core (--rate-limit)
         self.starting = True                        # load_initial is starting the first loads
         self.exit_requested = False                 # --exit-on-error and a model failed
@@ -98,6 +100,8 @@ class ModelLifecycle:
 
     # ---- start-up -------------------------------------------------------------------------------
     def load_initial(self) -> None:
+        for hint in self.repository.misplaced_files():
+            log.warning("%s", hint)
         found = self.repository.model_dirs()
         if self.settings.model_control_mode == "explicit":
             wanted = self.settings.load_models
@@ -143,6 +147,20 @@ class ModelLifecycle:
         else:
             log.info("startup finished: %d model version(s) ready",
                      sum(v.state == ModelState.READY for v in self.versions.values()))
+        if self.entries:        # a line a record: the log escapes newlines inside one
+            log.info("model status:")
+            for line in status_table(self.model_table().models).splitlines():
+                log.info("%s", line)
+
+    def slow_loads_due(self) -> float:
+        """A line for each load that is taking long; seconds until one may be due."""
+        now = self.clock() / 1e9
+        started = {name: min((v.load_started for v in load.versions), default=now)
+                   for name, load in self.loads.items()}
+        wait, lines = self.slow_loads.due(started, now)
+        for line in lines:
+            log.info("%s", line)
+        return wait
 
     # ---- control requests ---------------------------------------------------------------------
     def control(self, req: ControlRequest) -> None:
@@ -152,7 +170,11 @@ class ModelLifecycle:
                 req.name, "the uploaded model directory is not one of this server's"))
         try:
             if self.settings.model_control_mode not in ("explicit", "on_demand"):
-                return self.reply(waiter, ErrorCode.UNAVAILABLE, LOAD_UNLOAD_REFUSED)
+                # Triton's words first (clients match them), then what is really the case
+                return self.reply(waiter, ErrorCode.UNAVAILABLE, (
+                    f"{LOAD_UNLOAD_REFUSED}: the model control mode is "
+                    f"'{self.settings.model_control_mode}'; loading and unloading models "
+                    f"needs --model-control-mode=explicit"))
             if req.action == ControlAction.LOAD:
                 self.start_load(req.name, req.config, waiter, req.upload_dir)
             else:

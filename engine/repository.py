@@ -50,6 +50,21 @@ def version_dirs(model_dir: str) -> list[int]:
     return sorted(out)
 
 
+# the files a model is served from (model_config.BACKENDS): found where they cannot be served
+# from (the repository's top, a model directory's top), they get a hint where they belong
+MODEL_FILES = tuple(f for _, f in model_config.BACKENDS.values() if f)
+
+
+def _misplaced_file(model_dir: str) -> str:
+    """A model file directly in a model directory that has no version directory: where it
+    should be (its error says so), else ""."""
+    for filename in MODEL_FILES:
+        if os.path.isfile(os.path.join(model_dir, filename)):
+            return (f"{model_dir}/{filename} is not in a version directory: a model's files "
+                    f"live in numbered version directories, e.g. {model_dir}/1/{filename}")
+    return ""
+
+
 class ModelRepository:
     def __init__(self, paths: list[str], config_name: str | None = None, gpu_count: int = 0,
                  auto_complete: bool = True):
@@ -71,6 +86,20 @@ class ModelRepository:
                     found.setdefault(entry.name, []).append(entry.path)
         return found
 
+    def misplaced_files(self) -> list[str]:
+        """Model files at the top of a repository, where no model is looked for: a hint each."""
+        hints = []
+        for repo in self.paths:
+            for entry in sorted(os.scandir(repo), key=lambda e: e.name):
+                if entry.is_file() and (entry.name in MODEL_FILES or
+                                        entry.name.endswith((".onnx", ".plan"))):
+                    stem = os.path.splitext(entry.name)[0]
+                    hints.append(f"{entry.path} is a file at the top of the model repository, "
+                                 f"where only model directories are served: put it in "
+                                 f"{repo}/<model name>/1/ (e.g. {repo}/{stem}/1/"
+                                 f"{entry.name if entry.name in MODEL_FILES else 'model.onnx'})")
+        return hints
+
     def scan(self) -> dict[str, ModelEntry]:
         return {name: self.read_model(name, dirs) for name, dirs in self.model_dirs().items()}
 
@@ -89,6 +118,11 @@ class ModelRepository:
         if len(dirs) > 1:
             entry.error = f"model '{name}' appears in more than one repository: {', '.join(dirs)}"
             return entry
+        if override is None and not version_dirs(entry.path):
+            misplaced = _misplaced_file(entry.path)
+            if misplaced:       # before the config: a missing config.pbtxt is not the problem
+                entry.error = f"model '{name}' has no version directory: {misplaced}"
+                return entry
         try:
             if override is not None:
                 cfg = model_config.ModelConfig()
@@ -156,6 +190,8 @@ class ModelRepository:
         if not self.auto_complete:
             return False
         cfg = entry.config
+        if cfg is None:
+            return False
         if cfg.backend == "onnxruntime":
             return not cfg.input or not cfg.output
         if cfg.backend == "python":

@@ -204,6 +204,12 @@ class ModelCatalog:
                 raise InferError(ErrorCode.NOT_FOUND,
                                  f"Request for unknown model: '{name}' is not found")
             if not ready:
+                loading = [v for v, (s, _, _) in view.states.items() if s == ModelState.LOADING]
+                if loading:         # it will be there: a 503 says try again, a 404 would not
+                    raise InferError(ErrorCode.UNAVAILABLE,
+                                     f"Request for unknown model: '{name}' version "
+                                     f"{max(loading)} is not at ready state: the model is "
+                                     f"loading")
                 reasons = "; ".join(r for _, r, _ in view.states.values() if r)
                 raise InferError(ErrorCode.NOT_FOUND,
                                  f"Request for unknown model: '{name}' has no available versions"
@@ -218,7 +224,8 @@ class ModelCatalog:
             if view.on_demand:
                 return view, self._on_demand(view, v)
             raise InferError(ErrorCode.UNAVAILABLE,
-                             f"Request for unknown model: '{name}' version {v} is not at ready state")
+                             f"Request for unknown model: '{name}' version {v} is not at ready state"
+                             + (": the model is loading" if state[0] == ModelState.LOADING else ""))
         return view, v
 
     @staticmethod

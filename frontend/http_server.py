@@ -31,7 +31,7 @@ LINGER_S = 2.0
 
 @dataclass
 class Limits:
-    """What one client may hold (README, "Security"); each has a flag."""
+    """What one client may hold (docs/security.md); each has a flag."""
     max_header_bytes: int = 64 * 1024       # request line plus header lines
     max_headers: int = 256
     max_connections: int = 4096

@@ -43,7 +43,7 @@ INT64_MAX = (1 << 63) - 1
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:
-    """Bounds on one request's tensors (README, "Security"), each from a flag."""
+    """Bounds on one request's tensors (docs/security.md), each from a flag."""
     max_tensor_bytes: int = 1 << 32         # --max-request-tensor-bytes
     max_json_elements: int = 1 << 23        # --http-max-json-elements
 

@@ -148,7 +148,7 @@ class FrontendService:
     async def unload(self, name: str, params: dict[str, Any], repository: str = "") -> None:
         _no_repository(repository)
         # Triton clients always send it. shmserve has no ensembles yet, so no model has
-        # dependents and true and false unload the same (README, "Model control").
+        # dependents and true and false unload the same (docs/protocols.md, "Model control").
         dependents = params.get("unload_dependents", False)
         if not isinstance(dependents, bool):
             raise invalid(f"unload parameter 'unload_dependents' must be a boolean, "

@@ -6,7 +6,7 @@ region, ``CudaRef`` for a CUDA one): the worker reads inputs from and writes out
 client's memory directly. Nothing here ever unlinks a client's segment or frees a client's device
 memory; unregistering only forgets it.
 
-Who may do what (README, "Security"): a region is registered, listed, used in a request and
+Who may do what (docs/security.md): a region is registered, listed, used in a request and
 unregistered only by clients allowed to register regions (--client-shm-from: by default those on
 this host), checked in every frontend on every use. Among them regions are global, as in Triton:
 tritonclient registers through one client object and infers through another, and perf_analyzer

@@ -139,10 +139,12 @@ def segments_of(pid: int) -> list[str]:
 
 class Server:
     def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90,
-                 prefix: tuple[str, ...] = (), wait_ports: bool = True):
+                 prefix: tuple[str, ...] = (), wait_ports: bool = True,
+                 env: dict[str, str] | None = None):
         """``prefix``: a command the server runs under (it must exec it, so the pid stays the
         launcher's), e.g. unshare for a /dev/shm of its own. ``wait_ports=False``: return once
-        started, for a server that may exit before it serves (``--exit-on-error``)."""
+        started, for a server that may exit before it serves (``--exit-on-error``). ``env``:
+        variables set for it on top of this process's (e.g. TMPDIR: a temp dir of its own)."""
         self.tmp = tempfile.mkdtemp(prefix="shmserve-test-")
         self.port_file = os.path.join(self.tmp, "ports.json")
         self.log_path = os.path.join(self.tmp, "server.log")
@@ -154,7 +156,8 @@ class Server:
                  "127.0.0.1", "--port-file", self.port_file, *extra_args]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **env} if env else None)
         if not wait_ports:
             return
         try:

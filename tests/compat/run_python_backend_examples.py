@@ -4,7 +4,7 @@ into a repository the way its README says, and its client runs as written. The c
 to localhost:8000 (HTTP) and localhost:8001 (gRPC), so the server takes those ports; nothing
 else may hold them.
 
-Not part of the test suite (CI has no copy of python_backend). This is how the list in README
+Not part of the test suite (CI has no copy of python_backend). This is how the list in docs/operations.md
 ("python_backend's examples") is measured.
 
 Usage: python tests/compat/run_python_backend_examples.py PYTHON_BACKEND_EXAMPLES_DIR

@@ -3,7 +3,7 @@
 
 Not part of the test suite (CI has no copy of Triton's client repository); the e2e tests in
 tests/e2e/test_client_examples.py make the same calls in our own words. This script is how the
-list in README ("Triton's client examples") is measured.
+list in docs/operations.md ("Triton's examples") is measured.
 
 Usage: python tests/compat/run_triton_examples.py EXAMPLES_DIR [IMAGE]
   EXAMPLES_DIR: triton-inference-server/client's src/python/examples

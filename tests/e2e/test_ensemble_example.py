@@ -1,6 +1,6 @@
 """The example pipeline in configs/models: ensemble_mlp (mlp_preprocess -> mlp_onnx ->
 mlp_postprocess) answers what the client gets by calling the three models in turn itself, over
-HTTP (binary and JSON, and README's curl line) and gRPC."""
+HTTP (binary and JSON, and the curl line of docs/models.md) and gRPC."""
 import json
 import os
 import shutil
@@ -88,14 +88,14 @@ def test_ensemble_is_ready_from_an_empty_version_folder(srv):
 
 
 def test_readme_tritonclient_example(srv):
-    # README's example, with the server's address
+    # docs/models.md's example, with the server's address
     client = httpclient.InferenceServerClient(srv.url)
     image = np.arange(256, dtype=np.uint8).reshape(1, 256)     # a batch of one 256-byte "image"
     inputs = [httpclient.InferInput("IMAGE", image.shape, "UINT8")]
     inputs[0].set_data_from_numpy(image)
     result = client.infer("ensemble_mlp", inputs)
     cls, probs = result.as_numpy("CLASS"), result.as_numpy("PROBS")
-    assert cls.tolist() == [[64]] and probs.shape == (1, 256)      # what README prints
+    assert cls.tolist() == [[64]] and probs.shape == (1, 256)      # what docs/models.md prints
     assert cls[0, 0] == probs[0].argmax() and abs(float(probs.sum()) - 1) < 1e-5
     np.testing.assert_array_equal(cls, _by_hand(client, httpclient, image)[1])
 
@@ -108,7 +108,7 @@ CURL = """curl -s -X POST localhost:8000/v2/models/ensemble_mlp/infer -d '{
 def test_readme_curl_example(srv):
     c = httpclient.InferenceServerClient(srv.url)
     cls = _by_hand(c, httpclient, np.arange(256, dtype=np.uint8).reshape(1, 256))[1]
-    assert cls.tolist() == [[64]]                                   # what README prints
+    assert cls.tolist() == [[64]]                                   # what docs/models.md prints
     expected = {"model_name": "ensemble_mlp", "model_version": "1", "outputs": [
         {"name": "CLASS", "datatype": "INT32", "shape": [1, 1], "data": [64]}]}
     # the same body through requests (JSON in, JSON out)
@@ -118,7 +118,7 @@ def test_readme_curl_example(srv):
     assert r.status_code == 200, r.text
     assert r.json() == expected
     if shutil.which("curl") is None or shutil.which("seq") is None:
-        pytest.skip("no curl or seq here: the README line itself is not run")
+        pytest.skip("no curl or seq here: the docs' line itself is not run")
     out = subprocess.run(["bash", "-c", CURL.replace("localhost:8000", srv.url)],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert json.loads(out) == expected

@@ -128,15 +128,19 @@ def test_stale_segments_of_a_killed_server_are_removed(example_repo):
 
 def test_run_dir_of_a_killed_server_is_removed(example_repo):
     """A launcher killed with SIGKILL leaves its run directory (sockets, worker argument files)
-    in the temp dir; the next start removes it, and only such directories."""
+    in the temp dir; the next start removes it, and only such directories. Both servers use a
+    temp dir of their own (TMPDIR), so that another server starting on the host meanwhile, which
+    would clean up the same way, cannot take the directories from under the test."""
+    import shutil
     import signal
     import tempfile
-    tmp = tempfile.gettempdir()
+    tmp = tempfile.mkdtemp(prefix="ss-", dir="/tmp")        # short: sockets live under it
+    env = {"TMPDIR": tmp}
     fake = os.path.join(tmp, "shmserve-4194999-abc")        # no pid is that large
     os.makedirs(os.path.join(fake, "sub"), exist_ok=True)
     mine = os.path.join(tmp, "shmserve-notapid-abc")        # not a name the launcher makes
     os.makedirs(mine, exist_ok=True)
-    first = Server(example_repo)
+    first = Server(example_repo, env=env)
     run_dir = [d for d in os.listdir(tmp) if d.startswith(f"shmserve-{first.proc.pid}-")]
     assert len(run_dir) == 1
     procs = descendants(first.proc.pid)
@@ -145,14 +149,14 @@ def test_run_dir_of_a_killed_server_is_removed(example_repo):
     for pid in procs:
         wait_for(lambda: not alive(pid), 20, f"process {pid} of the killed server to exit")
     assert os.path.isdir(os.path.join(tmp, run_dir[0]))
-    second = Server(example_repo)
+    second = Server(example_repo, env=env)
     try:
         assert not os.path.exists(fake) and not os.path.exists(os.path.join(tmp, run_dir[0]))
         assert os.path.isdir(mine)
     finally:
         second.stop()
         first.log.close()
-        os.rmdir(mine)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _cli(*args):

@@ -2,6 +2,7 @@
 real server, with tritonclient (HTTP and gRPC) and raw HTTP: lines in the chosen format in the
 chosen place, levels switched on and off, a change reaching every process (a python model's
 pb_utils.Logger included), Triton's errors for bad settings, and the restricted API group."""
+import queue
 import re
 import subprocess
 import sys
@@ -188,7 +189,15 @@ def test_a_cancelled_grpc_call_is_logged_at_verbose_level(server, log_path):
     c = httpclient.InferenceServerClient(server.url)
     c.update_log_settings({"log_verbose_level": 1})
     g = grpcclient.InferenceServerClient(server.grpc_url)
-    g.start_stream(callback=lambda result, error: None)
+    answers: queue.Queue = queue.Queue()
+    g.start_stream(callback=lambda result, error: answers.put((result, error)))
+    # one answer first: the stream is open at the server (a stream cancelled at once may be
+    # reset before its headers ever leave the client, and then the server has nothing to log)
+    inp = grpcclient.InferInput("INPUT0", [2], "INT32")
+    inp.set_data_from_numpy(np.array([907, 0], dtype=np.int32))
+    g.async_stream_infer("chatty", [inp])
+    result, error = answers.get(timeout=WAIT_S)
+    assert error is None, error
     g.stop_stream(cancel_requests=True)         # the open stream is reset by the client
     g.close()
     wait_for(lambda: any("Cancellation notification received for" in line

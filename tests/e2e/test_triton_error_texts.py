@@ -372,6 +372,7 @@ def test_load_and_unload_refused_outside_explicit_mode(repo):
             for client, status in ((http, "503"), (grpc, "StatusCode.UNAVAILABLE")):
                 for call in (client.load_model, client.unload_model):
                     _raises(lambda: call("simple"), status,
-                            "explicit model load / unload is not allowed if polling is enabled")
+                            "explicit model load / unload is not allowed if polling is enabled",
+                            "the model control mode is 'none'")
     finally:
         srv.stop()

@@ -233,3 +233,35 @@ def test_symlink_loops_in_a_repository_are_no_model_and_no_version(tmp_path):
     (tmp_path / "m" / "stray").symlink_to("stray")      # any other file of the model
     found = ModelRepository([str(tmp_path)]).scan()
     assert list(found) == ["m"] and found["m"].error == "" and plans(found["m"]) == [(1, "")]
+
+
+# ---- hints for a repository laid out wrongly ---------------------------------------------------
+
+@pytest.mark.parametrize("filename", ["model.onnx", "model.py", "model.plan"])
+def test_a_model_file_outside_any_version_directory_says_where_it_belongs(tmp_path, filename):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / filename).write_bytes(b"")
+    [entry] = ModelRepository([str(tmp_path)]).scan().values()
+    assert entry.error == (f"model 'm' has no version directory: {tmp_path}/m/{filename} is not "
+                           f"in a version directory: a model's files live in numbered version "
+                           f"directories, e.g. {tmp_path}/m/1/{filename}")
+
+
+def test_a_config_without_any_version_directory_names_the_missing_directory(tmp_path):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.pbtxt").write_text(CONFIG.format(mbs=0, extra=""))
+    [entry] = ModelRepository([str(tmp_path)]).scan().values()
+    assert entry.error == f"model 'm' has no version directory (e.g. {tmp_path}/m/1)"
+
+
+def test_model_files_at_the_top_of_the_repository_get_a_hint_each(tmp_path):
+    make_model(tmp_path, "fine")
+    for name in ("model.onnx", "resnet50.onnx", "notes.txt", "model.py"):
+        (tmp_path / name).write_bytes(b"")
+    repo = ModelRepository([str(tmp_path)])
+    hints = repo.misplaced_files()
+    assert [h.split(" is a file")[0] for h in hints] == [
+        f"{tmp_path}/model.onnx", f"{tmp_path}/model.py", f"{tmp_path}/resnet50.onnx"]
+    assert hints[2].endswith(f"put it in {tmp_path}/<model name>/1/ (e.g. "
+                             f"{tmp_path}/resnet50/1/model.onnx)")
+    assert list(repo.scan()) == ["fine"] and repo.scan()["fine"].error == ""

@@ -142,10 +142,13 @@ def test_resolve_model_without_ready_version(catalog):
     assert e.value.code == ErrorCode.NOT_FOUND
     assert "'broken' has no available versions" in e.value.message
     assert "failed to parse config.pbtxt: x" in e.value.message
-    with pytest.raises(InferError) as e:
-        catalog.resolve("loading", "")
-    assert e.value.code == ErrorCode.NOT_FOUND
-    assert e.value.message == "Request for unknown model: 'loading' has no available versions"
+    # a model that is loading will be there: 503, which says try again (a 404 would not)
+    for version in ("", "1"):
+        with pytest.raises(InferError) as e:
+            catalog.resolve("loading", version)
+        assert e.value.code == ErrorCode.UNAVAILABLE
+        assert e.value.message == ("Request for unknown model: 'loading' version 1 is not at "
+                                   "ready state: the model is loading")
 
 
 def test_resolve_unknown_model(catalog):
