@@ -125,6 +125,26 @@ def alive(pid: int) -> bool:
         return False
 
 
+def at_once(clients: int, run, timeout: float = 120) -> list:
+    """``run(k)`` in ``clients`` threads at once; returns what went wrong: the problems each
+    returned (a list, may be empty) and the exceptions each raised."""
+    problems: list = []
+
+    def client(k: int) -> None:
+        try:
+            problems.extend(run(k) or ())
+        except Exception as e:      # noqa: BLE001 - returned to the caller
+            problems.append(e)
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    problems += [f"client {k} still running after {timeout:g} s"
+                 for k, t in enumerate(threads) if t.is_alive()]
+    return problems
+
+
 def left_nothing(server: "Server", pids: list[int]) -> None:
     """After ``server.stop()``: none of its shared memory segments and none of its processes
     (``pids``: descendants() before the stop) remain."""

@@ -17,6 +17,7 @@ import tritonclient.http as httpclient
 from repo_builder import write_model
 from serverproc import (
     Server,
+    at_once,
     descendants,
     leased_requests,
     left_nothing,
@@ -162,22 +163,11 @@ def test_two_frontends_at_once_lose_nothing_and_leave_nothing(tmp_path):
     try:
         # one frontend runs it worker to worker; then both race for it
         before = chained_now(s)
-        errors: list = []
 
-        def client(k: int) -> None:
-            try:
-                for i in range(25):
-                    v = float(k * 100 + i)
-                    out = infer(s, v)
-                    if not (out == 2 * (v + 1)).all():
-                        errors.append((v, out))
-            except Exception as e:      # noqa: BLE001 - reported below
-                errors.append(e)
-        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        def client(k: int) -> list:
+            got = [(v, infer(s, v)) for v in (float(k * 100 + i) for i in range(25))]
+            return [(v, out) for v, out in got if not (out == 2 * (v + 1)).all()]
+        errors = at_once(6, client)
         assert not errors, errors[:3]
         # each frontend passes its records on within 50 ms (a statistics query flushes only
         # the frontend it reaches): every request is counted once, soon

@@ -18,6 +18,7 @@ import tritonclient.http as httpclient
 from repo_builder import write_model
 from serverproc import (
     Server,
+    at_once,
     descendants,
     leased_requests,
     left_nothing,
@@ -145,26 +146,19 @@ def lent_now(s, model=MODEL) -> int:
 def concurrent_sequences(s, clients: int, per_client: int, length: int, model=MODEL) -> list:
     """Each client runs its sequences one after the other, the clients at once; returns the
     failures (wrong sums, errors)."""
-    errors: list = []
-
-    def run(k: int) -> None:
+    def run(k: int) -> list:
         c = client_of(s, "grpc" if k % 2 else "http")
         try:
+            wrong = []
             for j in range(per_client):
                 values = [k * 100 + j * 10 + i for i in range(length)]
                 got = run_sequence(c, values, model)
                 if got != sums(values):
-                    errors.append((k, j, got))
-        except Exception as e:      # noqa: BLE001 - reported by the caller
-            errors.append(e)
+                    wrong.append((k, j, got))
+            return wrong
         finally:
             c.close()
-    threads = [threading.Thread(target=run, args=(k,)) for k in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return errors
+    return at_once(clients, run)
 
 
 def test_concurrent_sequences_run_in_order_under_the_lease_and_are_counted(srv):
