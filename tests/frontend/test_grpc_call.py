@@ -60,7 +60,7 @@ def test_a_compressed_message_is_held_to_the_limit_once_inflated(size, limit):
 
 
 @pytest.mark.parametrize("body, why", [(b"\x1f\x8b\x08garbage", "zlib"), (b"garbage" * 300, "zlib"),
-                                       (gzip.compress(b"x" * 5000)[:-20], "data")])
+                                       (gzip.compress(b"x" * 5000, mtime=0)[:-20], "data")])
 def test_a_corrupt_compressed_message_is_internal_as_grpcio_says(body, why):
     wire = b"\x01" + len(body).to_bytes(4, "big") + body
     with pytest.raises(CallError) as e:
