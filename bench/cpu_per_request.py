@@ -92,7 +92,7 @@ def one_pass(a, setting: str) -> dict[str, float]:
     port_file = os.path.join(tmp, "ports.json")
     python, flags = _interpreter(setting)
     server = subprocess.Popen(
-        [python, "-m", "shmserve.engine.cli", "--model-repository", a.repo,
+        [python, "-m", "shmserve.engine.launch.cli", "--model-repository", a.repo,
          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
          "--port-file", port_file, *flags],
         stdout=open(os.path.join(tmp, "server.log"), "wb"), stderr=subprocess.STDOUT)

@@ -220,7 +220,7 @@ def through_server(url: str, x: np.ndarray, concurrency: int, seconds: float) ->
 
 
 def d2d_memcpy_ms(nbytes: int, iters: int = 20) -> float:
-    from shmserve.workers import gpu
+    from shmserve.ipc.gpu import device as gpu
     cuda = gpu.cuda(0)
     a, b = cuda.alloc(nbytes), cuda.alloc(nbytes)
     stream = cuda.stream()
@@ -299,7 +299,7 @@ def run(cpu_dry_run: bool = False, seconds: float = 5.0, concurrency=(1, 16)) ->
         xb = rng.standard_normal((MAX_BATCH, 3, image, image), dtype=np.float32)
         device = "CPU (dry run)"
         if gpu_on:
-            from shmserve.workers import gpu
+            from shmserve.ipc.gpu import device as gpu
             device = gpu.cuda(0).name()
         title = (f"convnet: {params / 1e6:.1f} M parameters, input [1, 3, {image}, {image}] FP32, "
                  f"on {device}")

@@ -65,7 +65,7 @@ for dist in ("onnxruntime-gpu", "tensorrt", "tensorrt-cu12", "tensorrt-cu13", "c
         pass
 import onnxruntime as ort
 print("onnxruntime providers:", ort.get_available_providers())
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 print("CUDA devices (driver API):", gpu.device_count())
 assert "CUDAExecutionProvider" in ort.get_available_providers(), "no CUDA provider"
 PY

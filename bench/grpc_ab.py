@@ -68,7 +68,7 @@ class Variant:
             self.ports = {"grpc": port}
         else:
             port_file = os.path.join(self.dir, "ports.json")
-            cmd = [sys.executable, "-m", "shmserve.engine.cli", "--model-repository",
+            cmd = [sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository",
                    os.path.join(REPO, "configs", "models"), "--host", "127.0.0.1",
                    "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
                    "--port-file", port_file, *self.args]

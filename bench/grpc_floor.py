@@ -8,7 +8,7 @@ kind and measures it with the real perf_analyzer at c=1 and c=8, in the same run
 - ``aio+uvloop``: grpc.aio on uvloop, the loop shmserve's frontend runs.
 - ``aio+uvloop+http``: the same with an idle HTTP server on the loop (shmserve shares its loop).
 - ``sync``: grpc's thread-pool server (handlers on Python threads).
-- ``loop``: shmserve's own gRPC server on uvloop (frontend/grpc_loop.py: h2, no gRPC threads).
+- ``loop``: shmserve's own gRPC server on uvloop (frontend/grpc/loop.py: h2, no gRPC threads).
 
 Each is run with gRPC's default experiments and with ``GRPC_EXPERIMENTS=-event_engine_listener``.
 The point is to know what a gRPC frontend can reach before anything of shmserve runs in it.
@@ -119,8 +119,8 @@ def serve(kind: str, port: int) -> None:
 
     async def main():
         if kind == "loop":
-            from shmserve.frontend.grpc_loop import GrpcLoopServer
-            from shmserve.frontend.grpc_service import _GenericHandlers
+            from shmserve.frontend.grpc.loop import GrpcLoopServer
+            from shmserve.frontend.grpc.service import _GenericHandlers
             handlers = _GenericHandlers()
             pbg.add_GRPCInferenceServiceServicer_to_server(Aio(), handlers)
             loop_server = GrpcLoopServer(handlers.handlers, 2 ** 31 - 1)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The Python cost of HTTP/2 per unary gRPC call: the ``h2`` library against shmserve's own
-core (frontend/http2.py), in one process, on the same bytes.
+core (frontend/http2/connection.py), in one process, on the same bytes.
 
 The client's bytes for N ModelInfer calls (HEADERS + DATA, as grpc clients send them: the
 second call on is all indexed header fields) are made once with h2 as the client. Each server
@@ -21,7 +21,8 @@ import h2.config
 import h2.connection
 import h2.events
 
-from shmserve.frontend import grpc_call, http2
+from shmserve.frontend.grpc import call as grpc_call
+from shmserve.frontend.http2 import connection as http2
 
 HEADERS = [(":method", "POST"), (":scheme", "http"),
            (":path", "/inference.GRPCInferenceService/ModelInfer"),
@@ -100,7 +101,7 @@ class _Owner:
 
 
 def run_core(preface: bytes, calls: list[bytes]) -> float:
-    from shmserve.frontend.grpc_loop import CONNECTION_WINDOW, LOCAL_SETTINGS, RESPONSE_HEADERS
+    from shmserve.frontend.grpc.loop import CONNECTION_WINDOW, LOCAL_SETTINGS, RESPONSE_HEADERS
     owner = _Owner()
     s = owner.core = http2.Http2Server(owner, LOCAL_SETTINGS, CONNECTION_WINDOW)
     s.receive(preface)
@@ -136,7 +137,7 @@ def main() -> None:
     a = ap.parse_args()
     preface, calls = client_bytes(a.calls)
     rows = {"bytes only (baseline)": run_baseline, "h2 4.x": run_h2,
-            "frontend/http2.py": run_core}
+            "frontend/http2/connection.py": run_core}
     results = {name: [] for name in rows}
     for _ in range(a.rounds):
         for name, fn in rows.items():           # interleaved, so that noise hits all alike

@@ -19,7 +19,8 @@ from types import SimpleNamespace
 from shmserve.engine.accounting import Accounting
 from shmserve.engine.stats import VersionStats
 from shmserve.ipc import messages
-from shmserve.ipc.messages import LeasedDone, LeasedRecord
+from shmserve.ipc.messages.common import LeasedRecord
+from shmserve.ipc.messages.to_scheduler import LeasedDone
 
 
 def records(n: int) -> list[LeasedRecord]:

@@ -66,7 +66,7 @@ def write_repo(root: str) -> tuple[str, str]:
 def start(repo: str, tmp: str) -> tuple[subprocess.Popen, str]:
     port_file = os.path.join(tmp, "ports.json")
     server = subprocess.Popen(
-        [sys.executable, "-m", "shmserve.engine.cli", "--model-repository", repo,
+        [sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", repo,
          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
          "--port-file", port_file, "--cache-config", f"local,size={CACHE_BYTES}"],
         stdout=open(os.path.join(tmp, "server.log"), "wb"), stderr=subprocess.STDOUT)

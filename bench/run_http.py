@@ -43,7 +43,7 @@ def _server_cmd(binary: str) -> list[str]:
     if os.sep in binary or shutil.which(binary):
         return [binary]
     # Not installed as a console script (e.g. plain checkout): call the entry point directly.
-    return [sys.executable, "-c", "import sys; from shmserve.engine.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from shmserve.engine.launch.cli import main; sys.exit(main())"]
 
 
 def _wait_port_file(path: str, proc: subprocess.Popen, deadline: float) -> dict:

@@ -22,7 +22,7 @@ import tempfile
 import time
 
 from shmserve.ipc import channel, packets
-from shmserve.ipc.messages import Ping
+from shmserve.ipc.messages.to_worker import Ping
 
 
 def _echo_raw(sock: socket.socket, rounds: int) -> None:

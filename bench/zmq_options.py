@@ -96,9 +96,10 @@ def measure(mode: str, run_dir: str) -> tuple[float, float]:
 def call_layer(n: int = 100_000) -> dict[str, float]:
     """us per two-frame message (send + receive), inproc, one process."""
     from shmserve.ipc import channel, messages
+    from shmserve.ipc.messages.to_scheduler import Wake
     inbox = channel.Inbox("inproc://zmq-options-calls")
     outbox = channel.Outbox("inproc://zmq-options-calls")
-    head = messages.Wake()                      # the smallest message; decode is in both columns
+    head = Wake()                      # the smallest message; decode is in both columns
     payload = (MESSAGE[1],)
 
     def pyzmq_multipart():

@@ -2,24 +2,18 @@
 counters, the custom metrics workers report, and the reply to a statistics query.
 
 Pure: no sockets, an injected clock. The core hands it what it finished; ``ensemble_timings`` adds a step's times
-to the ensemble request it belongs to (engine/ensemble.py).
+to the ensemble request it belongs to (engine/ensemble/runner.py).
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from shmserve.ipc.messages import (
-    ENSEMBLE_FRONTEND,
-    BatchDone,
-    CustomMetrics,
-    LeasedRecord,
-    StatsQuery,
-    StatsReply,
-)
-
-from .batching import QueuedRequest
-from .models import ModelVersion
-from .states import ModelState
+from shmserve.engine.batching.queues import QueuedRequest
+from shmserve.engine.models import ModelVersion
+from shmserve.engine.states import ModelState
+from shmserve.ipc.messages.common import ENSEMBLE_FRONTEND, CustomMetrics, LeasedRecord
+from shmserve.ipc.messages.to_frontend import StatsReply
+from shmserve.ipc.messages.to_scheduler import BatchDone, StatsQuery
 
 
 class Accounting:

@@ -13,6 +13,7 @@ import time
 import zmq
 
 from shmserve.ipc import messages
+from shmserve.ipc.messages.to_scheduler import Wake
 
 
 class Alarm:
@@ -37,7 +38,7 @@ class Alarm:
         ring = self._context.socket(zmq.PUSH)   # made and used only in this thread
         ring.setsockopt(zmq.LINGER, 0)
         ring.connect(self._address)
-        wake = messages.encode(messages.Wake())
+        wake = messages.encode(Wake())
         try:
             with self._cond:
                 while not self._closed:

@@ -5,9 +5,9 @@ It takes decoded messages (``handle``), worker exits (``process_exited``) and th
 (``housekeeping``, ``batching_due``), and acts only through a ``SchedulerPort``. It is built from
 parts that each own their state:
 
-- ``ModelLifecycle`` (engine/lifecycle.py): the serving map, loads, draining, retired versions;
-- ``InstanceSupervisor`` (engine/instances.py): worker processes, backoff, pings, hangs;
-- one ``RequestQueue`` per version (engine/batching.py, engine/dynamic_batcher.py).
+- ``ModelLifecycle`` (engine/lifecycle/loading.py): the serving map, loads, draining, retired versions;
+- ``InstanceSupervisor`` (engine/processes/instances.py): worker processes, backoff, pings, hangs;
+- one ``RequestQueue`` per version (engine/batching/queues.py, engine/batching/dynamic.py).
 
 The core itself routes requests: queue, dispatch, completion, retry, failure, statistics.
 The process shell (engine/scheduler.py) owns the sockets, the alarm, the exit watcher and the
@@ -22,59 +22,56 @@ from typing import Callable
 
 import msgspec
 
+from shmserve.engine.accounting import Accounting
+from shmserve.engine.batching.queues import QueuedRequest, QueueFull, RequestQueue
+from shmserve.engine.batching.rate_limiter import RateLimiter
+from shmserve.engine.batching.sequences import SEQUENCE_START, SequenceBatcher, SequenceError
+from shmserve.engine.ensemble.chain_lending import ChainLending
+from shmserve.engine.ensemble.runner import EnsembleRunner
+from shmserve.engine.leases import LeaseBook, submitted, unlimited
+from shmserve.engine.lifecycle.loading import ModelLifecycle, Waiter
+from shmserve.engine.lifecycle.on_demand import OnDemand
+from shmserve.engine.lifecycle.repository import ModelRepository
+from shmserve.engine.models import ModelVersion
+from shmserve.engine.port import SchedulerPort
+from shmserve.engine.processes.deaths import WorkerDeaths
+from shmserve.engine.processes.instances import InstanceSupervisor
+from shmserve.engine.states import InstanceState, KillReason, ModelState
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.messages.common import (
     BLS_FRONTEND_BASE,
     ENSEMBLE_FRONTEND,
-    BatchDone,
-    CancelRequest,
-    ControlReply,
-    ControlRequest,
     CudaRef,
     CustomMetrics,
     ErrorCode,
-    ExecuteBatch,
+    LeasedRecord,
+    LogSettings,
+    ShmRef,
+    TraceChanges,
+)
+from shmserve.ipc.messages.to_frontend import ControlReply, InferResult, StatsReply
+from shmserve.ipc.messages.to_scheduler import (
+    BatchDone,
+    CancelRequest,
+    ControlRequest,
     ForgetSegments,
     FrontendHello,
-    InferResult,
     LeasedDone,
-    LeasedRecord,
     LeaseEnded,
-    LogSettings,
     Pong,
-    ReleaseOutputs,
-    RequestRoute,
     ResponseReport,
     SequencesLost,
-    ServerSettings,
     SetLogSettings,
     SetTraceSettings,
-    ShmRef,
     StatsQuery,
-    StatsReply,
     SubmitRequest,
-    TraceChanges,
     Wake,
     WorkerLoadFailed,
     WorkerReady,
 )
-from shmserve.workers import gpu
-
-from .accounting import Accounting
-from .batching import QueuedRequest, QueueFull, RequestQueue
-from .chain_lending import ChainLending
-from .deaths import WorkerDeaths
-from .ensemble import EnsembleRunner
-from .instances import InstanceSupervisor
-from .leases import LeaseBook, submitted, unlimited
-from .lifecycle import ModelLifecycle, Waiter
-from .models import ModelVersion
-from .on_demand import OnDemand
-from .port import SchedulerPort
-from .rate_limiter import RateLimiter
-from .repository import ModelRepository
-from .sequence_batcher import SEQUENCE_START, SequenceBatcher, SequenceError
-from .states import InstanceState, KillReason, ModelState
+from shmserve.ipc.messages.to_worker import ExecuteBatch, ReleaseOutputs, RequestRoute
+from shmserve.ipc.spawn_args import ServerSettings
 
 log = logging.getLogger("shmserve.scheduler")
 
@@ -114,9 +111,9 @@ class SchedulerCore:
         # be answering it (the scheduler does not hear when it stops): for a cancel. Bounded:
         # the oldest go first
         self.streamed_by: OrderedDict[tuple[int, int], int] = OrderedDict()
-        self.deaths = WorkerDeaths(self)        # what a worker's death means (engine/deaths.py)
+        self.deaths = WorkerDeaths(self)        # what a worker's death means (engine/processes/deaths.py)
         self.accounting = Accounting(clock, self.ensembles.timings)
-        # --rate-limit execution_count (engine/rate_limiter.py); None: off
+        # --rate-limit execution_count (engine/batching/rate_limiter.py); None: off
         self.rate_limiter = RateLimiter(settings.rate_limit_resources) \
             if settings.rate_limit else None
         self.lifecycle.rate_limiter = self.rate_limiter
@@ -141,7 +138,7 @@ class SchedulerCore:
             SetTraceSettings: self.set_trace_settings,
             ReleaseOutputs: self.release_handed,
         }
-        # --model-control-mode=on_demand (engine/on_demand.py): requests hold loads
+        # --model-control-mode=on_demand (engine/lifecycle/on_demand.py): requests hold loads
         self.on_demand = OnDemand(self) if settings.model_control_mode == "on_demand" else None
         if self.on_demand is not None:
             self.handlers[ControlRequest] = self.on_demand.control
@@ -250,7 +247,7 @@ class SchedulerCore:
         else:
             self.port.send_frontend(frontend, res)
 
-    # ---- ensembles (engine/ensemble.py) -----------------------------------------------------------
+    # ---- ensembles (engine/ensemble/runner.py) -----------------------------------------------------------
     def cancel_step(self, req_id: int, spawn_id: int = 0) -> None:
         """An ensemble cancels a step: dropped if queued, its worker told if running; one that
         streams past its execution (``spawn_id``, a decoupled model) is in no batch, so its
@@ -398,7 +395,7 @@ class SchedulerCore:
         else:
             # an ensemble's step: the next idle spell does not go to the last client frontend
             # either, as a lease granted as the step ends would be revoked by the next step
-            # (a pipeline's steps are lent when its run ends: engine/chain_lending.py)
+            # (a pipeline's steps are lent when its run ends: engine/ensemble/chain_lending.py)
             self.leases.note_request(ver, None)
         if self.enqueue(ver, req):
             self.dispatch(ver)
@@ -500,7 +497,7 @@ class SchedulerCore:
 
     def dispatch_waiting(self) -> None:
         """Resources were given back: versions that wait for them try again, the lowest
-        priority first (engine/rate_limiter.py)."""
+        priority first (engine/batching/rate_limiter.py)."""
         assert self.rate_limiter is not None
         for ver in self.rate_limiter.waiting():
             if ver.state in (ModelState.READY, ModelState.UNLOADING):   # serving, or draining
@@ -651,7 +648,7 @@ class SchedulerCore:
             inst.state = InstanceState.STOPPED
 
     def process_exited(self, spawn_id: int) -> None:
-        """The shell saw the worker process of ``spawn_id`` end (engine/deaths.py)."""
+        """The shell saw the worker process of ``spawn_id`` end (engine/processes/deaths.py)."""
         self.deaths.exited(spawn_id)
 
     def fail_queued(self, ver: ModelVersion, code: ErrorCode, stat: str, message: str) -> None:

@@ -36,14 +36,14 @@ would be.
 
 A version with a plain dynamic batcher is leased too: its requests meet in each leased worker's
 inbox instead of the scheduler's queue, and the worker batches them by the same rules
-(workers/lease_batch.py); each completion record counts its request, and the first of a batch
+(workers/leases/batch.py); each completion record counts its request, and the first of a batch
 counts the execution. With several instances, each batches what the frontend spread to it, as
 the scheduler's batcher would have handed each idle instance what had queued by then.
 
 A sequence model is leased too, all its instances at once: the live sequences the scheduler
 pinned to each go to its worker (LendSequences, before the grant, which names them to the
 frontend), whose own sequence batcher applies the same rules to the leased requests
-(workers/lease_sequences.py), and come back with LeaseEnded. Requests that reach the scheduler
+(workers/leases/sequences.py), and come back with LeaseEnded. Requests that reach the scheduler
 meanwhile wait for them (their sequence's state is judged where it is): they revoke the leases
 like any request that queues; one from the lease holder is forwarded to the worker that has its
 sequence instead. The frontend keeps each sequence's requests on one path at a time
@@ -59,24 +59,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from shmserve.ipc.messages import (
-    BLS_FRONTEND_BASE,
-    LeasedExecute,
-    LeaseGranted,
-    LeaseLost,
-    LeaseRevoked,
-    LendSequences,
-    RevokeLease,
-    SequenceSlot,
-    SubmitRequest,
-)
-
-from .batching import QueuedRequest
-from .dynamic_batcher import DynamicBatcher, QueuePolicy
-from .models import PING_TIMEOUT_S, Instance, ModelVersion
-from .port import SchedulerPort
-from .sequence_batcher import SequenceBatcher
-from .states import InstanceState, ModelState
+from shmserve.engine.batching.dynamic import DynamicBatcher, QueuePolicy
+from shmserve.engine.batching.queues import QueuedRequest
+from shmserve.engine.batching.sequences import SequenceBatcher
+from shmserve.engine.models import PING_TIMEOUT_S, Instance, ModelVersion
+from shmserve.engine.port import SchedulerPort
+from shmserve.engine.states import InstanceState, ModelState
+from shmserve.ipc.messages.common import BLS_FRONTEND_BASE, SequenceSlot
+from shmserve.ipc.messages.to_frontend import LeaseGranted, LeaseLost, LeaseRevoked
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+from shmserve.ipc.messages.to_worker import LeasedExecute, LendSequences, RevokeLease
 
 # After a revoke, a version gets no new lease for this long: under load (requests queueing) the
 # scheduler path serves, and a lease granted and revoked on every lull would cost two messages
@@ -88,7 +80,7 @@ TERM_NS = 2_000_000_000
 
 def worker_batches(ver: ModelVersion) -> bool:
     """Whether a dynamic-batching version's requests can batch in its workers' inboxes under
-    leases (workers/lease_batch.py): its batcher has nothing an inbox cannot do (priority
+    leases (workers/leases/batch.py): its batcher has nothing an inbox cannot do (priority
     levels, queue timeouts, a queue size bound, which the scheduler's queue applies)."""
     q = ver.queue
     return (isinstance(q, DynamicBatcher) and q.cfg.priority_levels <= 1

@@ -6,19 +6,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from shmserve.ipc.messages import StateCause
+from shmserve.engine.batching.dynamic import DynamicBatcher, batcher_config
+from shmserve.engine.batching.queues import DEFAULT_MAX_QUEUE, DefaultQueue, QueuedRequest, RequestQueue
+from shmserve.engine.batching.sequences import SequenceBatcher, sequence_config
+from shmserve.engine.ensemble.plan import EnsemblePlan
+from shmserve.engine.states import InstanceState, KillReason, ModelState
+from shmserve.engine.stats import VersionStats
+from shmserve.ipc.messages.common import StateCause
+from shmserve.ipc.model_config import ModelConfig
 
-from .batching import DefaultQueue, QueuedRequest, RequestQueue
-from .dynamic_batcher import DynamicBatcher, batcher_config
-from .ensemble_plan import EnsemblePlan
-from .model_config import ModelConfig
-from .sequence_batcher import SequenceBatcher, sequence_config
-from .states import InstanceState, KillReason, ModelState
-from .stats import VersionStats
-
-# Queued requests per model version before new ones are refused with 503 (Triton's default
-# scheduler has no bound; an unbounded queue turns overload into memory growth).
-DEFAULT_MAX_QUEUE = 4096
 # Restart backoff grows only with deaths that had no finished execution between them (the
 # crash-loop detector's rule): a worker that served and then died restarts at once, so one
 # poison request cannot stall a model; the second death in a row waits BACKOFF_FIRST_S, and

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
-from shmserve.ipc.messages import InstanceSpec, LogSettings
+from shmserve.ipc.messages.common import LogSettings
+from shmserve.ipc.spawn_args import InstanceSpec
 
 
 class SchedulerPort(Protocol):

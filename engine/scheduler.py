@@ -21,18 +21,19 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
+from shmserve.engine.alarm import Alarm
+from shmserve.engine.processes import supervision
+from shmserve.engine.processes.exits import ExitWatcher
+from shmserve.engine.processes.forkserver import WATCH_ID, ForkServer
+from shmserve.engine.processes.supervision import WorkerProcess, fork_opt_out, spawn_worker
 from shmserve.ipc import channel, logs, packets, shm
-from shmserve.ipc.messages import LogSettings, ProcessExited, ServerSettings
+from shmserve.ipc.messages.common import LogSettings
+from shmserve.ipc.messages.to_scheduler import ProcessExited
 from shmserve.ipc.proc import InboxWaker, StopFlag, die_with_parent, freeze_startup_heap
-
-from . import supervision
-from .alarm import Alarm
-from .exits import ExitWatcher
-from .forkserver import WATCH_ID, ForkServer
-from .supervision import WorkerProcess, fork_opt_out, spawn_worker
+from shmserve.ipc.spawn_args import ServerSettings
 
 if TYPE_CHECKING:
-    from .core import SchedulerCore
+    from shmserve.engine.core import SchedulerCore
 
 log = logging.getLogger("shmserve.scheduler")
 
@@ -52,7 +53,7 @@ class SchedulerShell:
         self.frontends: dict[int, packets.PacketOutbox | channel.Outbox] = {}
         self.workers: dict[int, packets.PacketOutbox | channel.Outbox] = {}
         self.procs: dict[int, WorkerProcess] = {}
-        # started before any model loads; workers are forked from it (engine/forkserver.py)
+        # started before any model loads; workers are forked from it (engine/processes/forkserver.py)
         self.forkserver: ForkServer | None = None
         if settings.worker_start == "fork":
             self.forkserver = ForkServer(watch=lambda fd: self.exits.watch(fd, WATCH_ID),
@@ -61,7 +62,7 @@ class SchedulerShell:
         # imported once the fork server is starting, so that its imports (numpy, the backends)
         # run beside ours (the core pulls in the protobuf config modules): a cold start of 50
         # models was ready about 0.4 s sooner
-        from .core import SchedulerCore
+        from shmserve.engine.core import SchedulerCore
         self.core: SchedulerCore = SchedulerCore(settings, self,
                                                  counters=channel.COUNTERS.as_dict)
         self.stop: StopFlag | None = None       # once install_signals ran

@@ -1,9 +1,9 @@
-"""Lifecycles as explicit enums. ModelState travels on the wire, so it lives in ipc.messages."""
+"""Lifecycles as explicit enums. ModelState travels on the wire, so it lives in ipc/messages/common.py."""
 from __future__ import annotations
 
 import enum
 
-from shmserve.ipc.messages import ModelState
+from shmserve.ipc.messages.common import ModelState
 
 __all__ = ["InstanceState", "ModelState", "KillReason"]
 

@@ -13,7 +13,7 @@ from collections import deque
 
 import numpy as np
 
-from shmserve.ipc.messages import BatchStatistics, Duration, ModelStatistics, ResponseStatistics
+from shmserve.ipc.messages.to_frontend import BatchStatistics, Duration, ModelStatistics, ResponseStatistics
 
 FAILURE_REASONS = ("REJECTED", "CANCELED", "BACKEND", "OTHER")
 # Triton's default buckets for nv_inference_first_response_histogram_ms

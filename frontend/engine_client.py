@@ -23,53 +23,54 @@ import itertools
 import logging
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Iterable
 
 import zmq
 
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.engine.requests.prepare import SEQUENCE_END, SEQUENCE_START, PreparedRequest
+from shmserve.frontend.colocation import NO_CPU, Colocation
+from shmserve.frontend.deadlines import Deadlines
+from shmserve.frontend.priority import DrainPriority
+from shmserve.frontend.sequence_paths import HOLD, SequencePaths
 from shmserve.ipc import channel, logs, packets
 from shmserve.ipc.lease_table import Lease, LeaseTable
-from shmserve.ipc.messages import (
+from shmserve.ipc.messages import encode as encode_message
+from shmserve.ipc.messages.common import (
     CacheRecord,
-    CancelRequest,
-    ChainExecute,
     ChainHop,
     ControlAction,
-    ControlReply,
-    ControlRequest,
     ErrorCode,
-    ForgetSegments,
-    FrontendHello,
+    LeasedRecord,
+    LogSettings,
+    ShmRef,
+    TraceChanges,
+)
+from shmserve.ipc.messages.to_frontend import (
+    ControlReply,
     InferResult,
     InferResults,
     LeaseBounced,
-    LeasedDone,
-    LeasedExecute,
-    LeasedRecord,
     LeaseGranted,
     LeaseLost,
     LeaseRevoked,
-    LogSettings,
     ModelTable,
-    ReleaseOutputs,
+    StatsReply,
+    WorkerGone,
+)
+from shmserve.ipc.messages.to_scheduler import (
+    CancelRequest,
+    ControlRequest,
+    ForgetSegments,
+    FrontendHello,
+    LeasedDone,
     SequencesLost,
     SetLogSettings,
     SetTraceSettings,
-    ShmRef,
     StatsQuery,
-    StatsReply,
     SubmitRequest,
-    TraceChanges,
-    WorkerGone,
 )
-from shmserve.ipc.messages import encode as encode_message
-
-from .catalog import ModelCatalog
-from .colocation import NO_CPU, Colocation
-from .deadlines import Deadlines
-from .priority import DrainPriority
-from .request import SEQUENCE_END, SEQUENCE_START, PreparedRequest
-from .sequence_paths import HOLD, SequencePaths
+from shmserve.ipc.messages.to_worker import ChainExecute, LeasedExecute, ReleaseOutputs
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -112,7 +113,7 @@ class EngineClient:
         self.on_trace_settings: Callable[[TraceChanges, str], None] | None = None
         self.leases = LeaseTable()              # the instances lent to us (ipc/lease_table.py)
         self.sequences = SequencePaths()        # which way each sequence's requests go
-        # ensembles whose steps may run worker to worker (workers/chain.py): their steps
+        # ensembles whose steps may run worker to worker (workers/leases/chain.py): their steps
         self.routes: dict[tuple[str, int], list[ChainHop]] = {}
         # leased requests of this turn of the event loop, per worker, sent when it ends
         self.corked: dict[packets.PacketOutbox, list[tuple[Lease, SubmitRequest, bytes]]] = {}
@@ -166,7 +167,7 @@ class EngineClient:
             route = self.routes.get((model, version))
             chain = leases.route(route) if route and leases else None
             # leases on every step but none with room: the scheduler must not hold it for them
-            head.no_lease = bool(route) and chain is None and leases.holds_all(route)
+            head.no_lease = route is not None and chain is None and leases.holds_all(route)
         if lease is not None and (ordered or lease.full):
             # a lease we hold but cannot use: the scheduler must not hand it back to us
             head.no_lease = not lease.depth
@@ -388,8 +389,8 @@ class EngineClient:
         """A request still held for its leased worker (``_send_leased``) is taken back and
         answered as cancelled: it never reaches the worker (a client that resets its calls as
         fast as it sends them must not make the model run them)."""
-        held = self.corked.get(lease.box)
-        for i, (_, head, _) in enumerate(held or ()):
+        held = self.corked.get(lease.box) or []
+        for i, (_, head, _) in enumerate(held):
             if head.req_id == req_id:
                 del held[i]
                 if not held:
@@ -479,7 +480,7 @@ class EngineClient:
     def _send_chain(self, leases: list[Lease], route: list[ChainHop], head: SubmitRequest,
                     payload: bytes) -> None:
         """Send an ensemble request to its first step's worker, which hands it on
-        (workers/chain.py). It counts as in flight under each step's lease until answered."""
+        (workers/leases/chain.py). It counts as in flight under each step's lease until answered."""
         self.leases.sent_route(leases, head.req_id)
         if self.corked:         # what this turn sent that worker before goes first
             self._uncork()
@@ -584,14 +585,14 @@ class EngineClient:
                                       error="the scheduler queue is full",
                                       code=ErrorCode.UNAVAILABLE))
 
-    def forget_segments(self, segments: list[str], cuda_handles: list[bytes] = ()) -> None:
+    def forget_segments(self, segments: list[str], cuda_handles: Iterable[bytes] = ()) -> None:
         self.scheduler.send(ForgetSegments(segments, list(cuda_handles)))
 
     async def control(self, action: ControlAction, name: str, config: str = "",
                       unload_dependents: bool = False, timeout: float = 600.0,
                       upload_dir: str = "") -> ControlReply:
         """Load or unload a model; answers once the scheduler has finished it. ``upload_dir``:
-        the model's uploaded files (frontend/model_upload.py), the scheduler's once sent."""
+        the model's uploaded files (engine/lifecycle/upload_files.py), the scheduler's once sent."""
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut
@@ -605,7 +606,7 @@ class EngineClient:
 
     async def log_settings(self, settings: LogSettings, timeout: float = 5.0) -> ControlReply:
         """Tell the scheduler, which passes them on to every worker and other frontend;
-        answers once it has (frontend/log_settings.py)."""
+        answers once it has (frontend/observability/log_settings.py)."""
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut
@@ -622,7 +623,7 @@ class EngineClient:
     async def trace_settings(self, changes: TraceChanges, model: str,
                              timeout: float = 5.0) -> None:
         """Tell the scheduler, which passes them on to every other frontend; answers once it
-        has (frontend/trace.py)."""
+        has (frontend/observability/trace.py)."""
         qid = next(self.ids)
         fut = self.loop.create_future()
         self.queries[qid] = fut

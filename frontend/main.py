@@ -14,26 +14,28 @@ import sys
 import msgspec
 import uvloop
 
+from shmserve.engine.launch import restricted
+from shmserve.engine.lifecycle.upload_files import ModelUploads
+from shmserve.engine.requests.prepare import RequestLimits
+from shmserve.frontend import connections
+from shmserve.frontend.cache.store import ResponseCache
+from shmserve.frontend.colocation import ColocateMode, Colocation
+from shmserve.frontend.engine_client import EngineClient
+from shmserve.frontend.grpc import service as grpc_service
+from shmserve.frontend.grpc.guard import GrpcLimits
+from shmserve.frontend.http import server as http_server
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.frontend.observability.metrics import MetricsApp
+from shmserve.frontend.observability.system_metrics import SystemSampler
+from shmserve.frontend.observability.trace import TraceCore
+from shmserve.frontend.priority import DrainPriority, PriorityMode
+from shmserve.frontend.service import FrontendService
+from shmserve.frontend.shm.regions import RegionTable
+from shmserve.frontend.shm.registry import ShmRegistry
 from shmserve.ipc import channel, logs
-from shmserve.ipc.messages import ServerSettings
 from shmserve.ipc.proc import StoppingMark, die_with_parent, freeze_startup_heap
 from shmserve.ipc.shm import ShmArena, ShmMapCache
-
-from . import connections, grpc_service, http_server, restricted
-from .colocation import ColocateMode, Colocation
-from .engine_client import EngineClient
-from .grpc_guard import GrpcLimits
-from .http_app import KServeHttpApp
-from .metrics import MetricsApp
-from .model_upload import ModelUploads
-from .priority import DrainPriority, PriorityMode
-from .request import RequestLimits
-from .response_cache import ResponseCache
-from .service import FrontendService
-from .shm_regions import RegionTable
-from .shm_registry import ShmRegistry
-from .system_metrics import SystemSampler
-from .trace import TraceCore
+from shmserve.ipc.spawn_args import ServerSettings
 
 log = logging.getLogger("shmserve.frontend")
 

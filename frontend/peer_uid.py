@@ -2,7 +2,7 @@
 
 A registration of a shared-memory segment lets the client read and write that segment through
 the server's own permissions; the registry accepts a segment only from the user who owns it
-(frontend/shm_registry.py). A TCP connection carries no credentials (SO_PEERCRED is for unix
+(frontend/shm/registry.py). A TCP connection carries no credentials (SO_PEERCRED is for unix
 sockets), but a loopback client's socket is one of this host's, and the kernel lists every TCP
 socket of this network namespace in /proc/net/tcp and /proc/net/tcp6 with the uid that owns it:
 the client's socket is the one whose local address and port are the peer's.

@@ -3,36 +3,30 @@
 Readiness rules, model control with its parameter checks, statistics, client shared memory and an
 inference request's life after it is parsed (submit, wait, free the inputs, give the worker's
 output slots back) live here. Methods take plain values, return plain values and raise only
-``InferError``; ``http_app`` and ``grpc_service`` parse their messages, call in, and map the
+``InferError``; ``http/app.py`` and ``grpc/service.py`` parse their messages, call in, and map the
 error with ``errors.http_status`` / ``errors.grpc_status``. So the protocols cannot drift apart
 in what they accept or how they fail.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, Callable
 
-from shmserve.ipc.messages import (
-    ControlAction,
-    ErrorCode,
-    InferResult,
-    ModelStatistics,
-    ShmRef,
-    TraceConfig,
-)
+from shmserve.engine.lifecycle.upload_files import FILE_PREFIX, ModelUploads
+from shmserve.engine.requests import prepare as request
+from shmserve.engine.requests import validation
+from shmserve.engine.requests.catalog import ModelCatalog, ModelView, version_number
+from shmserve.engine.requests.prepare import DEFAULT_LIMITS, PreparedRequest, RequestLimits
+from shmserve.frontend.cache.store import ResponseCache
+from shmserve.frontend.cache.submit import CachedRequests
+from shmserve.frontend.engine_client import EngineClient
+from shmserve.frontend.observability.log_settings import LogControl
+from shmserve.frontend.observability.trace import TraceControl, TraceCore
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc.errors import InferError, invalid
+from shmserve.ipc.messages.common import ControlAction, ErrorCode, ShmRef, TraceConfig
+from shmserve.ipc.messages.to_frontend import InferResult, ModelStatistics
 from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
-
-from . import request, validation
-from .cached_requests import CachedRequests
-from .catalog import ModelCatalog, ModelView, version_number
-from .engine_client import EngineClient
-from .errors import InferError, invalid
-from .log_settings import LogControl
-from .model_upload import FILE_PREFIX, ModelUploads
-from .request import DEFAULT_LIMITS, PreparedRequest, RequestLimits
-from .response_cache import ResponseCache
-from .shm_registry import ShmRegistry
-from .trace import TraceControl, TraceCore
 
 EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_configuration",
               "system_shared_memory", "cuda_shared_memory", "binary_tensor_data", "parameters",
@@ -61,12 +55,12 @@ class FrontendService:
         # request, so requests sent after the signal are refused before this frontend's own
         # SIGTERM has been handled
         self.stopping: Callable[[], bool] = lambda: False
-        self.logging = LogControl(client)   # the logging extension (frontend/log_settings.py)
-        # the trace extension (frontend/trace.py); ``tracer.active`` is all a request checks
+        self.logging = LogControl(client)   # the logging extension (frontend/observability/log_settings.py)
+        # the trace extension (frontend/observability/trace.py); ``tracer.active`` is all a request checks
         self.tracer = trace or TraceCore(TraceConfig())
         self.tracing = TraceControl(self.tracer, client, lambda name: name in self.catalog.models)
         client.on_trace_settings = self.tracing.apply
-        # requests of models with the response cache (frontend/cached_requests.py); None:
+        # requests of models with the response cache (frontend/cache/submit.py); None:
         # --cache-config not given
         self.cached = None if cache is None else CachedRequests(cache, client, arena, maps,
                                                                 self.release_outputs)
@@ -128,7 +122,7 @@ class FrontendService:
         await self._control(ControlAction.LOAD, name, config, False, upload_dir)
 
     async def _upload(self, name: str, params: dict[str, Any], base64_files: bool) -> str:
-        """Write the load's model files into a directory of their own (frontend/model_upload.py)
+        """Write the load's model files into a directory of their own (engine/lifecycle/upload_files.py)
         and return its path; the load request then hands it to the scheduler."""
         if self.uploads is None:
             raise InferError(ErrorCode.UNSUPPORTED, f"failed to load '{name}': load parameters "
@@ -141,8 +135,8 @@ class FrontendService:
             return await asyncio.shield(written)
         except asyncio.CancelledError:      # the client left: remove what is still being written
             uploads = self.uploads
-            written.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
-                                      or uploads.discard(f.result()))
+            written.add_done_callback(
+                lambda f: None if f.cancelled() or f.exception() is not None else uploads.discard(f.result()))
             raise
 
     async def unload(self, name: str, params: dict[str, Any], repository: str = "") -> None:
@@ -263,7 +257,7 @@ class FrontendService:
         self.client.drain_abandoned(req_id, lambda r: self.drop(r, prepared))
 
     async def infer_stream(self, view: ModelView, version: int,
-                           prepared: PreparedRequest) -> AsyncIterator[InferResult]:
+                           prepared: PreparedRequest) -> AsyncGenerator[InferResult, None]:
         """Submit and yield each answer as it comes (a decoupled model gives any number; the
         last has ``final``). The caller gives back each answer's output slots
         (``release_outputs(result, request.worker_slots(result, prepared))``) once they are

@@ -14,7 +14,7 @@ import logging
 import ssl
 from typing import Callable
 
-from .connections import Budget
+from shmserve.frontend.connections import Budget
 
 log = logging.getLogger("shmserve.grpc")
 _HANDSHAKES: set[asyncio.Task] = set()

@@ -12,8 +12,8 @@ import time
 
 import zmq
 
-from . import messages, packets
-from .counters import COUNTERS, IpcCounters  # noqa: F401  (re-exported)
+from shmserve.ipc import messages, packets
+from shmserve.ipc.counters import COUNTERS, IpcCounters  # noqa: F401  (re-exported)
 
 # Tensors up to this size ride inside messages; larger ones go through shared memory.
 INLINE_LIMIT = 64 * 1024
@@ -217,7 +217,7 @@ class SchedulerInbox:
                 pass
             if flags & NOBLOCK:
                 raise zmq.Again()
-            if _get(zsock, _EVENTS) & _POLLIN:
+            if _get(zsock, _EVENTS) & _POLLIN:  # type: ignore[operator]  # an int option
                 continue
             if self.timeout_s < 0:
                 self.epoll.poll(-1)

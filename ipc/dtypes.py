@@ -112,7 +112,8 @@ def deserialize_bytes(buffer, count: int | None = None) -> np.ndarray:
     buf = buffer if type(buffer) is bytes else memoryview(buffer).tobytes()
     end = len(buf)
     unpack = _U32.unpack_from
-    out, off = [], 0
+    out: list[bytes] = []
+    off = 0
     while off < end:
         if off + 4 > end:
             raise ValueError(f"truncated BYTES buffer: element {len(out)} has a partial length "

@@ -1,10 +1,10 @@
 """Whether the tensors given to a model fit its inputs' dims: one check for the two places an
 ensemble step is given tensors another model made (the scheduler's ensemble runner, and the
-worker that hands a step of a chained ensemble to the next: workers/chain.py). The frontend
-checks a client's own request with the same words (frontend/validation.py)."""
+worker that hands a step of a chained ensemble to the next: workers/leases/chain.py). The frontend
+checks a client's own request with the same words (engine/requests/validation.py)."""
 from __future__ import annotations
 
-from .messages import Tensor
+from shmserve.ipc.messages.common import Tensor
 
 
 def input_shape_problem(model: str, max_batch_size: int, input_dims: dict[str, list[int]],

@@ -11,8 +11,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-from .messages import ChainHop, LeaseGranted
-from .packets import PeerGone
+from shmserve.ipc.messages.common import ChainHop
+from shmserve.ipc.messages.to_frontend import LeaseGranted
+from shmserve.ipc.packets import PeerGone
 
 
 @dataclass(eq=False)
@@ -45,7 +46,7 @@ class LeaseTable:
         # (model, version) -> its leases: one, or (no depth limit) one per idle instance
         self.held: dict[tuple[str, int], list[Lease]] = {}
         self.direct: dict[int, Lease] = {}      # request sent under a lease -> that lease
-        # an ensemble's request sent worker to worker (workers/chain.py) -> its steps' leases
+        # an ensemble's request sent worker to worker (workers/leases/chain.py) -> its steps' leases
         self.chained: dict[int, list[Lease]] = {}
 
     def __bool__(self) -> bool:

@@ -18,7 +18,7 @@ import logging
 import os
 import time
 
-from .messages import LogFormat, LogSettings
+from shmserve.ipc.messages.common import LogFormat, LogSettings
 
 ESCAPE_ENV = "TRITON_SERVER_ESCAPE_LOG_MESSAGES"
 

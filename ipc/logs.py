@@ -31,8 +31,9 @@ from typing import TextIO
 
 import msgspec
 
-from .logformat import SettingsFilter, TritonFormatter
-from .messages import LogSettings, ServerSettings
+from shmserve.ipc.logformat import SettingsFilter, TritonFormatter
+from shmserve.ipc.messages.common import LogSettings
+from shmserve.ipc.spawn_args import ServerSettings
 
 # Records held while the output is blocked; past it, records are dropped and counted.
 QUEUE_RECORDS = 1000

@@ -31,8 +31,8 @@ from collections import deque
 
 import zmq
 
-from . import messages
-from .counters import COUNTERS
+from shmserve.ipc import messages
+from shmserve.ipc.counters import COUNTERS
 
 SCHEME = "unix://"
 MAX_PACKET = 128 * 1024          # fits the default AF_UNIX send buffer with room to spare

@@ -12,7 +12,8 @@ from typing import Callable
 
 import zmq
 
-from . import channel, messages, packets
+from shmserve.ipc import channel, messages, packets
+from shmserve.ipc.messages.to_scheduler import Wake
 
 _PR_SET_PDEATHSIG = 1
 
@@ -106,7 +107,7 @@ class InboxWaker:
         self.socket = channel.context().socket(zmq.PUSH)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.connect(self.address)
-        self._wake = messages.encode(messages.Wake())
+        self._wake = messages.encode(Wake())
 
     def __call__(self, signum: int = 0) -> None:
         try:
@@ -145,7 +146,7 @@ class PacketWaker:
     def __call__(self, signum: int = 0) -> None:
         if self.box is not None:
             try:
-                self.box.send(messages.Wake(), (), packets.NOBLOCK)
+                self.box.send(Wake(), (), packets.NOBLOCK)
             except (zmq.Again, packets.PeerGone):   # a full inbox is awake anyway
                 pass
 

@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from .messages import ShmRef
+from shmserve.ipc.messages.common import ShmRef
 
 # the reader side, and the names both sides share (imported from here as well)
-from .shm_maps import PREFIX, SHM_DIR, ShmError, ShmMapCache, attach_segment  # noqa: F401
+from shmserve.ipc.shm_maps import PREFIX, SHM_DIR, ShmError, ShmMapCache, attach_segment  # noqa: F401
 
 _ALIGN = 64
 # Arena chunks reserve pages in steps of this much, so most allocations cost no syscall.

@@ -12,7 +12,7 @@ import stat
 import time
 import weakref
 
-from .messages import ShmRef
+from shmserve.ipc.messages.common import ShmRef
 
 PREFIX = "shmserve_"
 SHM_DIR = "/dev/shm"

@@ -160,23 +160,26 @@ def segments_of(pid: int) -> list[str]:
 class Server:
     def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90,
                  prefix: tuple[str, ...] = (), wait_ports: bool = True,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, command: list[str] | None = None,
+                 cwd: str | None = None):
         """``prefix``: a command the server runs under (it must exec it, so the pid stays the
         launcher's), e.g. unshare for a /dev/shm of its own. ``wait_ports=False``: return once
         started, for a server that may exit before it serves (``--exit-on-error``). ``env``:
-        variables set for it on top of this process's (e.g. TMPDIR: a temp dir of its own)."""
+        variables set for it on top of this process's (e.g. TMPDIR: a temp dir of its own).
+        ``command``: the server's command line as a user types it (README's), instead of the
+        launcher with ``repositories``; ``cwd``: where it runs. Either way the OS picks the ports."""
         self.tmp = tempfile.mkdtemp(prefix="shmserve-test-")
         self.port_file = os.path.join(self.tmp, "ports.json")
         self.log_path = os.path.join(self.tmp, "server.log")
         repos = [repositories] if isinstance(repositories, str) else list(repositories)
-        args = [sys.executable, "-m", "shmserve.engine.cli"]
+        args = list(command) if command else [sys.executable, "-m", "shmserve.engine.launch.cli"]
         for r in repos:
             args += ["--model-repository", r]
         args += ["--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host",
                  "127.0.0.1", "--port-file", self.port_file, *extra_args]
         self.log = open(self.log_path, "wb")
         self.proc = subprocess.Popen([*prefix, *args], stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL,
+                                     stdin=subprocess.DEVNULL, cwd=cwd,
                                      env={**os.environ, **env} if env else None)
         if not wait_ports:
             return
@@ -229,13 +232,20 @@ class Server:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                for pid in descendants(self.proc.pid):
-                    os.kill(pid, signal.SIGKILL)
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
                 raise
         self.log.close()
         return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL to the server and every process under it."""
+        for pid in descendants(self.proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.kill()
+        self.proc.wait(timeout=30)
 
 
 def model_sleeping(server: "Server", model: str) -> bool:

@@ -15,45 +15,51 @@ import time
 import traceback
 from collections import deque
 from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 import zmq
 
 from shmserve.ipc import channel, logs, packets
 from shmserve.ipc.exec_record import ExecutionRecord, record_path
-from shmserve.ipc.messages import (
+from shmserve.ipc.gpu import cuda_ipc
+from shmserve.ipc.gpu.device import CudaError, DeviceTensor
+from shmserve.ipc.gpu.device_arena import DeviceArena
+from shmserve.ipc.gpu.device_arena import to_host as device_to_host
+from shmserve.ipc.messages import decode_payload
+from shmserve.ipc.messages.common import (
     ENSEMBLE_FRONTEND,
-    BatchDone,
-    CancelRequest,
-    ChainExecute,
     CudaRef,
     CustomMetrics,
     ErrorCode,
-    ExecuteBatch,
-    ForgetSegments,
     InferPayload,
-    InferResult,
-    InferResults,
-    LeaseBounced,
-    LeasedExecute,
     LeasedRecord,
-    LeaseEnded,
-    LendSequences,
-    Ping,
-    Pong,
-    ReleaseOutputs,
-    RequestRoute,
-    ResponseReport,
-    RevokeLease,
-    SetLogSettings,
-    Shutdown,
     Tensor,
+    parameter_problem,
+)
+from shmserve.ipc.messages.to_frontend import InferResult, InferResults, LeaseBounced
+from shmserve.ipc.messages.to_scheduler import (
+    BatchDone,
+    CancelRequest,
+    ForgetSegments,
+    LeaseEnded,
+    Pong,
+    ResponseReport,
+    SetLogSettings,
     Wake,
-    WorkerArgs,
     WorkerLoadFailed,
     WorkerReady,
-    decode_payload,
-    parameter_problem,
+)
+from shmserve.ipc.messages.to_worker import (
+    ChainExecute,
+    ExecuteBatch,
+    LeasedExecute,
+    LendSequences,
+    Ping,
+    ReleaseOutputs,
+    RequestRoute,
+    RevokeLease,
+    Shutdown,
 )
 from shmserve.ipc.proc import (
     PacketWaker,
@@ -63,16 +69,19 @@ from shmserve.ipc.proc import (
     freeze_startup_heap,
 )
 from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
+from shmserve.ipc.spawn_args import WorkerArgs
+from shmserve.workers import classification, sequence, tensors, warmup
+from shmserve.workers.backends import autocomplete
+from shmserve.workers.backends.base import Backend, WorkRequest, load_backend
+from shmserve.workers.leases.batch import LeasedBatcher
+from shmserve.workers.leases.chain import Chains
+from shmserve.workers.leases.sequences import SequenceLease
+from shmserve.workers.python_backend import metrics as pb_metrics
+from shmserve.workers.python_backend import pb_utils
+from shmserve.workers.waiting_cpu import WaitingCpu
 
-from . import autocomplete, classification, cuda_ipc, pb_metrics, pb_utils, sequence, tensors, warmup
-from .backend import WorkRequest, load_backend
-from .chain import Chains
-from .device_arena import DeviceArena
-from .device_arena import to_host as device_to_host
-from .gpu import CudaError, DeviceTensor
-from .lease_batch import LeasedBatcher
-from .lease_sequences import SequenceLease
-from .waiting_cpu import WaitingCpu
+if TYPE_CHECKING:  # imported at a model's first BLS call
+    from shmserve.workers.python_backend.bls import BlsClient
 
 log = logging.getLogger("shmserve.worker")
 
@@ -109,10 +118,10 @@ class Worker:
         self.use_config(args.spec.config_json)
         self.labels: dict[str, list[bytes]] = {}    # output -> class labels (label_filename)
         self.sequence: sequence.Sequences | None = None    # sequence_batching: set by load()
-        self.backend = None
+        self.backend: Backend = None  # type: ignore[assignment]  # set by load()
         # messages that request.is_cancelled() read while execute() ran; handled first, in order
         self.backlog: deque = deque()
-        self.running = None                     # routes of the batch inside execute()
+        self.running: list[RequestRoute] | None = None  # routes of the batch inside execute()
         self.cancelled: set[tuple[int, int]] = set()   # of those, the ones whose client left
         self.metrics_due = 0.0                  # the first custom-metrics message goes at once
         self.revoked_upto = 0                   # leases up to this id have ended (RevokeLease)
@@ -129,7 +138,7 @@ class Worker:
         self.out_lock = threading.Lock()
         self.tell_lock = threading.Lock()       # model threads send BLS requests too
         self.running_chain: list[str] = []      # BLS chains of the batch inside execute()
-        self.bls = None                         # BlsClient, made at a model's first BLS request
+        self.bls: BlsClient | None = None       # made at a model's first BLS request
         self.bls_lock = threading.Lock()
         pb_utils._bls = self.bls_client
         pb_utils._control = self.model_control     # load_model / unload_model / is_model_ready
@@ -138,7 +147,8 @@ class Worker:
         # everything but ExecuteBatch (the hot path, tested first) and Shutdown (ends the loop);
         # a Wake (a signal: the loop condition decides) or a CancelRequest for a request no
         # longer running needs nothing
-        self.handlers = {ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
+        self.handlers: dict[type, Callable[[Any], Any]] = {
+                         ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
                          Ping: self.pong, Wake: _ignore, CancelRequest: self.cancel,
                          RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings,
                          LendSequences: self.lend_sequences}
@@ -206,14 +216,14 @@ class Worker:
             return bls
         # imported on first use: BLS reuses the frontend's request checks, which a worker
         # that never makes a BLS request should not pay for in memory
-        from .bls import BlsClient
+        from shmserve.workers.python_backend.bls import BlsClient
         with self.bls_lock:
             if self.bls is None:
                 self.bls = BlsClient(self)
             return self.bls
 
     def model_control(self):
-        from .model_control import ModelControl
+        from shmserve.workers.python_backend.model_control import ModelControl
         return ModelControl(self.bls_client, self.args.model_upload_dir,
                             self.args.model_upload_max_bytes)
 
@@ -342,7 +352,7 @@ class Worker:
         self.end_lease(msg.lease_id)
 
     def end_lease(self, lease_id: int) -> None:
-        """Revoked, or given up (workers/lease_sequences.py): everything accepted under the
+        """Revoked, or given up (workers/leases/sequences.py): everything accepted under the
         lease ran before this (one loop), but a sequence model's requests still queued, which
         go back to their frontend."""
         self.revoked_upto = max(self.revoked_upto, lease_id)
@@ -578,8 +588,9 @@ class Worker:
                                                  device)
         t3 = clock()
         for i in traced:
-            if results[i] is not None:
-                results[i].compute_ns = [t0, t1, t2, t3]
+            traced_result = results[i]
+            if traced_result is not None:
+                traced_result.compute_ns = [t0, t1, t2, t3]
         if leased is not None:
             # their statistics ride with the answers; the frontend passes them on in bulk. The
             # first record counts the execution (the inferences of the requests that did not
@@ -588,7 +599,7 @@ class Worker:
             executed = sum(h.batch_size for h, r in zip(leased, results)
                            if r is not None and not r.error) or \
                 sum(h.batch_size for h in leased)
-            calls = self.bls.take_done() if self.bls is not None and self.bls.done else []
+            calls: list = self.bls.take_done() if self.bls is not None and self.bls.done else []
             for head, res in zip(leased, results):
                 if res is not None:
                     res.done = LeasedRecord(self.args.spawn_id, head.model, head.version,
@@ -641,7 +652,8 @@ class Worker:
         on the GPU (in the device arena) when the model left them there."""
         if resp.error:
             return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
-        outs, uses_shm = [], False      # uses_shm: slots of ours, given back later
+        outs: list[Tensor] = []
+        uses_shm = False                # slots of ours, given back later
         try:
             for name, datatype, arr in resp.outputs:
                 arr = self.reshapes.client_output(name, arr)

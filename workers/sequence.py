@@ -25,14 +25,14 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from shmserve.ipc import dtypes, model_files
-from shmserve.ipc.messages import ErrorCode
-
-from .backend import WorkRequest, WorkResponse
-from .tensors import OutputChecks
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.workers.backends.base import WorkRequest, WorkResponse
+from shmserve.workers.tensors import OutputChecks
 
 log = logging.getLogger("shmserve.worker")
 
@@ -100,7 +100,8 @@ def declared(config: dict) -> tuple[dict[str, str], dict[str, str]]:
     outputs (states), name -> wire datatype ("" where the config does not say). For a backend's
     load-time check that its model takes and produces them."""
     seq = config.get("sequence_batching") or {}
-    inputs, outputs = {}, {}
+    inputs: dict[str, Any] = {}
+    outputs: dict[str, Any] = {}
     for ci in seq.get("control_input", []):
         for c in ci.get("control", []):
             if _kind(c) == CORRID:
@@ -334,7 +335,7 @@ class Sequences:
         bits = np.array(cid & ((1 << (8 * target.itemsize)) - 1), dtype=f"<u{target.itemsize}")
         return np.full(self.corrid_shape, bits.view(target), dtype=target)
 
-    def finish(self, work: list[WorkRequest], responses: list[WorkResponse | None] | None) -> None:
+    def finish(self, work: list[WorkRequest], responses: Sequence[WorkResponse | None] | None) -> None:
         """After an execution (``responses`` None: it failed as a whole): keep each sequence's
         new state, take the state outputs its client did not ask for out of its response, drop
         the state of sequences that ended, then evict down to ``capacity``."""

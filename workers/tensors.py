@@ -2,19 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import ShmRef, Tensor
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.messages.common import ShmRef, Tensor
 from shmserve.ipc.shm import ShmArena, ShmMapCache
-
-from .gpu import DeviceTensor
 
 
 def to_numpy(t: Tensor, maps: ShmMapCache) -> np.ndarray:
-    buf = t.data if t.shm is None else maps.view(t.shm)
+    buf: Any = t.data if t.shm is None else maps.view(t.shm)
     if t.datatype == "BYTES":
         return dtypes.deserialize_bytes(buf, dtypes.element_count(t.shape)).reshape(t.shape)
     arr = np.frombuffer(buf, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).reshape(t.shape)
@@ -31,7 +31,7 @@ def from_numpy(name: str, datatype: str, arr: np.ndarray, arena: ShmArena) -> Te
         if len(data) <= INLINE_LIMIT:
             return Tensor(name, datatype, shape, data.tobytes())
         slot = arena.alloc(len(data))
-        slot.view[:] = data
+        slot.view[:] = data  # type: ignore[call-overload]  # numpy arrays are buffers
         return Tensor(name, datatype, shape, None, slot.ref)
     nbytes = arr.nbytes
     if nbytes <= INLINE_LIMIT:
@@ -79,7 +79,7 @@ class Reshapes:
             return dataclasses.replace(arr, shape=tuple(lead + shape))
         return arr.reshape(lead + shape)
 
-    def model_input(self, name: str, arr: np.ndarray) -> np.ndarray:
+    def model_input(self, name: str, arr: Any) -> Any:
         shape = self.inputs.get(name)
         return arr if shape is None else self._apply(arr, shape)
 

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 
 from shmserve.ipc import dtypes, model_files
-
-from .backend import BackendLoadError, WorkRequest
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.workers.backends.base import WorkRequest
 
 # how long a warm-up request answered through its response sender (a decoupled model's) may
 # take to send its FINAL flag

@@ -2,7 +2,7 @@
 
     python -m shmserve.workers.zygote '<json ZygoteSettings>' '<blank placeholder>'
 
-The scheduler starts it before any model loads (engine/forkserver.py) and asks it for workers
+The scheduler starts it before any model loads (engine/processes/forkserver.py) and asks it for workers
 over a socket pair. A worker forked from it shares the interpreter, numpy, pyzmq, msgspec and
 shmserve's own modules with every other forked worker, copy-on-write, instead of importing them
 again (about 16 MiB of private memory per worker when spawned).
@@ -53,15 +53,15 @@ from typing import Any
 
 import msgspec
 
-from shmserve.ipc.messages import ForkReply, ForkRequest, ZygoteHello, ZygoteSettings
+from shmserve.ipc.fork_protocol import ForkReply, ForkRequest, ZygoteHello, ZygoteSettings
 
-# What every worker imports, imported once here. (workers/bls.py is left out: it pulls in the
+# What every worker imports, imported once here. (workers/python_backend/bls.py is left out: it pulls in the
 # frontend's request code, and only a model that makes BLS requests needs it.)
 PRELOAD = ("numpy", "numpy.random", "ml_dtypes", "msgspec", "zmq",
            "shmserve.ipc.channel", "shmserve.ipc.packets", "shmserve.ipc.shm",
            "shmserve.ipc.logs", "shmserve.ipc.proc",
-           "shmserve.workers.main", "shmserve.workers.pb_utils",
-           "shmserve.workers.python_backend", "shmserve.workers.onnx_backend")
+           "shmserve.workers.main", "shmserve.workers.python_backend.pb_utils",
+           "shmserve.workers.python_backend.backend", "shmserve.workers.backends.onnx")
 MAYBE_PRELOAD = ("onnxruntime",)     # imported only if the probe finds it starts no thread
 PROBE_TIMEOUT_S = 60.0
 SETTLE_S = 1.0                        # for a thread just joined to leave /proc/self/task

@@ -1,6 +1,6 @@
 """Models for the tests of ensemble tensors that stay on the GPU (test_ensemble_gpu_handoff.py on
 the fake cuda-python, test_ensemble_gpu_handoff_gpu.py on a GPU): gpu_make leaves its output on
-the GPU (from_dlpack of device memory it allocates through workers/gpu.py, as torch or cupy
+the GPU (from_dlpack of device memory it allocates through ipc/gpu/device.py, as torch or cupy
 would), gpu_take asks for GPU inputs (FORCE_CPU_ONLY_INPUT_TENSORS "no") and says whether its
 input was on the GPU (ON_GPU), and the ensemble gpu_pipe chains them."""
 from repo_builder import write_model
@@ -8,7 +8,7 @@ from repo_builder import write_model
 MAKE = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 
 
 class DeviceMemory:
@@ -48,7 +48,8 @@ class TritonPythonModel:
 TAKE = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from shmserve.workers import dlpack, gpu
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu import dlpack
 
 
 class TritonPythonModel:

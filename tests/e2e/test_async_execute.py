@@ -1,4 +1,4 @@
-"""Python models with ``async def execute`` on the worker's one event loop (workers/model_loop.py):
+"""Python models with ``async def execute`` on the worker's one event loop (workers/python_backend/model_loop.py):
 a decoupled model's executions overlap on one instance, a task the model starts outlives the
 execute() that started it, and an exception after the answers is logged."""
 import queue

@@ -231,7 +231,7 @@ def test_a_model_calling_itself_is_refused_not_deadlocked(srv):
 
 
 def test_outside_a_server_exec_is_an_error():
-    from shmserve.workers import pb_utils
+    from shmserve.workers.python_backend import pb_utils
     with pytest.raises(pb_utils.TritonModelException, match="BLS requests can only be made"):
         pb_utils.InferenceRequest(model_name="m", inputs=[], requested_output_names=[]).exec()
 

@@ -1,4 +1,4 @@
-"""BLS calls under leases (workers/bls.py): once the scheduler has lent the callee's instance to
+"""BLS calls under leases (workers/python_backend/bls.py): once the scheduler has lent the callee's instance to
 the caller's BLS client, a call goes straight to the callee's worker. What must hold on that
 path as through the scheduler: every call counted at once, a callee that dies under a call, a
 call that times out (its cancel reaches the callee), a callee unloaded or reloaded while a call

@@ -26,7 +26,7 @@ from serverproc import REPO_ROOT, Server, descendants, wait_for
 from test_frontends import connections, frontend_pids
 from tritonclient.utils import InferenceServerException
 
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "workers"))

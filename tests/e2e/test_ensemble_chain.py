@@ -1,4 +1,4 @@
-"""Ensembles run worker to worker (workers/chain.py) on a real server: a two-step pipeline
+"""Ensembles run worker to worker (workers/leases/chain.py) on a real server: a two-step pipeline
 (OUT = 2 * (IN + 1), steps ``inc`` then ``dbl``, each its own worker) once the scheduler has
 lent its steps' instances to the frontend. What must hold on that path as on the scheduler's:
 every answer right, every step and the ensemble counted, a step's worker that dies, a step

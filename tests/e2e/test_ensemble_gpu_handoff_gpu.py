@@ -14,7 +14,7 @@ from handoff_models import write_handoff_models
 from repo_builder import write_model
 from serverproc import Server, wait_for
 
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 
 pytestmark = pytest.mark.gpu
 

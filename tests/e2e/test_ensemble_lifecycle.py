@@ -122,7 +122,7 @@ def write_ensemble(repo: str, name: str, inputs: dict, outputs: dict, steps: lis
 
 I32 = ("INT32", "1")
 
-# broken ensembles -> what the reason in the repository index must say (engine/ensemble_plan.py)
+# broken ensembles -> what the reason in the repository index must say (engine/ensemble/plan.py)
 BROKEN = {
     "bad_unused_input": (
         {"A": I32, "B": I32}, {"OUT": I32}, [step("affine", {"X": "A"}, {"Y": "OUT"})],

@@ -1,4 +1,4 @@
-"""Workers forked from the fork server (engine/forkserver.py, workers/zygote.py; issue 18): they
+"""Workers forked from the fork server (engine/processes/forkserver.py, workers/zygote.py; issue 18): they
 read in /proc as spawned workers do, are the scheduler's children, die with it, draw their own
 random numbers; a model can ask for a fresh interpreter; a killed fork server comes back and
 no load is lost meanwhile; --worker-start=spawn spawns every worker as before."""
@@ -231,6 +231,6 @@ def test_worker_start_spawn_starts_fresh_interpreters(repo):
 
 
 def test_worker_start_refuses_other_values():
-    r = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository", "/x",
+    r = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/x",
                         "--worker-start", "thread"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--worker-start" in r.stderr

@@ -124,7 +124,7 @@ def test_realtime_is_set_at_start_and_normal_never(repo):
 
 
 def test_an_unknown_priority_is_refused_at_start(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository",
+    out = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository",
                           str(tmp_path), "--frontend-priority", "highest"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2

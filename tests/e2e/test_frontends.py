@@ -334,6 +334,6 @@ def test_frontends_that_keep_dying_stop_the_server_and_nothing_is_left(repo):
 
 
 def test_frontends_flag_is_checked():
-    out = subprocess.run(["python3", "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
+    out = subprocess.run(["python3", "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
                           "--frontends", "0"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--frontends: must be between 1 and 64" in out.stderr

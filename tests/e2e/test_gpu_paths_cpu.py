@@ -14,7 +14,7 @@ from repo_builder import write_model
 from serverproc import REPO_ROOT, Server, wait_for
 from tritonclient.utils import InferenceServerException
 
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 
 DLPACK_ROUND_TRIP = '''
 import numpy as np

@@ -1,4 +1,4 @@
-"""What one gRPC client may hold on the loop server (frontend/grpc_guard.py), and the connection
+"""What one gRPC client may hold on the loop server (frontend/grpc/guard.py), and the connection
 budget the frontend's ports share (frontend/connections.py): raw sockets and the h2 library
 against the real server, with small configured limits so that a few hundred sockets and a few
 hundred MiB show what thousands once did."""

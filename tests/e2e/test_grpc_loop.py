@@ -1,4 +1,4 @@
-"""The gRPC server on the frontend's event loop (frontend/grpc_loop.py, the default), end to end
+"""The gRPC server on the frontend's event loop (frontend/grpc/loop.py, the default), end to end
 with grpcio and tritonclient: large messages both ways through HTTP/2 flow control, compressed
 requests, many calls on one connection, what is not gRPC, and the grpc.aio server beside it."""
 import asyncio
@@ -213,8 +213,8 @@ def test_a_stream_client_that_stops_reading_is_held_then_loses_nothing(server):
     import h2.events
     from tritonclient.grpc import service_pb2 as pb
 
-    from shmserve.frontend.grpc_call import MessageReader, frame
-    from shmserve.frontend.grpc_loop import STREAM_WINDOW
+    from shmserve.frontend.grpc.call import MessageReader, frame
+    from shmserve.frontend.grpc.loop import STREAM_WINDOW
 
     values = np.arange(16384, dtype=np.float32)
     total = 300                                              # 19 MiB of requests

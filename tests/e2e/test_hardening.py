@@ -13,6 +13,8 @@ from serverproc import Server, descendants, wait_for
 from tritonclient.utils import InferenceServerException
 
 from shmserve.ipc import messages
+from shmserve.ipc.messages.to_frontend import ControlReply
+from shmserve.ipc.messages.to_scheduler import BatchDone, SubmitRequest
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +105,9 @@ def test_the_scheduler_survives_any_message(server, client):
     try:
         sock.send(b"\xc1 not msgpack")
         sock.send(msgspec.msgpack.encode([99, 1, 2]))
-        sock.send(messages.encode(messages.SubmitRequest(1, 0, "identity_fp32", 1, 1)))
-        sock.send(messages.encode(messages.ControlReply(5, "x")))
-        sock.send(messages.encode(messages.BatchDone(12345, 1)))
+        sock.send(messages.encode(SubmitRequest(1, 0, "identity_fp32", 1, 1)))
+        sock.send(messages.encode(ControlReply(5, "x")))
+        sock.send(messages.encode(BatchDone(12345, 1)))
     finally:
         sock.close()
     for line in ("dropped an undecodable message",                  # not msgpack; an unknown tag

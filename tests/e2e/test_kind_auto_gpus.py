@@ -13,7 +13,7 @@ import tritonclient.http as httpclient
 from repo_builder import write_model
 from serverproc import REPO_ROOT, Server, wait_for
 
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -220,7 +220,7 @@ def test_unload_while_leased_finishes_the_leased_request(srv, client):
 
 def test_leased_requests_of_a_dynamic_batching_model_batch_in_the_worker(srv):
     """A single-instance dynamic-batching model is lent too; what its frontend sends meanwhile
-    waits in the worker's inbox and runs in batches (workers/lease_batch.py), counted as such."""
+    waits in the worker's inbox and runs in batches (workers/leases/batch.py), counted as such."""
     client = httpclient.InferenceServerClient(srv.url, concurrency=16, network_timeout=60)
     take_lease(srv, client, "batched_echo", lambda: echo(client, "batched_echo", 1))
     stats = client.get_inference_statistics("batched_echo")["model_stats"][0]

@@ -160,7 +160,7 @@ def test_run_dir_of_a_killed_server_is_removed(example_repo):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "shmserve.engine.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", *args], capture_output=True,
                           text=True, timeout=60)
 
 

@@ -353,6 +353,6 @@ def test_metadata_lists_the_extension(restricted_server):
     (["--log-file", "/nonexistent-dir/x/server.log"], "--log-file: cannot open"),
 ])
 def test_bad_flags_stop_the_start(args, message):
-    p = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
+    p = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
                         *args], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and message in p.stderr, p.stderr

@@ -77,7 +77,7 @@ def test_defaults_have_counters_but_no_histogram_or_summary(server):
 
 
 def test_bad_metrics_config_is_refused():
-    r = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
+    r = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
                         "--metrics-config", "fancy=true"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--metrics-config 'fancy=true'" in r.stderr
 

@@ -10,8 +10,9 @@ from serverproc import Server, wait_for
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from shmserve.frontend.errors import grpc_status, http_status
-from shmserve.ipc.messages import ErrorCode
+from shmserve.frontend.grpc.status import grpc_status
+from shmserve.ipc.errors import http_status
+from shmserve.ipc.messages.common import ErrorCode
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,6 @@ Every command runs with a timeout, and every server is stopped at the end.
 from __future__ import annotations
 
 import configparser
-import json
 import os
 import re
 import shlex
@@ -35,11 +34,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 
 import pytest
-import requests
-from serverproc import REPO_ROOT, descendants, segments_of, wait_for
+from serverproc import REPO_ROOT, Server, segments_of
 
 README = os.path.join(REPO_ROOT, "README.md")
 DOCS = os.path.join(REPO_ROOT, "docs")
@@ -83,7 +80,7 @@ def _entry_point() -> list[str]:
     """``shmserve`` as installed for this interpreter (the console script next to it), else the
     module it runs."""
     script = os.path.join(os.path.dirname(sys.executable), "shmserve")
-    return [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "shmserve.engine.cli"]
+    return [script] if os.access(script, os.X_OK) else [sys.executable, "-m", "shmserve.engine.launch.cli"]
 
 
 def _commands(script: str) -> list[str]:
@@ -102,75 +99,29 @@ def _commands(script: str) -> list[str]:
     return out
 
 
-class ReadmeServer:
-    """A README ``shmserve`` command, run on ports the OS picks."""
+class ReadmeServer(Server):
+    """A README ``shmserve`` command, run as written on ports the OS picks."""
 
-    def __init__(self, argv: list[str], cwd: str, tmp: str):
-        self.port_file = os.path.join(tmp, f"ports-{len(os.listdir(tmp))}.json")
-        self.log_path = self.port_file.replace(".json", ".log")
-        cmd = [*_entry_point(), *argv[1:], "--http-port", "0", "--grpc-port", "0",
-               "--metrics-port", "0", "--host", "127.0.0.1", "--port-file", self.port_file]
-        self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL)
+    def __init__(self, argv: list[str], cwd: str):
         try:
-            self.ports = wait_for(self._ports, START_TIMEOUT, "the server to write its port file")
-            wait_for(self._ready, START_TIMEOUT, "the server to become ready")
-        except BaseException as e:
-            self._kill()
-            raise AssertionError(f"{' '.join(argv)}: {e}\nserver log:\n{self.log_text()}") from e
-
-    def _ports(self):
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {self.proc.returncode}")
-        try:
-            with open(self.port_file) as f:
-                return json.load(f)
-        except (FileNotFoundError, ValueError):
-            return None
-
-    def _ready(self) -> bool:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {self.proc.returncode}")
-        try:
-            return requests.get(f"http://127.0.0.1:{self.ports['http']}/v2/health/ready",
-                                timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+            super().__init__((), command=[*_entry_point(), *argv[1:]], cwd=cwd, timeout=START_TIMEOUT)
+        except BaseException as e:     # the server's log is printed above the failure
+            raise AssertionError(f"{' '.join(argv)}: {e}") from e
+        self.ports = {"http": self.http_port, "grpc": self.grpc_port, "metrics": self.metrics_port}
 
     def substitute(self, text: str) -> str:
         for address, service in PORTS.items():
             text = text.replace(address, f"127.0.0.1:{self.ports[service]}")
         return text
 
-    def log_text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        with open(self.log_path, "rb") as f:
-            return f.read().decode(errors="replace")
-
-    def _kill(self) -> None:
-        for pid in descendants(self.proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.kill()
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
+    def ctrl_c(self) -> None:
         """Ctrl-C, as the README says; the server must exit 0 and leave no segment."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._kill()
-                raise AssertionError(f"the server did not stop within 60 s of SIGINT:\n"
-                                     f"{self.log_text()}") from None
-        self.log.close()
-        assert self.proc.returncode == 0, f"server exited with {self.proc.returncode}:\n" \
-                                          f"{self.log_text()}"
+        try:
+            code = self.stop(signal.SIGINT)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the server did not stop within 60 s of SIGINT:\n"
+                                 f"{self.log_text()}") from None
+        assert code == 0, f"server exited with {code}:\n{self.log_text()}"
         assert segments_of(self.proc.pid) == []
 
 
@@ -239,7 +190,6 @@ def test_readme_commands(tmp_path):
         pytest.skip("README's commands use curl, which this machine lacks")
     work = tmp_path / "work"
     shutil.copytree(os.path.join(REPO_ROOT, "configs", "models"), work / "configs" / "models")
-    logs = tempfile.mkdtemp(prefix="readme-servers-", dir=tmp_path)
     blocks = fenced_blocks(README)
     env = {**os.environ, "PATH": os.path.dirname(sys.executable) + os.pathsep
            + os.environ.get("PATH", "")}
@@ -263,9 +213,9 @@ def test_readme_commands(tmp_path):
                 commands = _commands(block.text)
                 assert len(commands) == 1, f"{block}: start the server in a block of its own"
                 if server is not None:
-                    server.stop()
+                    server.ctrl_c()
                     server = None
-                server = ReadmeServer(shlex.split(commands[0]), str(work), logs)
+                server = ReadmeServer(shlex.split(commands[0]), str(work))
                 ran["server"] += 1
             elif block.lang in ("bash", "python"):
                 text = block.text
@@ -286,10 +236,10 @@ def test_readme_commands(tmp_path):
                 ran[block.lang] += 1
     except BaseException:
         if server is not None:
-            server._kill()
+            server.kill()
         raise
     if server is not None:
-        server.stop()
+        server.ctrl_c()
     # the README's shape: a quick start against a server, files of a model, a config, installs
     assert ran["server"] >= 2 and ran["bash"] >= 3 and ran["python"] >= 2, ran
     assert ran["file"] >= 2 and ran["checked"] >= 2, ran

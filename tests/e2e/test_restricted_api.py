@@ -75,7 +75,7 @@ def test_grpc_stream_is_restricted_too(server):
 
 
 def test_a_bad_restriction_stops_the_start():
-    p = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository", "/tmp",
+    p = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
                         "--http-restricted-api", "inferencing:k=v"], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "unknown restricted api 'inferencing'" in p.stderr

@@ -1,4 +1,4 @@
-"""Sequences on the lease path (workers/lease_sequences.py, frontend/sequence_paths.py): a
+"""Sequences on the lease path (workers/leases/sequences.py, frontend/sequence_paths.py): a
 sequence model with one instance is lent to a frontend with its live sequences, and its requests
 go straight to the worker, which applies the sequence batcher's rules itself. What must hold
 there as through the scheduler: every sequence's requests run in order and see their own state,

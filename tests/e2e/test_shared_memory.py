@@ -14,7 +14,7 @@ from test_data_path import ipc_metrics
 from tritonclient.utils import InferenceServerException
 
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.workers import gpu
+from shmserve.ipc.gpu import device as gpu
 
 PROTOCOLS = ["http", "grpc"]
 

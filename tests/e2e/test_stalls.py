@@ -180,7 +180,7 @@ def test_a_full_log_pipe_does_not_freeze_the_server(tmp_path):
     port_file = str(tmp_path / "ports.json")
     r, w = full_pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shmserve.engine.cli", "--model-repository", repo,
+        [sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", repo,
          "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
          "--port-file", port_file, "--log-verbose", "1", "--model-control-mode", "explicit",
          "--load-model", "good"],

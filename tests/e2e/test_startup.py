@@ -50,7 +50,7 @@ def test_a_port_in_use_stops_the_start_with_one_line_before_any_model_loads(tmp_
         taken.listen()
         port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "shmserve.engine.cli", "--model-repository", str(tmp_path),
+            [sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", str(tmp_path),
              "--host", "127.0.0.1", "--http-port", str(port), "--grpc-port", "0",
              "--metrics-port", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
@@ -61,7 +61,7 @@ def test_a_port_in_use_stops_the_start_with_one_line_before_any_model_loads(tmp_
 
 
 def test_help_shows_the_defaults():
-    out = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--help"],
+    out = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--help"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     helps: dict[str, str] = {}          # the first line of each flag's entry -> its whole text
     flag = ""

@@ -34,7 +34,7 @@ def test_supervisor_restarts_a_killed_server(tmp_path):
     program = program.replace("--http-port 8000 --grpc-port 8001 --metrics-port 8002",
                               f"--http-port 0 --grpc-port 0 --metrics-port 0 --host 127.0.0.1 "
                               f"--port-file {port_file}")
-    program = program.replace("command=shmserve ", f"command={sys.executable} -m shmserve.engine.cli ")
+    program = program.replace("command=shmserve ", f"command={sys.executable} -m shmserve.engine.launch.cli ")
     (tmp_path / "shmserve.conf").write_text(program)
     (tmp_path / "supervisord.conf").write_text(textwrap.dedent(f"""
         [supervisord]
@@ -53,7 +53,7 @@ def test_supervisor_restarts_a_killed_server(tmp_path):
         first = wait_for(lambda: _ports(port_file), 90, "shmserve to start under supervisord")
         wait_for(lambda: _ready(first["http"]), 90, "the first server to be ready")
         launcher = next(p for p in descendants(sup.pid)
-                        if "shmserve.engine.cli" in open(f"/proc/{p}/cmdline").read())
+                        if "shmserve.engine.launch.cli" in open(f"/proc/{p}/cmdline").read())
         children = descendants(launcher)
         os.kill(launcher, signal.SIGKILL)
         for pid in children:

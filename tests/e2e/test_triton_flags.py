@@ -47,7 +47,7 @@ def test_flags_without_effect_are_logged(srv):
 
 
 def test_a_flag_that_turns_on_a_missing_feature_stops_the_start(example_repo):
-    p = subprocess.run([sys.executable, "-m", "shmserve.engine.cli", "--model-repository",
+    p = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository",
                         example_repo, "--model-namespacing", "true"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2

@@ -5,29 +5,26 @@ from __future__ import annotations
 import os
 
 from shmserve.engine.core import SchedulerCore
-from shmserve.ipc.messages import (
+from shmserve.ipc.messages import decode_payload, encode
+from shmserve.ipc.messages.common import (
     ENSEMBLE_FRONTEND,
-    BatchDone,
-    ControlReply,
     ErrorCode,
-    ExecuteBatch,
-    FrontendHello,
     InferPayload,
-    InferResult,
-    InferResults,
-    ModelTable,
     OutputSpec,
-    Ping,
-    Pong,
-    ServerSettings,
     ShmRef,
-    SubmitRequest,
     Tensor,
+)
+from shmserve.ipc.messages.to_frontend import ControlReply, InferResult, InferResults, ModelTable
+from shmserve.ipc.messages.to_scheduler import (
+    BatchDone,
+    FrontendHello,
+    Pong,
+    SubmitRequest,
     WorkerLoadFailed,
     WorkerReady,
-    decode_payload,
-    encode,
 )
+from shmserve.ipc.messages.to_worker import ExecuteBatch, Ping
+from shmserve.ipc.spawn_args import ServerSettings
 
 FRONTEND = 0
 

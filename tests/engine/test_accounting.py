@@ -3,16 +3,11 @@ metrics add, and the statistics reply (the core's own tests drive it end to end)
 from types import SimpleNamespace
 
 from shmserve.engine.accounting import Accounting
-from shmserve.engine.batching import QueuedRequest
+from shmserve.engine.batching.queues import QueuedRequest
 from shmserve.engine.states import ModelState
 from shmserve.engine.stats import VersionStats
-from shmserve.ipc.messages import (
-    ENSEMBLE_FRONTEND,
-    BatchDone,
-    CustomMetrics,
-    LeasedRecord,
-    StatsQuery,
-)
+from shmserve.ipc.messages.common import ENSEMBLE_FRONTEND, CustomMetrics, LeasedRecord
+from shmserve.ipc.messages.to_scheduler import BatchDone, StatsQuery
 
 
 def version(name="m", v=1):

@@ -1,4 +1,4 @@
-"""The dynamic batching rule (engine/batch_rule.py), and the two places that batch by it giving
+"""The dynamic batching rule (engine/batching/rule.py), and the two places that batch by it giving
 the same batches for the same requests: the scheduler's queue (DynamicBatcher, fake clock) and
 a leased worker's inbox (LeasedBatcher, over a real SEQPACKET inbox, with no delay so that
 nothing waits)."""
@@ -6,12 +6,13 @@ from collections import deque
 
 import pytest
 
-from shmserve.engine.batch_rule import BatchRule
-from shmserve.engine.batching import QueuedRequest
-from shmserve.engine.dynamic_batcher import BatcherConfig, DynamicBatcher
+from shmserve.engine.batching.dynamic import BatcherConfig, DynamicBatcher
+from shmserve.engine.batching.queues import QueuedRequest
+from shmserve.engine.batching.rule import BatchRule
 from shmserve.ipc import channel, packets
-from shmserve.ipc.messages import LeasedExecute, SubmitRequest
-from shmserve.workers.lease_batch import LeasedBatcher
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+from shmserve.ipc.messages.to_worker import LeasedExecute
+from shmserve.workers.leases.batch import LeasedBatcher
 
 
 def grown(rule, sizes, keys=None, alone=()):

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from shmserve.engine.cli import frontend_count, parse_settings
+from shmserve.engine.launch.cli import frontend_count, parse_settings
 
 
 def test_auto_is_one_up_to_four_cpus_then_a_quarter_at_most_eight(monkeypatch):

@@ -1,11 +1,12 @@
-"""tritonserver flags taken for compatibility (engine/compat_flags.py): gRPC options reach the
+"""tritonserver flags taken for compatibility (engine/launch/compat_flags.py): gRPC options reach the
 settings, flags of parts shmserve lacks are noted, and a flag that would turn on a missing
 feature stops the start with a message naming it."""
 import pytest
 from triton_line import TRITON_LINE
 
-from shmserve.engine.cli import parse_settings
-from shmserve.ipc.messages import GrpcTls, TraceConfig
+from shmserve.engine.launch.cli import parse_settings
+from shmserve.ipc.messages.common import TraceConfig
+from shmserve.ipc.spawn_args import GrpcTls
 
 
 def refused(tmp_path, capsys, flags) -> str:

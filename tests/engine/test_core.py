@@ -7,20 +7,9 @@ import pytest
 from fakes import IO, ONE, TWO, Harness, write_model
 
 from shmserve.engine.models import BACKOFF_FIRST_S, CRASH_LOOP_DEATHS, PING_TIMEOUT_S
-from shmserve.ipc.messages import (
-    CancelRequest,
-    ControlAction,
-    ControlRequest,
-    CustomMetrics,
-    ErrorCode,
-    ExecuteBatch,
-    ModelState,
-    Ping,
-    ResponseReport,
-    Shutdown,
-    StateCause,
-    StatsQuery,
-)
+from shmserve.ipc.messages.common import ControlAction, CustomMetrics, ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.to_scheduler import CancelRequest, ControlRequest, ResponseReport, StatsQuery
+from shmserve.ipc.messages.to_worker import ExecuteBatch, Ping, Shutdown
 
 
 @pytest.fixture
@@ -145,7 +134,7 @@ def test_poison_requests_never_make_a_crash_loop(repo):
 def test_a_leased_workers_lone_request_is_blamed_when_its_frontend_submits_it_again(repo):
     """A leased worker's requests are known to it alone: its execution record names the one it
     ran; resubmitted by its frontend (LeaseLost), that one fails, the others run again."""
-    from shmserve.ipc.messages import SubmitRequest
+    from shmserve.ipc.messages.to_scheduler import SubmitRequest
     h = Harness(repo).start()
     sid = only(h, "plain")
     h.port.executions[sid] = (1, 0, 77)             # running request 77 of frontend 0 alone
@@ -619,7 +608,7 @@ def test_execution_timeout_must_be_a_finite_number(repo, value):
 def test_a_dead_worker_names_what_it_answered_to_each_frontend(repo):
     """Answers still in a dead worker's queue die with it; the frontends hear which requests
     it had answered, so that any they still wait for can be submitted again."""
-    from shmserve.ipc.messages import WorkerGone
+    from shmserve.ipc.messages.to_frontend import WorkerGone
     h = Harness(repo).start()
     sid = only(h, "prio")
     a = h.submit("prio")

@@ -4,15 +4,9 @@ the frontend that sent it hears it is done."""
 import pytest
 from fakes import IO, ONE, TWO, Harness, write_model
 
-from shmserve.ipc.messages import (
-    ControlReply,
-    FrontendHello,
-    LogFormat,
-    LogSettings,
-    SetLogSettings,
-    SetTraceSettings,
-    TraceChanges,
-)
+from shmserve.ipc.messages.common import LogFormat, LogSettings, TraceChanges
+from shmserve.ipc.messages.to_frontend import ControlReply
+from shmserve.ipc.messages.to_scheduler import FrontendHello, SetLogSettings, SetTraceSettings
 
 FRONTEND = 0
 
@@ -57,7 +51,7 @@ def test_no_change_no_message(repo):
 
 
 def test_a_trace_change_reaches_the_other_frontends_only(repo):
-    """Trace settings live in the frontends (frontend/trace.py): workers are not told."""
+    """Trace settings live in the frontends (frontend/observability/trace.py): workers are not told."""
     h = Harness(repo).start()
     h.core.handle(FrontendHello(1, "inproc://frontend-1"))
     h.core.handle(FrontendHello(2, "inproc://frontend-2"))

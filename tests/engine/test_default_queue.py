@@ -1,7 +1,7 @@
 """DefaultQueue: a pure queue driven with a fake clock."""
 import pytest
 
-from shmserve.engine.batching import DefaultQueue, QueuedRequest, QueueFull
+from shmserve.engine.batching.queues import DefaultQueue, QueuedRequest, QueueFull
 
 
 class Clock:

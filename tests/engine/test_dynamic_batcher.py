@@ -3,9 +3,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.batching import QueuedRequest, QueueFull
-from shmserve.engine.dynamic_batcher import BatcherConfig, DynamicBatcher, QueuePolicy, batcher_config
-from shmserve.engine.model_config import normalize
+from shmserve.engine.batching.dynamic import BatcherConfig, DynamicBatcher, QueuePolicy, batcher_config
+from shmserve.engine.batching.queues import QueuedRequest, QueueFull
+from shmserve.ipc.model_config import normalize
 
 US = 1_000      # ns per microsecond
 T0 = 1_000_000

@@ -6,25 +6,26 @@ import pytest
 from fakes import FRONTEND, IO, ONE, Harness, tensor_payload, write_ensemble, write_model
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (
+from shmserve.ipc.messages.common import (
     ENSEMBLE_FRONTEND,
-    CancelRequest,
     ControlAction,
-    ControlRequest,
     ErrorCode,
-    FrontendHello,
-    InferResult,
-    LeaseEnded,
-    LeaseGranted,
     ModelState,
     OutputSpec,
-    ReleaseOutputs,
     ShmRef,
     StateCause,
-    StatsQuery,
-    SubmitRequest,
     Tensor,
 )
+from shmserve.ipc.messages.to_frontend import InferResult, LeaseGranted
+from shmserve.ipc.messages.to_scheduler import (
+    CancelRequest,
+    ControlRequest,
+    FrontendHello,
+    LeaseEnded,
+    StatsQuery,
+    SubmitRequest,
+)
+from shmserve.ipc.messages.to_worker import ReleaseOutputs
 
 SCHEDULER = channel.scheduler_worker_address("")      # the Harness's run_dir is ""
 CLIENT_IN = ShmRef("client-in", 0, 16)
@@ -687,7 +688,7 @@ def test_unloading_a_composing_model_unloads_the_ensemble(repo):
     assert h.states("b")[1][0] is ModelState.LOADING
 
 
-# ---- lending the steps, so the frontend runs the ensemble worker to worker (workers/chain.py) ---
+# ---- lending the steps, so the frontend runs the ensemble worker to worker (workers/leases/chain.py) ---
 def granted(h):
     return [m for f, m in h.port.to_frontend if isinstance(m, LeaseGranted)]
 

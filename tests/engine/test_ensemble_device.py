@@ -11,21 +11,12 @@ from fakes import IO, ONE, Harness, tensor_payload, write_ensemble, write_model
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine import ensemble_plan
-from shmserve.ipc.messages import (
-    ENSEMBLE_FRONTEND,
-    BatchDone,
-    CancelRequest,
-    CudaRef,
-    ErrorCode,
-    ForgetSegments,
-    InferResult,
-    OutputSpec,
-    ReleaseOutputs,
-    ShmRef,
-    Tensor,
-    decode_payload,
-)
+from shmserve.engine.ensemble import plan as ensemble_plan
+from shmserve.ipc.messages import decode_payload
+from shmserve.ipc.messages.common import ENSEMBLE_FRONTEND, CudaRef, ErrorCode, OutputSpec, ShmRef, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult
+from shmserve.ipc.messages.to_scheduler import BatchDone, CancelRequest, ForgetSegments
+from shmserve.ipc.messages.to_worker import ReleaseOutputs
 
 CLIENT_IN = ShmRef("client-in", 0, 16)
 GPU_INPUTS = 'parameters { key: "FORCE_CPU_ONLY_INPUT_TENSORS" value { string_value: "no" } }'

@@ -6,18 +6,16 @@ import pytest
 from fakes import IO, ONE, Harness, tensor_payload, write_ensemble, write_model
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (
+from shmserve.ipc.messages.common import (
     ENSEMBLE_FRONTEND,
-    CancelRequest,
     ControlAction,
-    ControlRequest,
     ErrorCode,
     ModelState,
-    ReleaseOutputs,
     ShmRef,
-    StatsQuery,
     Tensor,
 )
+from shmserve.ipc.messages.to_scheduler import CancelRequest, ControlRequest, StatsQuery
+from shmserve.ipc.messages.to_worker import ReleaseOutputs
 
 SCHEDULER = channel.scheduler_worker_address("")
 CLIENT_IN = ShmRef("client-in", 0, 16)

@@ -5,9 +5,9 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.ensemble_plan import bind, plan
-from shmserve.engine.model_config import ConfigError, normalize
-from shmserve.engine.repository import ModelRepository
+from shmserve.engine.ensemble.plan import bind, plan
+from shmserve.engine.lifecycle.repository import ModelRepository
+from shmserve.ipc.model_config import ConfigError, normalize
 
 FP32, INT32 = "TYPE_FP32", "TYPE_INT32"
 
@@ -325,8 +325,8 @@ def test_absent_tensors_follow_the_steps_that_can_never_run():
     """Triton's optional-input ensembles: a left-out ensemble input is absent; a step whose
     required input is absent never runs, so its outputs are absent too; an optional input
     that is absent does not hold its step back."""
-    from shmserve.engine.ensemble import absent
-    from shmserve.engine.ensemble_plan import EnsemblePlan, Step
+    from shmserve.engine.ensemble.plan import EnsemblePlan, Step
+    from shmserve.engine.ensemble.runner import absent
     a = Step(0, "m", -1, {"IN0": "X", "IN1": "Y"}, {"OUT": "t"}, optional_inputs=frozenset({"IN1"}))
     b = Step(1, "m", -1, {"IN0": "Y"}, {"OUT": "u"})                 # Y required here
     c = Step(2, "m", -1, {"IN0": "u", "IN1": "t"}, {"OUT": "v"},
@@ -339,7 +339,7 @@ def test_absent_tensors_follow_the_steps_that_can_never_run():
     assert absent(plan, set()) == frozenset({"X", "Y", "t", "u", "v"})
 
 
-# ---- chain: the ensembles whose steps may run worker to worker (workers/chain.py) ---------------
+# ---- chain: the ensembles whose steps may run worker to worker (workers/leases/chain.py) ---------------
 def chained(steps, *models, **kw) -> list[int]:
     cfg = ensemble(steps, **kw)
     p = plan(cfg)

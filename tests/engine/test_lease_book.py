@@ -8,24 +8,17 @@ from fakes import FRONTEND, IO, ONE, TWO, Harness, write_model
 from shmserve.engine.leases import COOLDOWN_NS, TERM_NS
 from shmserve.engine.models import PING_TIMEOUT_S
 from shmserve.engine.states import InstanceState
-from shmserve.ipc.messages import (
-    CacheRecord,
-    ControlAction,
+from shmserve.ipc.messages.common import CacheRecord, ControlAction, ErrorCode, LeasedRecord, ModelState
+from shmserve.ipc.messages.to_frontend import LeaseGranted, LeaseLost, LeaseRevoked
+from shmserve.ipc.messages.to_scheduler import (
     ControlRequest,
-    ErrorCode,
     FrontendHello,
     LeasedDone,
-    LeasedRecord,
     LeaseEnded,
-    LeaseGranted,
-    LeaseLost,
-    LeaseRevoked,
-    ModelState,
-    RevokeLease,
-    Shutdown,
     StatsQuery,
     SubmitRequest,
 )
+from shmserve.ipc.messages.to_worker import RevokeLease, Shutdown
 
 OTHER = 1       # a second frontend
 
@@ -435,7 +428,7 @@ def test_a_dynamic_batching_queue_of_one_frontend_is_handed_over_with_the_lease(
     assert len(h.batches(sid)) == 1 and len(h.core.versions[("batched", 1)].queue) == 0
 
 
-BLS = 1 << 24       # a worker's BLS client (workers/bls.py)
+BLS = 1 << 24       # a worker's BLS client (workers/python_backend/bls.py)
 
 
 def test_a_bls_client_never_gets_a_lease_nor_a_hand_over(repo):

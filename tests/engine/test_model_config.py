@@ -5,8 +5,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine import model_config
-from shmserve.engine.model_config import ConfigError, normalize, select_versions
+from shmserve.ipc import model_config
+from shmserve.ipc.model_config import ConfigError, normalize, select_versions
 
 BASIC = '''
 backend: "python"
@@ -348,7 +348,7 @@ def test_normalize_dynamic_batching_preferred_defaults_to_max_batch_size():
 
 def test_a_config_that_is_not_utf8_is_a_config_error(tmp_path):
     """It was an uncaught UnicodeDecodeError that stopped the server's start."""
-    from shmserve.engine.model_config import read_config
+    from shmserve.ipc.model_config import read_config
     (tmp_path / "config.pbtxt").write_bytes(b'name: "m"\nbackend: "\xff\xfepython"\n')
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         read_config(str(tmp_path), "m")
@@ -357,7 +357,7 @@ def test_a_config_that_is_not_utf8_is_a_config_error(tmp_path):
 def test_instance_names_are_tritons():
     """By group and index, a group's only instance too (Triton's 'simple_0_0' since 2.37, which
     python models see as model_instance_name and its error texts name)."""
-    from shmserve.engine.lifecycle import instances_of
+    from shmserve.engine.lifecycle.loading import instances_of
     cfg = normalize(text_format.Parse('''
         backend: "python"
         instance_group [ { count: 1 kind: KIND_CPU }, { count: 2 kind: KIND_CPU },

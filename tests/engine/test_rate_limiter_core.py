@@ -1,4 +1,4 @@
-"""The rate limiter (--rate-limit execution_count, engine/rate_limiter.py) in SchedulerCore,
+"""The rate limiter (--rate-limit execution_count, engine/batching/rate_limiter.py) in SchedulerCore,
 in-process: instances execute only while they hold their resources, across models; per device
 or global; the lowest priority goes first when resources come back; a worker that dies busy
 gives its resources back; an instance that could never run fails its model's load; leases
@@ -6,8 +6,8 @@ stay off for limited models; and with the limiter off nothing changes."""
 import pytest
 from fakes import IO, Harness, write_model
 
-from shmserve.engine.rate_limiter import RateLimiter, parse_override
-from shmserve.ipc.messages import ModelState
+from shmserve.engine.batching.rate_limiter import RateLimiter, parse_override
+from shmserve.ipc.messages.common import ModelState
 
 
 def limited(count=1, resource="R", priority=0, kind="KIND_CPU", extra="", glob=False):
@@ -132,7 +132,8 @@ def test_unloading_a_model_stops_it_counting(repo):
                 load_models=["a", "b"]).start()
     limiter = h.core.rate_limiter
     assert {v.name for v in limiter.versions} == {"a", "b"}
-    from shmserve.ipc.messages import ControlAction, ControlRequest
+    from shmserve.ipc.messages.common import ControlAction
+    from shmserve.ipc.messages.to_scheduler import ControlRequest
     h.core.handle(ControlRequest(0, 100, ControlAction.UNLOAD, "a"))
     assert {v.name for v in limiter.versions} == {"b"}
 

@@ -3,9 +3,9 @@ import os
 
 import pytest
 
-from shmserve.engine import model_config
-from shmserve.engine.model_config import ConfigError
-from shmserve.engine.repository import ModelRepository, version_dirs
+from shmserve.engine.lifecycle.repository import ModelRepository, version_dirs
+from shmserve.ipc import model_config
+from shmserve.ipc.model_config import ConfigError
 
 CONFIG = '''
 backend: "python"

@@ -1,10 +1,10 @@
 """On-demand loading (--model-control-mode=on_demand): the residency policy alone
-(engine/residency.py), then wired into the scheduler core (engine/on_demand.py) and driven with
+(engine/lifecycle/residency.py), then wired into the scheduler core (engine/lifecycle/on_demand.py) and driven with
 the fake port and clock (tests/engine/fakes.py). No sockets, no processes, no sleeping."""
 import pytest
 from fakes import IO, ONE, TWO, Harness, write_ensemble, write_model
 
-from shmserve.engine.residency import (
+from shmserve.engine.lifecycle.residency import (
     ADMIT_SHARE,
     DEFAULT_ESTIMATE,
     LOAD_RETRY_S,
@@ -15,17 +15,10 @@ from shmserve.engine.residency import (
     Residence,
     parse_bytes,
 )
-from shmserve.ipc.messages import (
-    ControlAction,
-    ControlReply,
-    ControlRequest,
-    ErrorCode,
-    ExecuteBatch,
-    ModelState,
-    Shutdown,
-    StateCause,
-    StatsQuery,
-)
+from shmserve.ipc.messages.common import ControlAction, ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.to_frontend import ControlReply
+from shmserve.ipc.messages.to_scheduler import ControlRequest, StatsQuery
+from shmserve.ipc.messages.to_worker import ExecuteBatch, Shutdown
 
 
 class Clock:
@@ -380,7 +373,7 @@ def test_a_load_that_takes_too_long_answers_still_loading(repo):
 
 
 def test_a_held_request_can_be_cancelled(repo):
-    from shmserve.ipc.messages import CancelRequest
+    from shmserve.ipc.messages.to_scheduler import CancelRequest
     h = on_demand(repo)
     rid = h.submit("a")
     h.core.handle(CancelRequest(0, rid))
@@ -535,7 +528,9 @@ def test_what_the_head_lacks_when_nothing_may_go():
 
 
 def test_a_leased_model_is_taken_back_then_evicted(repo):
-    from shmserve.ipc.messages import LeaseEnded, LeaseGranted, RevokeLease
+    from shmserve.ipc.messages.to_frontend import LeaseGranted
+    from shmserve.ipc.messages.to_scheduler import LeaseEnded
+    from shmserve.ipc.messages.to_worker import RevokeLease
     h = on_demand(repo, model_memory_budget=50 * MIB, instance_leases=True)
     h.submit("a")
     serve(h, "a", mib=40)
@@ -568,7 +563,7 @@ def test_the_load_api_reloads_a_loaded_model(repo):
 
 
 def test_command_line():
-    from shmserve.engine.cli import parse_settings
+    from shmserve.engine.launch.cli import parse_settings
     s, _ = parse_settings(["--model-repository", "r", "--model-control-mode", "on_demand",
                            "--model-memory-budget", "4G", "--model-idle-unload-secs", "30",
                            "--model-load-wait-secs", "10"])

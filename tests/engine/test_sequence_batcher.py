@@ -4,9 +4,8 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.batching import QueuedRequest, QueueFull
-from shmserve.engine.model_config import ConfigError, normalize
-from shmserve.engine.sequence_batcher import (
+from shmserve.engine.batching.queues import QueuedRequest, QueueFull
+from shmserve.engine.batching.sequences import (
     DEFAULT_IDLE_US,
     IDLE_GRID_NS,
     SEQUENCE_END,
@@ -16,6 +15,7 @@ from shmserve.engine.sequence_batcher import (
     SequenceError,
     sequence_config,
 )
+from shmserve.ipc.model_config import ConfigError, normalize
 
 US = 1_000      # ns per microsecond
 T0 = 1_000_000_000
@@ -680,7 +680,7 @@ def test_a_fresh_sequence_moves_to_an_instance_with_room_and_is_due_at_once(cloc
 
 
 def test_lost_sequences_are_remembered_boundedly(clock, req, monkeypatch):
-    monkeypatch.setattr("shmserve.engine.sequence_batcher.LOST_KEPT", 2)
+    monkeypatch.setattr("shmserve.engine.batching.sequences.LOST_KEPT", 2)
     b = make(clock, capacity=3, max_batch=3)
     send(b, req(1, S), req(2, S), req(3, S))
     b.next_batches()

@@ -4,20 +4,17 @@ No sockets, no processes, no sleeping."""
 import pytest
 from fakes import IO, ONE, TWO, Harness, write_model
 
-from shmserve.engine.sequence_batcher import SEQUENCE_END, SEQUENCE_START
-from shmserve.ipc.messages import (
+from shmserve.engine.batching.sequences import SEQUENCE_END, SEQUENCE_START
+from shmserve.ipc.messages.common import ErrorCode, SequenceSlot
+from shmserve.ipc.messages.to_frontend import LeaseGranted
+from shmserve.ipc.messages.to_scheduler import (
     CancelRequest,
-    ErrorCode,
     FrontendHello,
-    LeasedExecute,
     LeaseEnded,
-    LeaseGranted,
-    LendSequences,
-    RevokeLease,
-    SequenceSlot,
     StatsQuery,
     SubmitRequest,
 )
+from shmserve.ipc.messages.to_worker import LeasedExecute, LendSequences, RevokeLease
 
 S, E = SEQUENCE_START, SEQUENCE_END
 

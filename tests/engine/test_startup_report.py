@@ -1,6 +1,7 @@
-"""engine/startup_report.py: the lines an operator reads while models load."""
-from shmserve.engine.startup_report import FIRST_REPORT_S, SlowLoads, status_table
-from shmserve.ipc.messages import ModelInfo, ModelState, VersionInfo
+"""engine/lifecycle/startup_report.py: the lines an operator reads while models load."""
+from shmserve.engine.lifecycle.startup_report import FIRST_REPORT_S, SlowLoads, status_table
+from shmserve.ipc.messages.common import ModelState
+from shmserve.ipc.messages.to_frontend import ModelInfo, VersionInfo
 
 
 def test_a_slow_load_is_reported_at_5_10_20_s_and_a_quick_one_never():

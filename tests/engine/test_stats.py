@@ -2,7 +2,7 @@
 import pytest
 
 from shmserve.engine.stats import DEFAULT_LATENCY_BUCKETS_MS, FAILURE_REASONS, VersionStats
-from shmserve.ipc.messages import Duration
+from shmserve.ipc.messages.to_frontend import Duration
 
 MS = 1_000_000      # ns per millisecond
 

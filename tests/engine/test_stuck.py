@@ -4,7 +4,8 @@ import pytest
 from fakes import IO, ONE, TWO, Harness, write_model
 
 from shmserve.engine.models import STOPPED_KILL_S
-from shmserve.ipc.messages import ControlAction, ControlRequest, ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.common import ControlAction, ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.to_scheduler import ControlRequest
 
 
 @pytest.fixture

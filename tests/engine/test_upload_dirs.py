@@ -1,4 +1,4 @@
-"""Uploaded models on the scheduler's side (engine/uploads.py, engine/lifecycle.py): a load from
+"""Uploaded models on the scheduler's side (engine/lifecycle/uploads.py, engine/lifecycle/loading.py): a load from
 an upload directory, and that directory's removal once nothing loads, serves or drains from it.
 In-process, on the fake port and clock (tests/engine/fakes.py)."""
 import json
@@ -8,14 +8,9 @@ import tempfile
 import pytest
 from fakes import IO, ONE, Harness, write_model
 
-from shmserve.ipc.messages import (
-    ControlAction,
-    ControlRequest,
-    ErrorCode,
-    ModelState,
-    Shutdown,
-    StateCause,
-)
+from shmserve.ipc.messages.common import ControlAction, ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.to_scheduler import ControlRequest
+from shmserve.ipc.messages.to_worker import Shutdown
 
 CONFIG = json.dumps({
     "backend": "python", "max_batch_size": 8,

@@ -1,12 +1,13 @@
-"""WorkerProcess (engine/supervision.py) against real processes: a kill reaches the worker even
+"""WorkerProcess (engine/processes/supervision.py) against real processes: a kill reaches the worker even
 before it leads a process group of its own, and what it leaves in the run directory goes."""
 import os
 import subprocess
 import sys
 
-from shmserve.engine.supervision import spawn_worker
+from shmserve.engine.processes.supervision import spawn_worker
 from shmserve.ipc.exec_record import ExecutionRecord, record_path
-from shmserve.ipc.messages import InstanceSpec, LogSettings
+from shmserve.ipc.messages.common import LogSettings
+from shmserve.ipc.spawn_args import InstanceSpec
 
 
 class NotYetALeader:

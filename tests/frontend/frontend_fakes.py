@@ -7,22 +7,22 @@ import asyncio
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.model_config import normalize
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.grpc_service import InferenceService
-from shmserve.frontend.http_app import KServeHttpApp
-from shmserve.frontend.http_server import HttpRequest
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.frontend.grpc.service import InferenceService
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.frontend.http.server import HttpRequest
 from shmserve.frontend.service import FrontendService
-from shmserve.frontend.shm_registry import ShmRegistry
-from shmserve.ipc.messages import (
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc.messages.common import ModelState
+from shmserve.ipc.messages.to_frontend import (
     ControlReply,
     ModelInfo,
-    ModelState,
     ModelStatistics,
     ModelTable,
     StatsReply,
     VersionInfo,
 )
+from shmserve.ipc.model_config import normalize
 
 CONFIG = '''
 backend: "python"

@@ -1,7 +1,7 @@
 """Run in a child process by test_shm_regions: registers a region in a shared table."""
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.shm_regions import RegionTable
-from shmserve.frontend.shm_registry import ShmRegistry
+from shmserve.frontend.shm.regions import RegionTable
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc.errors import InferError
 
 
 def register_in_child(path: str, name: str, segment: str) -> str:

@@ -1,4 +1,4 @@
-"""Triton's response cache counters on the metrics page (frontend/metrics.py): there, per model
+"""Triton's response cache counters on the metrics page (frontend/observability/metrics.py): there, per model
 version, only when the server has a cache."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from shmserve.frontend.metrics import CustomCollector, InferenceCollector, _Page, exposition
-from shmserve.ipc.messages import Duration, ModelStatistics
+from shmserve.frontend.observability.metrics import CustomCollector, InferenceCollector, _Page, exposition
+from shmserve.ipc.messages.to_frontend import Duration, ModelStatistics
 
 CACHE_FAMILIES = ("nv_cache_num_hits_per_model", "nv_cache_num_misses_per_model",
                   "nv_cache_hit_duration_per_model", "nv_cache_miss_duration_per_model")

@@ -5,10 +5,11 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.model_config import normalize
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.ipc.messages import ErrorCode, ModelInfo, ModelState, ModelTable, StateCause, VersionInfo
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.to_frontend import ModelInfo, ModelTable, VersionInfo
+from shmserve.ipc.model_config import normalize
 
 CONFIG = '''
 backend: "python"

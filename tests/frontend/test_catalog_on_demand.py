@@ -4,9 +4,10 @@ config, and a table that changes only some models' states reuses the others' vie
 import pytest
 from test_catalog import config_bytes
 
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.ipc.messages import ErrorCode, ModelInfo, ModelState, ModelTable, StateCause, VersionInfo
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode, ModelState, StateCause
+from shmserve.ipc.messages.to_frontend import ModelInfo, ModelTable, VersionInfo
 
 UNLOADED = VersionInfo(1, ModelState.UNAVAILABLE, "unloaded", StateCause.UNLOADED)
 

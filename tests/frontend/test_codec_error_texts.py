@@ -9,12 +9,14 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.engine.model_config import normalize
-from shmserve.frontend import grpc_codec, http_codec
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.shm_registry import ShmRegistry
-from shmserve.ipc.messages import ErrorCode, ModelInfo, ModelTable, VersionInfo
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.frontend.grpc import codec as grpc_codec
+from shmserve.frontend.http import codec as http_codec
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.ipc.messages.to_frontend import ModelInfo, ModelTable, VersionInfo
+from shmserve.ipc.model_config import normalize
 
 CONFIGS = {
     "identity_fp32": '''

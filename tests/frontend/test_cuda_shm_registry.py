@@ -15,13 +15,13 @@ import pytest
 from frontend_fakes import FakeClient, http, make_service, rpc
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.grpc_service import InferenceService
-from shmserve.frontend.http_app import KServeHttpApp
-from shmserve.frontend.shm_regions import CudaRegion, RegionTable, SystemRegion
-from shmserve.frontend.shm_registry import ShmRegistry, raw_handle_from_json
-from shmserve.ipc.messages import CudaRef, ErrorCode, ShmRef
-from shmserve.workers import gpu
+from shmserve.frontend.grpc.service import InferenceService
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.frontend.shm.regions import CudaRegion, RegionTable, SystemRegion
+from shmserve.frontend.shm.registry import ShmRegistry, raw_handle_from_json
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.messages.common import CudaRef, ErrorCode, ShmRef
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "workers"))
 import fake_cuda  # noqa: E402

@@ -7,8 +7,8 @@ import logging
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from shmserve.frontend.metrics import CustomCollector, InferenceCollector, _Page, exposition
-from shmserve.ipc.messages import CustomMetrics, MetricFamilyState, MetricKind, MetricSample
+from shmserve.frontend.observability.metrics import CustomCollector, InferenceCollector, _Page, exposition
+from shmserve.ipc.messages.common import CustomMetrics, MetricFamilyState, MetricKind, MetricSample
 
 C, G, H = MetricKind.COUNTER, MetricKind.GAUGE, MetricKind.HISTOGRAM
 

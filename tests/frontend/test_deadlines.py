@@ -7,18 +7,13 @@ import time
 import pytest
 import zmq
 
+from shmserve.engine.requests.prepare import PreparedRequest
 from shmserve.frontend.deadlines import TIMEOUT_GRACE_S, Deadlines
 from shmserve.frontend.engine_client import EngineClient
-from shmserve.frontend.request import PreparedRequest
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (
-    CancelRequest,
-    ErrorCode,
-    FrontendHello,
-    InferPayload,
-    InferResult,
-    SubmitRequest,
-)
+from shmserve.ipc.messages.common import ErrorCode, InferPayload
+from shmserve.ipc.messages.to_frontend import InferResult
+from shmserve.ipc.messages.to_scheduler import CancelRequest, FrontendHello, SubmitRequest
 
 S = 1_000_000_000
 

@@ -2,8 +2,9 @@
 import grpc
 import pytest
 
-from shmserve.frontend.errors import GRPC_STATUS, HTTP_STATUS, grpc_status, http_status
-from shmserve.ipc.messages import ErrorCode
+from shmserve.frontend.grpc.status import GRPC_STATUS, grpc_status
+from shmserve.ipc.errors import HTTP_STATUS, http_status
+from shmserve.ipc.messages.common import ErrorCode
 
 # Triton's classes (docs/triton-compat.md §1.1): what each protocol answers for each
 EXPECTED = {

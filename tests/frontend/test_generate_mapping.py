@@ -1,4 +1,4 @@
-"""The generate extension's JSON mapping (frontend/generate.py), in-process: request keys onto
+"""The generate extension's JSON mapping (frontend/http/generate.py), in-process: request keys onto
 model inputs and parameters as Triton maps them, its words for what it refuses, and the answer's
 JSON. tests/e2e/test_generate.py runs the endpoints on a real server."""
 import json
@@ -8,14 +8,16 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.model_config import normalize
-from shmserve.frontend import generate, http_codec
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.request import DEFAULT_LIMITS
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.engine.requests.prepare import DEFAULT_LIMITS
+from shmserve.frontend.http import codec as http_codec
+from shmserve.frontend.http import generate
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import InferResult, ModelInfo, ModelState, ModelTable, Tensor, VersionInfo
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ModelState, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult, ModelInfo, ModelTable, VersionInfo
+from shmserve.ipc.model_config import normalize
 from shmserve.ipc.shm import ShmMapCache
 
 # the interface of Triton's generate test model (qa/python_models/generate_models/mock_llm)

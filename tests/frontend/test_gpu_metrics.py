@@ -1,4 +1,4 @@
-"""GPU gauges (frontend/system_metrics.py) without a GPU: none at all, and no crash, when
+"""GPU gauges (frontend/observability/system_metrics.py) without a GPU: none at all, and no crash, when
 nvidia-ml-py is missing or NVML does not start; with a fake NVML, Triton's families, labels and
 units, a GPU that lacks a reading keeping the others, and nv_energy_consumption as Triton's
 counter (joules since the server started, no _total suffix). The real NVML:
@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from shmserve.frontend.metrics import exposition
-from shmserve.frontend.system_metrics import SystemSampler
+from shmserve.frontend.observability.metrics import exposition
+from shmserve.frontend.observability.system_metrics import SystemSampler
 
 GPU_FAMILIES = {"nv_gpu_utilization", "nv_gpu_memory_total_bytes", "nv_gpu_memory_used_bytes",
                 "nv_gpu_power_usage", "nv_gpu_power_limit", "nv_energy_consumption"}

@@ -1,5 +1,5 @@
 """gRPC's message framing, compression, timeouts and status trailers on the loop server
-(frontend/grpc_call.py)."""
+(frontend/grpc/call.py)."""
 import asyncio
 import gzip
 import zlib
@@ -8,10 +8,10 @@ import grpc
 import hpack
 import pytest
 
-from shmserve.frontend import grpc_call
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.grpc_call import CallContext, CallError, MessageReader
-from shmserve.ipc.messages import ErrorCode
+from shmserve.frontend.grpc import call as grpc_call
+from shmserve.frontend.grpc.call import CallContext, CallError, MessageReader
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode
 
 
 def test_messages_are_cut_from_any_split_of_the_bytes():

@@ -1,9 +1,9 @@
-"""The loop server's keep-alive cycle in process (frontend/grpc_loop.py): however many pings a
+"""The loop server's keep-alive cycle in process (frontend/grpc/loop.py): however many pings a
 long-lived connection answers, it holds one pending timer for the cycle, and closing it
 cancels what is pending (tests/e2e/test_grpc_loop.py drives the same over real sockets)."""
 import asyncio
 
-from shmserve.frontend import grpc_loop
+from shmserve.frontend.grpc import loop as grpc_loop
 
 OPTIONS = {"grpc.keepalive_time_ms": 2, "grpc.keepalive_timeout_ms": 5000,
            "grpc.keepalive_permit_without_calls": 1, "grpc.max_connection_age_ms": 600_000}

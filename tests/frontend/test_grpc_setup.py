@@ -7,7 +7,7 @@ import textwrap
 
 from frontend_fakes import make_service
 
-from shmserve.frontend.grpc_service import RPC_GROUPS, HealthService, InferenceService, _GenericHandlers
+from shmserve.frontend.grpc.service import RPC_GROUPS, HealthService, InferenceService, _GenericHandlers
 
 
 def _collect():

@@ -1,4 +1,4 @@
-"""A ModelStreamInfer session (frontend/grpc_stream.py) in-process: what it does with the
+"""A ModelStreamInfer session (frontend/grpc/stream.py) in-process: what it does with the
 requests still unanswered when the stream ends early."""
 import asyncio
 
@@ -6,10 +6,10 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.grpc_call import CallError
-from shmserve.frontend.grpc_stream import StreamSession
-from shmserve.ipc.messages import ErrorCode
+from shmserve.frontend.grpc.call import CallError
+from shmserve.frontend.grpc.stream import StreamSession
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode
 
 
 class View:

@@ -1,8 +1,8 @@
-"""frontend/header_forward.py: which headers become parameters, case, and the reserved names."""
+"""engine/requests/header_forward.py: which headers become parameters, case, and the reserved names."""
 import pytest
 
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.header_forward import HeaderForward
+from shmserve.engine.requests.header_forward import HeaderForward
+from shmserve.ipc.errors import InferError
 
 HEADERS = [("X-Tenant", "acme"), ("x-trace", "abc"), ("Content-Type", "application/json"),
            ("PREFIX_a", "1"), ("prefix_b", "2"), ("my-x-thing", "3")]

@@ -1,4 +1,4 @@
-"""The HTTP/2 server core (frontend/http2.py) against an independent implementation: the ``h2``
+"""The HTTP/2 server core (frontend/http2/connection.py) against an independent implementation: the ``h2``
 library as the client, bytes passed by hand, no sockets."""
 import h2.config
 import h2.connection
@@ -6,8 +6,8 @@ import h2.events
 import h2.settings
 import pytest
 
-from shmserve.frontend import http2
-from shmserve.frontend.http2 import ConnectionError_, Http2Server
+from shmserve.frontend.http2 import connection as http2
+from shmserve.frontend.http2.connection import ConnectionError_, Http2Server
 
 REQUEST = [(":method", "POST"), (":scheme", "http"), (":path", "/pkg.Svc/Method"),
            (":authority", "localhost"), ("te", "trailers"),

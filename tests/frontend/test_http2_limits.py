@@ -12,9 +12,10 @@ import h2.settings
 import pytest
 from test_http2 import SETTINGS, Owner, Pair, _raw
 
-from shmserve.frontend import http2, http2_headers
-from shmserve.frontend.http2 import ConnectionError_, Http2Server
-from shmserve.frontend.http2_frames import GLITCH_BURST, MAX_CONTINUATIONS, MAX_OWED, RESET_BURST
+from shmserve.frontend.http2 import connection as http2
+from shmserve.frontend.http2 import headers as http2_headers
+from shmserve.frontend.http2.connection import ConnectionError_, Http2Server
+from shmserve.frontend.http2.frames import GLITCH_BURST, MAX_CONTINUATIONS, MAX_OWED, RESET_BURST
 
 REQUEST = b"\x83\x86\x84" + http2.encode_literal(b"content-type", b"application/grpc")
 
@@ -293,7 +294,7 @@ def test_one_read_of_large_header_blocks_is_decoded_over_several_turns():
     """hpack decodes about a byte a microsecond: one 256 KiB read of large header blocks held
     the loop (every other client) for 100 ms and more. The core stops after DECODE_PER_READ
     bytes decoded and says so (``more``); the rest waits in its buffer for ``receive(b"")``."""
-    from shmserve.frontend.http2_frames import DECODE_PER_READ
+    from shmserve.frontend.http2.frames import DECODE_PER_READ
     owner = Owner()
     server = started(owner=owner)
     blocks = [REQUEST + http2.encode_literal(b"x-pad", b"%05d" % sid + b"p" * 2000)

@@ -2,7 +2,7 @@
 and drains: a client that pipelines without reading stops being read from, its next requests
 wait, and it is served again, in order, once it reads (tests/e2e/test_backpressure.py does the
 same through a socket)."""
-from shmserve.frontend.http_server import HttpApp, HttpConnection, Limits, sweep
+from shmserve.frontend.http.server import HttpApp, HttpConnection, Limits, sweep
 
 
 class Transport:

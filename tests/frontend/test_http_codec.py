@@ -8,15 +8,16 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.model_config import normalize
-from shmserve.frontend import http_codec
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.request import OutputWanted, PreparedRequest, RequestLimits
-from shmserve.frontend.shm_registry import ShmRegistry
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.engine.requests.prepare import OutputWanted, PreparedRequest, RequestLimits
+from shmserve.frontend.http import codec as http_codec
+from shmserve.frontend.shm.registry import ShmRegistry
 from shmserve.ipc import dtypes, shm
 from shmserve.ipc.channel import INLINE_LIMIT
-from shmserve.ipc.messages import ErrorCode, InferResult, ModelInfo, ModelTable, ShmRef, Tensor, VersionInfo
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode, ShmRef, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult, ModelInfo, ModelTable, VersionInfo
+from shmserve.ipc.model_config import normalize
 
 CONFIGS = {
     # no batching; fixed, variable and optional inputs; a BYTES input and output

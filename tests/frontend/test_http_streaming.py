@@ -3,7 +3,7 @@ chunked framing that keeps the connection usable for the next pipelined request,
 body for HTTP/1.0 clients, and back-pressure on the writer."""
 import asyncio
 
-from shmserve.frontend.http_server import HttpApp, HttpConnection, Limits
+from shmserve.frontend.http.server import HttpApp, HttpConnection, Limits
 
 
 class Transport:

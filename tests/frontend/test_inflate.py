@@ -1,4 +1,4 @@
-"""Compressed bodies (frontend/inflate.py): inflated exactly, never past the limit, corrupt or
+"""Compressed bodies (frontend/http/inflate.py): inflated exactly, never past the limit, corrupt or
 cut data refused, and off the event loop."""
 import asyncio
 import gzip
@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from shmserve.frontend import inflate
+from shmserve.frontend.http import inflate
 
 BODIES = [b"", b"abc", bytes(3 << 20), bytes(range(256)) * 9000]
 

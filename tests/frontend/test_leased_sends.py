@@ -9,16 +9,13 @@ import time
 import pytest
 import zmq
 
+from shmserve.engine.requests.prepare import PreparedRequest
 from shmserve.frontend.engine_client import EngineClient
-from shmserve.frontend.request import PreparedRequest
 from shmserve.ipc import channel, messages, packets
-from shmserve.ipc.messages import (
-    InferPayload,
-    InferResult,
-    LeasedExecute,
-    LeaseGranted,
-    SubmitRequest,
-)
+from shmserve.ipc.messages.common import ErrorCode, InferPayload
+from shmserve.ipc.messages.to_frontend import InferResult, LeaseGranted
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+from shmserve.ipc.messages.to_worker import LeasedExecute
 
 SPAWN = 7
 
@@ -131,7 +128,7 @@ def test_a_request_cancelled_while_held_for_its_worker_never_reaches_it(run_dir,
         kept, dropped = rig.submit(client), rig.submit(client)
         assert client.corked
         client.cancel(dropped)
-        assert rig.results[dropped].code == messages.ErrorCode.CANCELLED
+        assert rig.results[dropped].code == ErrorCode.CANCELLED
         assert dropped not in client.pending and dropped not in client.leases.direct
         await until(lambda: not client.corked)
         assert rig.at_worker(1) == [kept]

@@ -1,4 +1,4 @@
-"""frontend/log_settings.py: the logging extension's checks, its two wire forms, and the HTTP
+"""frontend/observability/log_settings.py: the logging extension's checks, its two wire forms, and the HTTP
 and gRPC handlers on a fake scheduler link."""
 import asyncio
 import json
@@ -9,12 +9,12 @@ import pytest
 from frontend_fakes import FakeClient, http, make_service, rpc
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.frontend import log_settings as ls
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.grpc_service import InferenceService
-from shmserve.frontend.http_app import KServeHttpApp
+from shmserve.frontend.grpc.service import InferenceService
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.frontend.observability import log_settings as ls
 from shmserve.ipc import logs
-from shmserve.ipc.messages import ErrorCode, LogFormat, LogSettings
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode, LogFormat, LogSettings
 
 START = LogSettings()
 

@@ -1,9 +1,9 @@
-"""In-process tests of frontend/response_cache.py: what the key covers, the byte bound and its
+"""In-process tests of frontend/cache/store.py: what the key covers, the byte bound and its
 least-recently-used order, dropping a model's entries, and a hit's answer (inline, or written
 into a client's region)."""
 import pytest
 
-from shmserve.frontend.response_cache import (
+from shmserve.frontend.cache.store import (
     ENTRY_OVERHEAD,
     OUTPUT_OVERHEAD,
     CachedOutput,
@@ -11,15 +11,8 @@ from shmserve.frontend.response_cache import (
     answer,
     outputs_of,
 )
-from shmserve.ipc.messages import (
-    CudaRef,
-    ErrorCode,
-    InferPayload,
-    InferResult,
-    OutputSpec,
-    ShmRef,
-    Tensor,
-)
+from shmserve.ipc.messages.common import CudaRef, ErrorCode, InferPayload, OutputSpec, ShmRef, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult
 
 OWNER = object()     # the catalog view an entry belongs to (any object here)
 

@@ -1,9 +1,9 @@
 """Restricted API groups: parsing the flags, which group each endpoint is in, the checks."""
 import pytest
 
-from shmserve.frontend import restricted
-from shmserve.frontend.grpc_service import RPC_GROUPS, InferenceService
-from shmserve.frontend.http_app import KServeHttpApp, api_group
+from shmserve.engine.launch import restricted
+from shmserve.frontend.grpc.service import RPC_GROUPS, InferenceService
+from shmserve.frontend.http.app import KServeHttpApp, api_group
 
 
 def test_parse():

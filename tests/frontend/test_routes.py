@@ -5,9 +5,9 @@ from functools import partial
 import pytest
 from frontend_fakes import FakeConn, http, make_service
 
-from shmserve.frontend.http_app import KServeHttpApp
-from shmserve.frontend.http_server import HttpRequest
-from shmserve.frontend.routes import Router
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.frontend.http.routes import Router
+from shmserve.frontend.http.server import HttpRequest
 
 
 def h_get(*a, **kw):

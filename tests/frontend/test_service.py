@@ -11,21 +11,15 @@ import pytest
 from frontend_fakes import FakeClient, http, make_service, rpc, table
 from tritonclient.grpc import service_pb2 as pb
 
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.engine.requests.prepare import PreparedRequest
 from shmserve.frontend import service as service_mod
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError, grpc_status, http_status
-from shmserve.frontend.grpc_service import InferenceService
-from shmserve.frontend.http_app import KServeHttpApp
-from shmserve.frontend.request import PreparedRequest
-from shmserve.ipc.messages import (
-    ControlAction,
-    ControlReply,
-    ErrorCode,
-    InferPayload,
-    InferResult,
-    ShmRef,
-    Tensor,
-)
+from shmserve.frontend.grpc.service import InferenceService
+from shmserve.frontend.grpc.status import grpc_status
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.ipc.errors import InferError, http_status
+from shmserve.ipc.messages.common import ControlAction, ErrorCode, InferPayload, ShmRef, Tensor
+from shmserve.ipc.messages.to_frontend import ControlReply, InferResult
 
 
 def run(coro):

@@ -6,10 +6,10 @@ import os
 import pytest
 from shm_regions_child import register_in_child
 
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.shm_regions import RegionTable, SystemRegion
-from shmserve.frontend.shm_registry import ShmRegistry
-from shmserve.ipc.messages import ErrorCode
+from shmserve.frontend.shm.regions import RegionTable, SystemRegion
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode
 
 
 def region(name: str, size: int = 64) -> SystemRegion:

@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from shmserve.frontend import peer_uid
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.shm_registry import ShmRegistry, is_local_peer
+from shmserve.frontend.shm.registry import ShmRegistry, is_local_peer
+from shmserve.ipc.errors import InferError
 
 
 @pytest.fixture

@@ -7,12 +7,15 @@ import pytest
 from test_http_codec import CONFIGS, _info
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.frontend import grpc_codec, http_codec, request
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.request import RequestLimits, TensorBudget
-from shmserve.frontend.shm_registry import ShmRegistry
-from shmserve.ipc.messages import InferResult, ModelTable, Tensor
+from shmserve.engine.requests import prepare as request
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.engine.requests.prepare import RequestLimits, TensorBudget
+from shmserve.frontend.grpc import codec as grpc_codec
+from shmserve.frontend.http import codec as http_codec
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import Tensor
+from shmserve.ipc.messages.to_frontend import InferResult, ModelTable
 
 LIMITS = RequestLimits(max_tensor_bytes=1000, max_json_elements=10)
 

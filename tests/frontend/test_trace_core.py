@@ -1,14 +1,14 @@
-"""The trace extension's core (frontend/trace.py), in process: settings and their checks,
+"""The trace extension's core (frontend/observability/trace.py), in process: settings and their checks,
 sampling, each model's own settings, and what goes to the file, when."""
 import json
 
 import numpy as np
 import pytest
 
-from shmserve.frontend import trace
-from shmserve.frontend.errors import InferError
+from shmserve.frontend.observability import trace
 from shmserve.ipc import dtypes
-from shmserve.ipc.messages import ErrorCode, ShmRef, Tensor, TraceChanges, TraceConfig
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode, ShmRef, Tensor, TraceChanges, TraceConfig
 from shmserve.ipc.shm import ShmMapCache
 
 ON = TraceConfig(["TIMESTAMPS"], rate=1, file="/t/trace.json")

@@ -1,4 +1,4 @@
-"""Model upload in the frontend (frontend/model_upload.py): which 'file:' names are paths inside
+"""Model upload in the frontend (engine/lifecycle/upload_files.py): which 'file:' names are paths inside
 the model directory, the checks made before a byte is written, and what the writer leaves on
 disk. The real server's side: tests/e2e/test_model_upload.py."""
 import asyncio
@@ -9,11 +9,12 @@ import stat
 import pytest
 from frontend_fakes import FakeClient, http, make_service
 
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.http_app import KServeHttpApp
-from shmserve.frontend.http_server import HttpRequest
-from shmserve.frontend.model_upload import ModelUploads, check_layout, file_path, shown
-from shmserve.ipc.messages import ControlAction, ControlReply, ErrorCode
+from shmserve.engine.lifecycle.upload_files import ModelUploads, check_layout, file_path, shown
+from shmserve.frontend.http.app import KServeHttpApp
+from shmserve.frontend.http.server import HttpRequest
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ControlAction, ErrorCode
+from shmserve.ipc.messages.to_frontend import ControlReply
 
 POLL = "failed to load 'm', failed to poll from model repository: "
 

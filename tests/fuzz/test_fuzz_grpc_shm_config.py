@@ -11,11 +11,12 @@ from test_http_codec import CONFIGS
 from tritonclient.grpc import model_config_pb2 as mc
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.engine import model_config
-from shmserve.engine.model_config import ConfigError
-from shmserve.frontend import grpc_codec, request
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.shm_registry import ShmRegistry
+from shmserve.engine.requests import prepare as request
+from shmserve.frontend.grpc import codec as grpc_codec
+from shmserve.frontend.shm.registry import ShmRegistry
+from shmserve.ipc import model_config
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.model_config import ConfigError
 
 INT64 = st.integers(-(2 ** 63), 2 ** 63 - 1)
 UINT64 = st.integers(0, 2 ** 64 - 1)

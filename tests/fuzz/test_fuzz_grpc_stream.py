@@ -15,12 +15,13 @@ from test_fuzz_http import ARENA, CATALOG
 from test_http_codec import CONFIGS
 from tritonclient.grpc import service_pb2 as pb
 
-from shmserve.frontend.grpc_service import STREAM_MAX_INFLIGHT, InferenceService
-from shmserve.frontend.request import RequestLimits
+from shmserve.engine.requests.prepare import RequestLimits
+from shmserve.frontend.grpc.service import STREAM_MAX_INFLIGHT, InferenceService
 from shmserve.frontend.service import FrontendService
-from shmserve.frontend.shm_registry import ShmRegistry
+from shmserve.frontend.shm.registry import ShmRegistry
 from shmserve.ipc import dtypes, shm
-from shmserve.ipc.messages import ErrorCode, InferResult, Tensor
+from shmserve.ipc.messages.common import ErrorCode, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult
 
 STREAM_TIMEOUT_S = 20       # far beyond what a stream of these needs: reaching it is a hang
 # a stream runs many requests per example: a third of the profile's examples (ci: 100)

@@ -7,13 +7,14 @@ from hypothesis import strategies as st
 from strategies import datatypes, json_values, names, params, shapes
 from test_http_codec import CONFIGS, _info
 
-from shmserve.frontend import http_codec, request
-from shmserve.frontend.catalog import ModelCatalog
-from shmserve.frontend.errors import InferError
-from shmserve.frontend.http_server import HttpApp, HttpConnection
-from shmserve.frontend.shm_registry import ShmRegistry
+from shmserve.engine.requests import prepare as request
+from shmserve.engine.requests.catalog import ModelCatalog
+from shmserve.frontend.http import codec as http_codec
+from shmserve.frontend.http.server import HttpApp, HttpConnection
+from shmserve.frontend.shm.registry import ShmRegistry
 from shmserve.ipc import shm
-from shmserve.ipc.messages import ModelTable
+from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.to_frontend import ModelTable
 
 CATALOG = ModelCatalog()
 CATALOG.update(ModelTable([_info(n, t) for n, t in CONFIGS.items()], startup_done=True))

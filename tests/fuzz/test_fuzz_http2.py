@@ -9,8 +9,9 @@ from hyperframe.frame import Frame
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shmserve.frontend import http2, http2_headers
-from shmserve.frontend.http2 import ConnectionError_, Http2Server
+from shmserve.frontend.http2 import connection as http2
+from shmserve.frontend.http2 import headers as http2_headers
+from shmserve.frontend.http2.connection import ConnectionError_, Http2Server
 
 LIMITS = {http2.MAX_CONCURRENT_STREAMS: 4, http2.INITIAL_WINDOW_SIZE: 1 << 16,
           http2.MAX_FRAME_SIZE: 16384, http2.MAX_HEADER_LIST_SIZE: 4096}

@@ -7,7 +7,8 @@ import pytest
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import BatchDone, ExecuteBatch, RequestRoute, Wake
+from shmserve.ipc.messages.to_scheduler import BatchDone, Wake
+from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from shmserve.ipc import logformat, logs
-from shmserve.ipc.messages import LogFormat, LogSettings
+from shmserve.ipc.messages.common import LogFormat, LogSettings
 
 # 2024-05-20 20:03:25.829575 UTC
 CREATED = calendar.timegm((2024, 5, 20, 20, 3, 25)) + 0.829575

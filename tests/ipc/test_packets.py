@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from shmserve.ipc import packets
-from shmserve.ipc.messages import Ping, Pong
+from shmserve.ipc.messages.to_scheduler import Pong
+from shmserve.ipc.messages.to_worker import Ping
 
 
 @pytest.fixture

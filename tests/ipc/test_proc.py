@@ -10,7 +10,8 @@ import threading
 import pytest
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import Ping, Wake
+from shmserve.ipc.messages.to_scheduler import Wake
+from shmserve.ipc.messages.to_worker import Ping
 from shmserve.ipc.proc import InboxWaker, StopFlag, StoppingMark
 
 

@@ -8,7 +8,7 @@ import pytest
 import zmq
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import BatchDone, FrontendHello, ProcessExited, Wake
+from shmserve.ipc.messages.to_scheduler import BatchDone, FrontendHello, ProcessExited, Wake
 
 _wakes = itertools.count()
 

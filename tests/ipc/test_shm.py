@@ -11,7 +11,7 @@ import pytest
 from oshelpers import small_shm_possible
 
 from shmserve.ipc import shm
-from shmserve.ipc.messages import ShmRef
+from shmserve.ipc.messages.common import ShmRef
 
 CHUNK = 2 << 20  # chunks are whole multiples of 2 MiB, so this is the smallest chunk_size
 DEAD_PID = 4194999  # above the largest pid_max Linux allows (2**22), so never a live process
@@ -540,7 +540,7 @@ needs_small_shm = pytest.mark.skipif(not small_shm_possible(),
 
 def in_small_shm(size: str, code: str):
     """Run ``code`` with /dev/shm a tmpfs of ``size``; returns what it prints as JSON."""
-    prelude = ("import json, os, re\nfrom shmserve.ipc import shm\nfrom shmserve.ipc.messages "
+    prelude = ("import json, os, re\nfrom shmserve.ipc import shm\nfrom shmserve.ipc.messages.common "
                "import ShmRef\nMiB = 1 << 20\n")
     r = subprocess.run(["unshare", "-m", "sh", "-c",
                         f'mount -t tmpfs -o size={size} tmpfs /dev/shm && exec "$0" "$@"',

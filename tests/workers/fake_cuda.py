@@ -1,4 +1,4 @@
-"""A stand-in for cuda-python's driver bindings (``cuda.bindings.driver``), so that workers/gpu.py
+"""A stand-in for cuda-python's driver bindings (``cuda.bindings.driver``), so that ipc/gpu/device.py
 runs its own code on a machine without a GPU: ``install(monkeypatch)`` puts it where
 ``from cuda.bindings import driver`` finds it. "Device" memory is host memory (a device pointer
 is a host address), so copies, offsets and bindings are checked byte for byte.
@@ -491,7 +491,7 @@ def install(monkeypatch, driver_class: type[FakeDriver] = FakeDriver, **kw) -> F
     """Put a FakeDriver (or ``driver_class``) where ``from cuda.bindings import driver`` finds
     it, and make gpu.py import it afresh (its cached bindings and ``Cuda`` objects are
     dropped)."""
-    from shmserve.workers import gpu
+    from shmserve.ipc.gpu import device as gpu
     drv = driver_class(**kw)
     cuda_pkg, bindings = types.ModuleType("cuda"), types.ModuleType("cuda.bindings")
     cuda_pkg.__path__, bindings.__path__ = [], []
@@ -506,7 +506,7 @@ def install(monkeypatch, driver_class: type[FakeDriver] = FakeDriver, **kw) -> F
 
 def uninstall(monkeypatch) -> None:
     """cuda-python not installed: ``import cuda`` raises ImportError."""
-    from shmserve.workers import gpu
+    from shmserve.ipc.gpu import device as gpu
     for name in ("cuda", "cuda.bindings", "cuda.bindings.driver", "cuda.cuda"):
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setattr(gpu, "_driver_module", None)

@@ -1,4 +1,4 @@
-"""A stand-in for TensorRT's Python API, so that workers/tensorrt_backend.py runs on a machine
+"""A stand-in for TensorRT's Python API, so that workers/backends/tensorrt.py runs on a machine
 without a GPU, with fake_cuda.py for the CUDA driver. "Device" memory is host memory there (a
 pointer is a host address), so the backend's copies, offsets and bindings are checked byte for
 byte; the engine computes with numpy what its spec says. Only the calls the backend makes are

@@ -1,4 +1,4 @@
-"""The BLS client's shared inbox (workers/bls_inbox.py) on a real packet inbox: a waiting caller
+"""The BLS client's shared inbox (workers/python_backend/bls_inbox.py) on a real packet inbox: a waiting caller
 reads its own answer, a background thread reads while nobody waits, and each hands the other the
 reading token without losing a message."""
 import queue
@@ -9,8 +9,8 @@ import pytest
 from serverproc import wait_for
 
 from shmserve.ipc import channel, packets
-from shmserve.ipc.messages import InferResult
-from shmserve.workers.bls_inbox import SharedInbox
+from shmserve.ipc.messages.to_frontend import InferResult
+from shmserve.workers.python_backend.bls_inbox import SharedInbox
 
 
 @pytest.fixture

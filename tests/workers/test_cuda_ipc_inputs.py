@@ -20,22 +20,16 @@ from serverproc import REPO_ROOT
 
 from shmserve.ipc import dtypes
 from shmserve.ipc.exec_record import ExecutionRecord
-from shmserve.ipc.messages import (
-    CudaRef,
-    ErrorCode,
-    ExecuteBatch,
-    ForgetSegments,
-    InferPayload,
-    OutputSpec,
-    RequestRoute,
-    Tensor,
-    encode,
-)
+from shmserve.ipc.gpu import cuda_ipc
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.messages import encode
+from shmserve.ipc.messages.common import CudaRef, ErrorCode, InferPayload, OutputSpec, Tensor
+from shmserve.ipc.messages.to_scheduler import ForgetSegments
+from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
-from shmserve.workers import cuda_ipc, gpu
-from shmserve.workers.backend import WorkResponse
-from shmserve.workers.chain import Chains
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.workers.backends.base import WorkResponse
+from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
 from shmserve.workers.tensors import OutputTooLarge
 
@@ -232,11 +226,11 @@ def test_forget_closes_a_handle_on_every_device_and_ignores_unknown_ones(drv):
 def test_which_backends_take_device_inputs():
     """onnxruntime on a GPU and TensorRT bind a DeviceTensor where it is; onnxruntime on the CPU
     (even through I/O binding) and the python backend get host copies."""
-    from shmserve.engine import model_config
-    from shmserve.ipc.messages import InstanceSpec
-    from shmserve.workers.onnx_backend import OnnxBackend
-    from shmserve.workers.python_backend import PythonBackend
-    from shmserve.workers.tensorrt_backend import TensorRTBackend
+    from shmserve.ipc import model_config
+    from shmserve.ipc.spawn_args import InstanceSpec
+    from shmserve.workers.backends.onnx import OnnxBackend
+    from shmserve.workers.backends.tensorrt import TensorRTBackend
+    from shmserve.workers.python_backend.backend import PythonBackend
     models = os.path.join(REPO_ROOT, "configs", "models")
     cfg = model_config.normalize(model_config.read_config(os.path.join(models, "mlp_onnx"),
                                                           "mlp_onnx"), "mlp_onnx")
@@ -252,10 +246,10 @@ def test_onnxruntime_copies_a_device_input_at_an_unaligned_offset():
     """A client's CUDA region at an offset that is not 256-byte aligned is copied (device to
     device on a GPU; here, a CPU session through I/O binding, host to host) into a buffer of the
     backend's own, never bound where it is."""
-    from shmserve.engine import model_config
-    from shmserve.ipc.messages import InstanceSpec
-    from shmserve.workers.backend import WorkRequest
-    from shmserve.workers.onnx_backend import OnnxBackend
+    from shmserve.ipc import model_config
+    from shmserve.ipc.spawn_args import InstanceSpec
+    from shmserve.workers.backends.base import WorkRequest
+    from shmserve.workers.backends.onnx import OnnxBackend
     models = os.path.join(REPO_ROOT, "configs", "models")
     cfg = model_config.normalize(model_config.read_config(os.path.join(models, "mlp_onnx"),
                                                           "mlp_onnx"), "mlp_onnx")

@@ -1,4 +1,4 @@
-"""A worker's device arena (workers/device_arena.py) and the worker around it, on CPU against
+"""A worker's device arena (ipc/gpu/device_arena.py) and the worker around it, on CPU against
 fake_cuda (device memory is host memory; ShmIpcDriver's is POSIX shared memory, as across
 processes): an output the request lets stay on the device and the model left there is copied
 device to device into a slot, answered as a CudaRef to an exported chunk and given back by
@@ -21,22 +21,16 @@ import numpy as np
 import pytest
 
 from shmserve.ipc.exec_record import ExecutionRecord
-from shmserve.ipc.messages import (
-    CudaRef,
-    ExecuteBatch,
-    InferPayload,
-    OutputSpec,
-    ReleaseOutputs,
-    RequestRoute,
-    Tensor,
-    encode,
-)
+from shmserve.ipc.gpu import cuda_ipc
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.gpu.device_arena import ALIGN, DeviceArena, to_host
+from shmserve.ipc.messages import encode
+from shmserve.ipc.messages.common import CudaRef, InferPayload, OutputSpec, Tensor
+from shmserve.ipc.messages.to_worker import ExecuteBatch, ReleaseOutputs, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
-from shmserve.workers import cuda_ipc, gpu
-from shmserve.workers.backend import WorkResponse
-from shmserve.workers.chain import Chains
-from shmserve.workers.device_arena import ALIGN, DeviceArena, to_host
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.workers.backends.base import WorkResponse
+from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
 
 CONFIG = {"name": "m", "max_batch_size": 0,

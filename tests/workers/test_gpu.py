@@ -1,4 +1,4 @@
-"""workers/gpu.py on a machine without a GPU: its CUDA calls through cuda-python's driver bindings
+"""ipc/gpu/device.py on a machine without a GPU: its CUDA calls through cuda-python's driver bindings
 (faked in fake_cuda.py: host memory as device memory, the driver's rules and error codes),
 device counting without cuda-python (NVML, /proc/driver/nvidia/gpus, CUDA_VISIBLE_DEVICES), and
 that nothing imports cuda-python or touches CUDA at import. The real driver:
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from serverproc import REPO_ROOT
 
-from shmserve.workers import gpu
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu.device import DeviceTensor
 
 
 @pytest.fixture
@@ -34,8 +34,11 @@ def test_nothing_imports_cuda_python_or_nvml_at_import(tmp_path):
         (tmp_path / name / "__init__.py").write_text(f"raise SystemExit('{name} imported at import')\n")
     code = textwrap.dedent("""
         import sys
-        from shmserve.workers import cuda_ipc, dlpack, gpu, main, onnx_backend, pb_utils, tensorrt_backend
-        from shmserve.frontend import shm_registry
+        from shmserve.ipc.gpu import cuda_ipc, device, dlpack
+        from shmserve.workers import main
+        from shmserve.workers.backends import onnx, tensorrt
+        from shmserve.workers.python_backend import pb_utils
+        from shmserve.frontend.shm import registry
         assert not [m for m in sys.modules if m.split(".")[0] in ("cuda", "pynvml", "tensorrt")]
         print("clean")
     """)

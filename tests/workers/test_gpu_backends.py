@@ -1,5 +1,5 @@
 """The GPU paths on a real GPU (all marked gpu: skipped with the reason where nvidia-ml-py finds
-none): the CUDA driver wrapper (workers/gpu.py on cuda-python's driver bindings), onnxruntime's
+none): the CUDA driver wrapper (ipc/gpu/device.py on cuda-python's driver bindings), onnxruntime's
 CUDA provider with I/O binding (device inputs bound where they are), a TensorRT engine built
 here and run by the tensorrt backend, and pb_utils GPU tensors through DLPack.
 bench/gpu_check.sh runs them."""
@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from gpu_models import MLP_ONNX, build_engine
 
-from shmserve.engine import model_config
-from shmserve.ipc.messages import InstanceSpec
-from shmserve.workers import gpu
-from shmserve.workers import pb_utils as pb
-from shmserve.workers.backend import BackendLoadError, WorkRequest
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.ipc import model_config
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest
+from shmserve.workers.python_backend import pb_utils as pb
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +71,7 @@ def test_cuda_driver_round_trip():
 
 
 def test_onnxruntime_cuda_instance_on_its_gpu():
-    from shmserve.workers.onnx_backend import OnnxBackend
+    from shmserve.workers.backends.onnx import OnnxBackend
     backend = OnnxBackend(_spec("mlp_onnx", "GPU", 0))
     assert backend.session.get_providers()[0] == "CUDAExecutionProvider"
     assert backend.io_binding
@@ -93,7 +94,7 @@ def test_onnxruntime_cuda_instance_on_its_gpu():
 
 
 def test_onnxruntime_instance_on_a_gpu_that_is_not_there():
-    from shmserve.workers.onnx_backend import OnnxBackend
+    from shmserve.workers.backends.onnx import OnnxBackend
     n, _ = gpu.device_count()
     with pytest.raises(BackendLoadError, match=f"placed on GPU {n}, but this machine has {n} GPU"):
         OnnxBackend(_spec("mlp_onnx", "GPU", n))
@@ -101,7 +102,7 @@ def test_onnxruntime_instance_on_a_gpu_that_is_not_there():
 
 def test_tensorrt_engine_built_here_runs(tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT's Python package (shmserve[gpu])")
-    from shmserve.workers.tensorrt_backend import TensorRTBackend
+    from shmserve.workers.backends.tensorrt import TensorRTBackend
     os.makedirs(tmp_path / "mlp_trt" / "1")
     build_engine(MLP_ONNX, str(tmp_path / "mlp_trt" / "1" / "model.plan"), "INPUT0",
                  (1, 256), (8, 256), (16, 256))

@@ -5,10 +5,12 @@ import time
 import numpy as np
 import pytest
 
-from shmserve.ipc.messages import ErrorCode, InstanceSpec
-from shmserve.workers import pb_metrics
-from shmserve.workers.backend import BackendLoadError, WorkRequest, load_backend
-from shmserve.workers.identity_backend import RESPONSE_PARAMETERS
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest, load_backend
+from shmserve.workers.backends.identity import RESPONSE_PARAMETERS
+from shmserve.workers.python_backend import metrics as pb_metrics
 
 
 def _spec(inputs, outputs, max_batch_size=8, parameters=None, index=0, name="ident"):

@@ -1,4 +1,4 @@
-"""Leased requests of a dynamic-batching model batch in the worker's inbox (workers/lease_batch.py),
+"""Leased requests of a dynamic-batching model batch in the worker's inbox (workers/leases/batch.py),
 over a real SEQPACKET inbox."""
 import threading
 import time
@@ -7,8 +7,9 @@ from collections import deque
 import pytest
 
 from shmserve.ipc import channel, packets
-from shmserve.ipc.messages import LeasedExecute, RevokeLease, SubmitRequest
-from shmserve.workers.lease_batch import LeasedBatcher
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+from shmserve.ipc.messages.to_worker import LeasedExecute, RevokeLease
+from shmserve.workers.leases.batch import LeasedBatcher
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The leased sequence batcher of a worker (workers/lease_sequences.py), in-process with a fake
+"""The leased sequence batcher of a worker (workers/leases/sequences.py), in-process with a fake
 clock: the scheduler's rules applied to leased requests, and what goes back when the lease
 ends."""
 import json
@@ -6,15 +6,11 @@ import json
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.sequence_batcher import sequence_config
-from shmserve.ipc.messages import (
-    ErrorCode,
-    LeasedExecute,
-    LendSequences,
-    SequenceSlot,
-    SubmitRequest,
-)
-from shmserve.workers.lease_sequences import LeasedSequences
+from shmserve.engine.batching.sequences import sequence_config
+from shmserve.ipc.messages.common import ErrorCode, SequenceSlot
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+from shmserve.ipc.messages.to_worker import LeasedExecute, LendSequences
+from shmserve.workers.leases.sequences import LeasedSequences
 
 S, E = 1, 2
 

@@ -14,12 +14,13 @@ import onnxruntime as ort
 import pytest
 from serverproc import REPO_ROOT
 
-from shmserve.engine import model_config
-from shmserve.ipc.messages import InstanceSpec
-from shmserve.workers import gpu
-from shmserve.workers.backend import BackendLoadError, WorkRequest
-from shmserve.workers.gpu import DeviceTensor
-from shmserve.workers.onnx_backend import OnnxBackend
+from shmserve.ipc import model_config
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest
+from shmserve.workers.backends.onnx import OnnxBackend
 
 MODELS = os.path.join(REPO_ROOT, "configs", "models")
 HAS_CUDA_PROVIDER = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -109,7 +110,7 @@ def test_outputs_the_next_step_reads_on_the_device_stay_where_onnxruntime_put_th
     pointer tensors; on a GPU, CUDA memory the worker copies into its device arena), owned by
     onnxruntime's OrtValue, split per request of a batch; the other requests' outputs and
     outputs without I/O binding come back as host arrays."""
-    from shmserve.workers.device_arena import to_host
+    from shmserve.ipc.gpu.device_arena import to_host
     bound = OnnxBackend(_spec("mlp_onnx"), io_binding=True)
     plain = OnnxBackend(_spec("mlp_onnx"))
     rng = np.random.default_rng(3)
@@ -149,7 +150,7 @@ def test_string_models_run_without_io_binding():
 
 
 def test_gather_on_the_host_keeps_order_and_refuses_mismatched_parts():
-    from shmserve.workers.onnx_backend import _gather
+    from shmserve.workers.backends.onnx import _gather
     a = np.arange(6, dtype=np.int32).reshape(2, 3)
     b = np.arange(6, 9, dtype=np.int32).reshape(1, 3)
     da = DeviceTensor(a.ctypes.data, a.shape, a.dtype, 0, "cpu", a)
@@ -162,7 +163,7 @@ def test_gather_on_the_host_keeps_order_and_refuses_mismatched_parts():
 
 def test_instances_are_placed_on_their_gpus():
     """kind and gpus reach each instance's InstanceSpec (engine/lifecycle.instances_of)."""
-    from shmserve.engine.lifecycle import instances_of
+    from shmserve.engine.lifecycle.loading import instances_of
     cfg = model_config.read_config(os.path.join(MODELS, "mlp_onnx"), "mlp_onnx")
     del cfg.instance_group[:]
     group = cfg.instance_group.add()
@@ -191,8 +192,8 @@ def test_device_count_without_a_driver_is_zero_with_a_reason(monkeypatch):
 
 
 def test_gather_on_the_device_copies_each_part_to_its_offset(monkeypatch):
-    """_gather for a CUDA instance, through workers/gpu.py on (fake) cuda-python bindings."""
-    from shmserve.workers.onnx_backend import _gather
+    """_gather for a CUDA instance, through ipc/gpu/device.py on (fake) cuda-python bindings."""
+    from shmserve.workers.backends.onnx import _gather
     driver = fake_cuda.install(monkeypatch)
     cuda = gpu.cuda(0)
     a = np.arange(6, dtype=np.float32).reshape(2, 3)

@@ -3,8 +3,8 @@ execution providers a config's accelerators ask for (GPU ones as lists, checked 
 import onnxruntime as ort
 import pytest
 
-from shmserve.workers.backend import BackendLoadError
-from shmserve.workers.ort_options import cpu_providers, gpu_providers, run_options, session_options
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.workers.backends.ort_options import cpu_providers, gpu_providers, run_options, session_options
 
 
 def _params(**kw):

@@ -1,5 +1,5 @@
 """pb_utils.Tensor and DLPack: CPU tensors both ways through numpy, capsules made by
-workers/dlpack.py (read back, consumed by numpy, none leaked), and GPU tensors: a clear error
+ipc/gpu/dlpack.py (read back, consumed by numpy, none leaked), and GPU tensors: a clear error
 on a machine without a GPU; with a (faked) GPU they stay in device memory, refuse as_numpy()
 with Triton's words, and are copied to the host when they leave the model as outputs. The real
 GPU: tests/workers/test_gpu_backends.py (gpu)."""
@@ -13,11 +13,12 @@ import fake_cuda
 import numpy as np
 import pytest
 
-from shmserve.ipc.messages import InstanceSpec
-from shmserve.workers import dlpack, gpu
-from shmserve.workers import pb_utils as pb
-from shmserve.workers.backend import WorkRequest
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu import dlpack
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest
+from shmserve.workers.python_backend import pb_utils as pb
 
 
 class Producer:
@@ -39,7 +40,7 @@ def _on(array: np.ndarray, device_type: str) -> DeviceTensor:
 
 @pytest.fixture
 def fake_gpu(monkeypatch):
-    """One GPU, through workers/gpu.py on cuda-python's (fake) driver bindings."""
+    """One GPU, through ipc/gpu/device.py on cuda-python's (fake) driver bindings."""
     return fake_cuda.install(monkeypatch)
 
 
@@ -128,7 +129,7 @@ def test_a_gpu_tensor_stays_on_the_gpu(fake_gpu):
 MODEL = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.ipc.gpu.device import DeviceTensor
 
 class Producer:
     def __init__(self, arr):
@@ -152,7 +153,7 @@ class TritonPythonModel:
 
 
 def test_gpu_outputs_leave_the_model_through_the_host(tmp_path, fake_gpu):
-    from shmserve.workers.python_backend import PythonBackend
+    from shmserve.workers.python_backend.backend import PythonBackend
     fake_gpu.strict = False         # the model's "device" tensors are its own host arrays
     os.makedirs(tmp_path / "gpu_out" / "1")
     (tmp_path / "gpu_out" / "1" / "model.py").write_text(MODEL)
@@ -172,7 +173,7 @@ def test_gpu_outputs_leave_the_model_through_the_host(tmp_path, fake_gpu):
 
 
 def _python_backend(tmp_path, name: str, model: str, parameters: dict | None = None):
-    from shmserve.workers.python_backend import PythonBackend
+    from shmserve.workers.python_backend.backend import PythonBackend
     os.makedirs(tmp_path / name / "1")
     (tmp_path / name / "1" / "model.py").write_text(model)
     cfg = {"name": name, "backend": "python", "max_batch_size": 0,
@@ -200,7 +201,8 @@ def test_a_gpu_output_the_next_step_reads_on_the_gpu_stays_there(tmp_path, fake_
 GPU_INPUT_MODEL = '''
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from shmserve.workers import dlpack, gpu
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu import dlpack
 
 class TritonPythonModel:
     def execute(self, requests):
@@ -222,7 +224,7 @@ class TritonPythonModel:
 
 
 def test_force_cpu_only_input_tensors_no_gives_the_model_gpu_tensors(tmp_path, fake_gpu):
-    from shmserve.workers.python_backend import PythonBackend
+    from shmserve.workers.python_backend.backend import PythonBackend
     backend = _python_backend(tmp_path, "gpu_in", GPU_INPUT_MODEL,
                               {"FORCE_CPU_ONLY_INPUT_TENSORS": "no"})
     assert backend.device_inputs is True and PythonBackend.device_inputs is False
@@ -238,7 +240,7 @@ def test_force_cpu_only_input_tensors_no_gives_the_model_gpu_tensors(tmp_path, f
 
 @pytest.mark.parametrize("value, device", [("yes", False), ("No", True), ("maybe", None)])
 def test_force_cpu_only_input_tensors_values(tmp_path, value, device):
-    from shmserve.workers.backend import BackendLoadError
+    from shmserve.ipc.errors import BackendLoadError
     if device is None:
         with pytest.raises(BackendLoadError, match="FORCE_CPU_ONLY_INPUT_TENSORS must be 'yes' or "
                                                    "'no', got 'maybe'"):

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from shmserve.workers import pb_utils as pb
+from shmserve.workers.python_backend import pb_utils as pb
 
 # (config string, enum number, wire name, numpy type)
 TYPES = [
@@ -362,14 +362,14 @@ def test_metrics():
 
 def _state(name):
     """The snapshot entry of one family (the registry is process-wide; other tests add theirs)."""
-    from shmserve.workers import pb_metrics
+    from shmserve.workers.python_backend import metrics as pb_metrics
     pb_metrics.REGISTRY.dirty = True
     return next((f for f in pb_metrics.snapshot_if_dirty() if f.name == name), None)
 
 
 def test_metric_snapshot_carries_every_kind():
-    from shmserve.ipc.messages import MetricKind
-    from shmserve.workers import pb_metrics
+    from shmserve.ipc.messages.common import MetricKind
+    from shmserve.workers.python_backend import metrics as pb_metrics
     c = pb.MetricFamily("snap_counter", "c", pb.MetricFamily.COUNTER)
     c.Metric(labels={"a": "1"}).increment(2)
     c.Metric(labels={"a": "2"}).increment(np.float32(1.5))     # numpy scalars are fine
@@ -393,7 +393,8 @@ def test_metric_snapshot_carries_every_kind():
     assert hs.counts == [2, 1, 1, 1] and hs.sum == 25.5           # per bucket, +Inf last
     # the snapshot is a copy: encodable and not changed by later updates
     from shmserve.ipc import messages
-    messages.encode(messages.CustomMetrics(1, [_state("snap_hist")]))
+    from shmserve.ipc.messages.common import CustomMetrics
+    messages.encode(CustomMetrics(1, [_state("snap_hist")]))
     h.observe(100)
     assert hs.counts == [2, 1, 1, 1]
     # a family with no metric yet is still reported (it shows on /metrics with no samples)
@@ -403,7 +404,7 @@ def test_metric_snapshot_carries_every_kind():
 
 
 def test_metric_changes_mark_the_registry_dirty():
-    from shmserve.workers import pb_metrics
+    from shmserve.workers.python_backend import metrics as pb_metrics
     gf = pb.MetricFamily("dirty_gauge", "g", pb.MetricFamily.GAUGE)
     g = gf.Metric()
     pb_metrics.snapshot_if_dirty()

@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from shmserve.ipc.messages import ErrorCode, InstanceSpec
-from shmserve.workers.backend import WorkRequest
-from shmserve.workers.python_backend import PythonBackend
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest
+from shmserve.workers.python_backend.backend import PythonBackend
 
 RAISES = """
 class TritonPythonModel:
@@ -73,7 +74,7 @@ def test_model_py_imports_its_neighbours_relatively_and_absolutely(tmp_path):
 
 def test_bls_in_initialize_fails_the_load_with_tritons_words(tmp_path):
     """Triton's bls_init_error test: BLS is for execute() only."""
-    from shmserve.workers.backend import BackendLoadError
+    from shmserve.ipc.errors import BackendLoadError
     d = tmp_path / "bls_init_error" / "1"
     d.mkdir(parents=True)
     (d / "model.py").write_text(

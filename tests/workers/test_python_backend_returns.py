@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from serverproc import wait_for
 
-from shmserve.ipc.messages import ErrorCode, InstanceSpec
-from shmserve.workers.backend import WorkRequest
-from shmserve.workers.python_backend import PythonBackend
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest
+from shmserve.workers.python_backend.backend import PythonBackend
 
 PREFIX = "Failed to process the request(s) for model 'ret_0_0', message: "
 

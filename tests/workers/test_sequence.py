@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from shmserve.ipc import dtypes
-from shmserve.ipc.messages import ErrorCode
+from shmserve.ipc.messages.common import ErrorCode
 from shmserve.workers import sequence
-from shmserve.workers.backend import WorkRequest, WorkResponse
+from shmserve.workers.backends.base import WorkRequest, WorkResponse
 from shmserve.workers.sequence import SequenceConfigError, SequenceRequestError
 from shmserve.workers.tensors import OutputChecks
 

@@ -22,21 +22,14 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from shmserve.ipc import dtypes
 from shmserve.ipc.exec_record import ExecutionRecord
-from shmserve.ipc.messages import (
-    ErrorCode,
-    ExecuteBatch,
-    InferPayload,
-    InferResult,
-    InferResults,
-    InstanceSpec,
-    OutputSpec,
-    RequestRoute,
-    Tensor,
-    WorkerLoadFailed,
-    encode,
-)
+from shmserve.ipc.messages import encode
+from shmserve.ipc.messages.common import ErrorCode, InferPayload, OutputSpec, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult, InferResults
+from shmserve.ipc.messages.to_scheduler import WorkerLoadFailed
+from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
-from shmserve.workers.chain import Chains
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
 
 START, END = 1, 2

@@ -5,8 +5,10 @@ import threading
 import numpy as np
 import pytest
 
-from shmserve.ipc.messages import ErrorCode, InstanceSpec
-from shmserve.workers.backend import BackendLoadError, WorkRequest, load_backend
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends.base import WorkRequest, load_backend
 from shmserve.workers.warmup import run_warmup
 
 

@@ -1,6 +1,6 @@
-"""workers/tensorrt_backend.py without a GPU: the load errors, and everything the backend does
+"""workers/backends/tensorrt.py without a GPU: the load errors, and everything the backend does
 around TensorRT (shapes, profiles, batching, copies, bindings, auto-complete) against the fakes
-in fake_tensorrt.py, and workers/gpu.py's own CUDA calls against fake_cuda.py (cuda-python's driver
+in fake_tensorrt.py, and ipc/gpu/device.py's own CUDA calls against fake_cuda.py (cuda-python's driver
 bindings with host memory). The real engine on a real GPU: tests/workers/test_gpu_backends.py
 (gpu)."""
 from __future__ import annotations
@@ -14,10 +14,13 @@ import numpy as np
 import pytest
 from fake_tensorrt import ENGINES, EngineSpec, install, plan_bytes
 
-from shmserve.ipc.messages import ErrorCode, InstanceSpec
-from shmserve.workers import gpu, tensorrt_backend
-from shmserve.workers.backend import BackendLoadError, WorkRequest, load_backend
-from shmserve.workers.gpu import DeviceTensor
+from shmserve.ipc.errors import BackendLoadError
+from shmserve.ipc.gpu import device as gpu
+from shmserve.ipc.gpu.device import DeviceTensor
+from shmserve.ipc.messages.common import ErrorCode
+from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.backends import tensorrt as tensorrt_backend
+from shmserve.workers.backends.base import WorkRequest, load_backend
 
 
 def _addsub(inputs):
@@ -71,7 +74,7 @@ def cuda_driver(monkeypatch):
 
 
 def _load(tmp_path, trt, engine="addsub", config=None, **kw):
-    """The backend on (fake) GPU 0 through workers/gpu.py, and the fake driver under it."""
+    """The backend on (fake) GPU 0 through ipc/gpu/device.py, and the fake driver under it."""
     backend = tensorrt_backend.TensorRTBackend(_spec(tmp_path, engine, config or ADDSUB_CONFIG, **kw),
                                                trt=trt)
     return backend, fake_cuda.current()

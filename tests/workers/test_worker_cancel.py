@@ -9,8 +9,9 @@ import pytest
 from serverproc import wait_for
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import CancelRequest, ForgetSegments, Ping, RequestRoute
-from shmserve.workers.chain import Chains
+from shmserve.ipc.messages.to_scheduler import CancelRequest, ForgetSegments
+from shmserve.ipc.messages.to_worker import Ping, RequestRoute
+from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
 
 

@@ -1,4 +1,4 @@
-"""A worker's part in an ensemble run worker to worker (workers/chain.py): it runs its step as
+"""A worker's part in an ensemble run worker to worker (workers/leases/chain.py): it runs its step as
 a leased request of its own model, hands the request on with the step's outputs, answers the
 frontend after the last step, and gives back every intermediate slot however the request ends.
 The worker's execute() is recorded, not run; the next worker and the owner of a slot are real
@@ -12,23 +12,12 @@ from types import SimpleNamespace
 import pytest
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (
-    ChainExecute,
-    ChainHop,
-    ErrorCode,
-    InferPayload,
-    InferResult,
-    LeaseBounced,
-    LeasedRecord,
-    OutputSpec,
-    ReleaseOutputs,
-    ShmRef,
-    SubmitRequest,
-    Tensor,
-    decode_payload,
-    encode,
-)
-from shmserve.workers.chain import Chains
+from shmserve.ipc.messages import decode_payload, encode
+from shmserve.ipc.messages.common import ChainHop, ErrorCode, InferPayload, LeasedRecord, OutputSpec, ShmRef, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult, LeaseBounced
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+from shmserve.ipc.messages.to_worker import ChainExecute, ReleaseOutputs
+from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
 
 SPAWN, NEXT, OTHER = 7, 8, 9
@@ -212,7 +201,7 @@ def test_a_cancel_that_came_first_ends_the_request_when_it_arrives(worker):
 
 
 def test_cancels_for_requests_never_seen_stay_bounded(worker):
-    from shmserve.workers import chain as chain_module
+    from shmserve.workers.leases import chain as chain_module
     w, _ = worker
     for i in range(chain_module.CANCELS_KEPT + 50):
         w.chains.cancel((FRONTEND, i))

@@ -12,23 +12,13 @@ import pytest
 from serverproc import wait_for
 
 from shmserve.ipc import channel
-from shmserve.ipc.messages import (
-    ENSEMBLE_FRONTEND,
-    InferResult,
-    InferResults,
-    LeaseBounced,
-    LeasedExecute,
-    LeaseEnded,
-    LendSequences,
-    Ping,
-    RequestRoute,
-    RevokeLease,
-    SequenceSlot,
-    SubmitRequest,
-)
-from shmserve.workers.chain import Chains
-from shmserve.workers.lease_batch import LeasedBatcher
-from shmserve.workers.lease_sequences import SequenceLease
+from shmserve.ipc.messages.common import ENSEMBLE_FRONTEND, SequenceSlot
+from shmserve.ipc.messages.to_frontend import InferResult, InferResults, LeaseBounced
+from shmserve.ipc.messages.to_scheduler import LeaseEnded, SubmitRequest
+from shmserve.ipc.messages.to_worker import LeasedExecute, LendSequences, Ping, RequestRoute, RevokeLease
+from shmserve.workers.leases.batch import LeasedBatcher
+from shmserve.workers.leases.chain import Chains
+from shmserve.workers.leases.sequences import SequenceLease
 from shmserve.workers.main import Worker
 
 SPAWN = 7

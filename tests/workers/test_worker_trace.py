@@ -1,4 +1,4 @@
-"""A traced request (RequestRoute.trace, frontend/trace.py) gets its execution's times in its
+"""A traced request (RequestRoute.trace, frontend/observability/trace.py) gets its execution's times in its
 answer, in order; an untraced one does not carry them. Through Worker.execute, in process."""
 import os
 import time
@@ -6,16 +6,10 @@ import time
 import numpy as np
 from test_sequence_worker import EXAMPLES, load_worker
 
-from shmserve.ipc.messages import (
-    ExecuteBatch,
-    InferPayload,
-    InferResult,
-    InferResults,
-    OutputSpec,
-    RequestRoute,
-    Tensor,
-    encode,
-)
+from shmserve.ipc.messages import encode
+from shmserve.ipc.messages.common import InferPayload, OutputSpec, Tensor
+from shmserve.ipc.messages.to_frontend import InferResult, InferResults
+from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 
 
 def frame(i: int) -> bytes:

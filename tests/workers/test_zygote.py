@@ -1,4 +1,4 @@
-"""The fork server's parts (workers/zygote.py, engine/forkserver.py) without a server: the
+"""The fork server's parts (workers/zygote.py, engine/processes/forkserver.py) without a server: the
 command line a forked worker writes over its arguments, the models that opt out, the refusal
 to fork with a thread running, OpenBLAS's threads and the import probe, and the whole hand-over
 (a worker re-parented to a subreaper, running only after its "go") in a harness process."""
@@ -13,8 +13,9 @@ import threading
 import msgspec
 import pytest
 
-from shmserve.engine.supervision import fork_opt_out
-from shmserve.ipc.messages import ForkReply, ForkRequest, InstanceSpec
+from shmserve.engine.processes.supervision import fork_opt_out
+from shmserve.ipc.fork_protocol import ForkReply, ForkRequest
+from shmserve.ipc.spawn_args import InstanceSpec
 from shmserve.workers import zygote
 
 LABEL = '{"model_name":"unit","version":1,"instance_name":"unit_0","spawn_id":7}'
@@ -126,9 +127,9 @@ def test_openblas_threads_stop_and_the_probe_keeps_threads_out(tmp_path):
 
 HARNESS = '''
     import json, os, select, signal, sys, time
-    from shmserve.engine import forkserver
-    from shmserve.engine.supervision import become_subreaper
-    from shmserve.ipc.messages import ForkRequest
+    from shmserve.engine.processes import forkserver
+    from shmserve.engine.processes.supervision import become_subreaper
+    from shmserve.ipc.fork_protocol import ForkRequest
     from shmserve.workers import zygote
 
     LABEL = sys.argv[1]
@@ -218,7 +219,7 @@ def test_a_forked_worker_is_handed_over_to_the_subreaper(tmp_path):
 
 def test_a_fork_server_that_keeps_dying_is_given_up(monkeypatch, caplog):
     """Started again at once, then after 1, 2, 4 s; the fifth death in a row ends forking."""
-    from shmserve.engine import forkserver
+    from shmserve.engine.processes import forkserver
     starts = []
     fs = forkserver.ForkServer()
     monkeypatch.setattr(fs, "start", lambda: starts.append(1))

@@ -1,0 +1,3 @@
+"""Starting the server: the command line, tritonserver's flags, and the launcher process that runs
+the others.
+"""

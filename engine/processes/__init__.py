@@ -1,0 +1,3 @@
+"""Worker processes: spawning them (directly or through the fork server), supervising them, and
+what a death means.
+"""

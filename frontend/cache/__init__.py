@@ -1,0 +1,1 @@
+"""The response cache and the submit path that uses it."""

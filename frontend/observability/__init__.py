@@ -1,0 +1,1 @@
+"""Metrics, statistics, trace and logging settings."""

@@ -1,0 +1,1 @@
+"""Shared-memory regions that clients register (system and CUDA)."""

@@ -1,0 +1,3 @@
+"""GPU memory between processes: probing the devices, CUDA IPC handles, device output slots,
+DLPack.
+"""

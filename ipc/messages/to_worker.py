@@ -1,0 +1,77 @@
+"""Messages a worker receives: batches and leases from the scheduler, leased requests and
+pipeline steps from frontends and other workers, and the scheduler's control messages."""
+from __future__ import annotations
+
+import msgspec
+
+from shmserve.ipc.messages.common import ChainHop, CudaRef, LeasedRecord, SequenceSlot, ShmRef
+from shmserve.ipc.messages.to_scheduler import SubmitRequest
+
+
+class RequestRoute(msgspec.Struct, array_like=True):
+    req_id: int
+    frontend: int
+    trace: bool = False         # answer with the execution's times (InferResult.compute_ns)
+
+
+class ExecuteBatch(msgspec.Struct, array_like=True, tag=20):
+    """One execution; one payload frame per route follows."""
+    batch_id: int
+    routes: list[RequestRoute]
+
+
+class LendSequences(msgspec.Struct, array_like=True, tag=28):
+    """Sent to a sequence model's worker before its lease is granted: the live sequences the
+    scheduler had pinned to it, which its own sequence batcher takes over for the lease
+    (workers/lease_sequences.py). LeaseEnded gives them back."""
+    lease_id: int
+    sequences: list[SequenceSlot]
+
+
+class RevokeLease(msgspec.Struct, array_like=True, tag=25):
+    """Leases up to ``lease_id`` end: a LeasedExecute of one of them that the worker reads
+    after this goes back to its frontend (LeaseBounced). Answered by LeaseEnded."""
+    lease_id: int
+
+
+class Shutdown(msgspec.Struct, array_like=True, tag=21):
+    pass
+
+
+class Ping(msgspec.Struct, array_like=True, tag=24):
+    """Sent to idle workers; one that does not answer in time is killed and restarted."""
+    seq: int
+
+
+class ReleaseOutputs(msgspec.Struct, array_like=True, tag=22):
+    refs: list[ShmRef]
+    # slots of the worker's device arena (only the scheduler sends these: an ensemble's
+    # intermediate tensors never reach a frontend)
+    device: list[CudaRef] = []
+
+
+class ChainExecute(msgspec.Struct, array_like=True, tag=27):
+    """An ensemble request run worker to worker under leases (workers/chain.py); its payload
+    frame follows: the ensemble tensors known so far, named as in the ensemble, and the
+    client's outputs. ``head`` is the client's request (model: the ensemble); ``leases`` and
+    ``workers`` the lease id and spawn id for each hop; ``held``: the slots of earlier hops'
+    outputs (owner's address, slot), given back when the request ends; ``records``: the
+    completion records of the hops run so far (statistics)."""
+    head: SubmitRequest
+    hops: list[ChainHop]
+    leases: list[int]
+    workers: list[int]
+    at: int = 0
+    held: list[tuple[str, ShmRef]] = []
+    records: list["LeasedRecord"] = []
+    cpu: int = -1
+
+
+class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
+    """A request sent straight to a leased worker (no scheduler hop); its payload frame
+    follows. The head is what the scheduler would have got, for its statistics. ``cpu``: the
+    CPU the worker should wait for its next request on, the frontend's own while requests come
+    one at a time (frontend/colocation.py); -1: anywhere."""
+    lease_id: int
+    head: SubmitRequest
+    cpu: int = -1
