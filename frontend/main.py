@@ -113,7 +113,7 @@ async def run(settings: ServerSettings, frontend_id: int, incarnation: int = 0) 
         if settings.allow_grpc:
             grpc_server, ports["grpc"] = await grpc_service.serve(
                 service, settings.grpc_address, settings.grpc_port,
-                restricted.parse(settings.grpc_restricted_protocol),
+                restricted.parse(settings.grpc_restricted_protocol, "protocol"),
                 settings.grpc_max_message_size, settings.grpc_options, settings.grpc_server,
                 reuse_port=settings.frontends > 1, tls=settings.grpc_tls,
                 header_forward=settings.grpc_header_forward_pattern,

@@ -158,6 +158,7 @@ class Worker:
         config = json.loads(config_json)
         self.reshapes = tensors.Reshapes(config)
         self.checks = tensors.OutputChecks(config)
+        self.shapes_noted: set[str] = set()     # outputs whose shape broke the config, logged
         self.lease_batcher = LeasedBatcher(config)
         # a sequence model's leased requests meet in its own sequence batcher
         sb = config.get("sequence_batching")
@@ -666,10 +667,12 @@ class Worker:
                         continue
                     arr = device_to_host(arr)   # full, or a tensor that must change first
                 datatype, arr = self.checks.fit(name, datatype, arr)
-                problem = self.checks.problem(name, datatype, arr.shape)
+                problem = self.checks.datatype_problem(name, datatype)
                 if problem:
                     self.free_outputs(outs, targets)
                     return self.error(req_id, problem, ErrorCode.INTERNAL)
+                if name not in self.shapes_noted:
+                    self.note_shape(name, arr.shape)
                 if top and name in top:
                     arr = classification.classify(arr, datatype, top[name],
                                                   self.checks.batching, self.labels.get(name, ()))
@@ -702,6 +705,13 @@ class Worker:
         return InferResult(req_id, self.spec.model_name, self.spec.version, outs,
                            worker=self.inbox.address if uses_shm else "",
                            parameters=resp.parameters)
+
+    def note_shape(self, name: str, shape: tuple) -> None:
+        """An output whose shape is not the config's passes, as in Triton; said once per output."""
+        problem = self.checks.shape_problem(name, shape)
+        if problem:
+            self.shapes_noted.add(name)
+            log.warning("%s (passed on as it is; logged once)", problem)
 
     def free_outputs(self, outs, targets: dict) -> None:
         for t in outs:

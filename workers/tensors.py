@@ -92,9 +92,12 @@ _INTEGERS = frozenset(("INT8", "INT16", "INT32", "INT64", "UINT8", "UINT16", "UI
 
 
 class OutputChecks:
-    """What the config promises about each output (datatype, dims), checked on every answer: a
-    model that returns FP64 for an FP32 output, or the wrong shape, must not reach a client that
-    sized its buffers by the model's metadata."""
+    """What the config promises about each output (datatype, dims), checked on every answer.
+
+    A datatype that is not the config's is an error: a client that reads an FP32 output as FP32
+    must not get FP64 bytes. A shape that is not the config's passes, as Triton passes it: python
+    models often declare ``[-1, -1]`` or a fixed shape and return another (the shape travels
+    with the tensor, so a client reads what it got), and the worker logs it once per output."""
 
     def __init__(self, config: dict):
         self.model = config.get("name", "")
@@ -122,14 +125,21 @@ class OutputChecks:
         return spec[0], arr.astype(target)
 
     def problem(self, name: str, datatype: str, shape: tuple) -> str:
-        """Why this output breaks the config, or "" when it does not."""
+        """Why this output breaks the config, its datatype or its shape, or "" when it does not."""
+        return self.datatype_problem(name, datatype) or self.shape_problem(name, shape)
+
+    def datatype_problem(self, name: str, datatype: str) -> str:
+        spec = self.outputs.get(name)
+        if spec is None or not spec[0] or datatype == spec[0]:
+            return ""
+        return (f"unexpected datatype {datatype} for inference output '{name}' of model "
+                f"'{self.model}', expecting {spec[0]}")
+
+    def shape_problem(self, name: str, shape: tuple) -> str:
         spec = self.outputs.get(name)
         if spec is None:
             return ""
-        wire, dims = spec
-        if wire and datatype != wire:
-            return (f"unexpected datatype {datatype} for inference output '{name}' of model "
-                    f"'{self.model}', expecting {wire}")
+        dims = spec[1]
         got = shape[1:] if self.batching else shape
         if (self.batching and not shape) or len(got) != len(dims) or \
                 any(d != -1 and d != g for d, g in zip(dims, got)):

@@ -295,10 +295,10 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
                  "max_request_tensor_bytes", "request_deadline_secs", "model_load_timeout_secs"):
         if getattr(a, flag) <= 0:
             parser.error(f"--{flag.replace('_', '-')} must be positive")
-    for flag, specs in (("--http-restricted-api", a.http_restricted_api),
-                        ("--grpc-restricted-protocol", a.grpc_restricted_protocol)):
+    for flag, specs, word in (("--http-restricted-api", a.http_restricted_api, "api"),
+                              ("--grpc-restricted-protocol", a.grpc_restricted_protocol, "protocol")):
         try:
-            restricted.parse(specs)
+            restricted.parse(specs, word)
         except restricted.RestrictionError as e:
             parser.error(f"{flag} {e}")
     a.compat_notes = compat_flags.check(parser, a)

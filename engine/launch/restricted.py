@@ -19,23 +19,24 @@ class RestrictionError(ValueError):
     pass
 
 
-def parse(specs: list[str]) -> dict[str, tuple[str, str]]:
+def parse(specs: list[str], word: str = "api") -> dict[str, tuple[str, str]]:
     """``["<group>[,<group>...]:<header>=<value>", ...]`` -> group -> (header, value). A group
-    may be restricted once; header names are case-insensitive, as HTTP's are."""
+    may be restricted once; header names are case-insensitive, as HTTP's are. ``word``: what
+    the flag calls a group in its errors, "api" (HTTP) or "protocol" (gRPC), as Triton's do."""
     out: dict[str, tuple[str, str]] = {}
     for spec in specs:
         groups, sep, kv = spec.partition(":")
         key, eq, value = kv.partition("=")
         if not sep or not eq or not key.strip() or not groups.strip():
-            raise RestrictionError(f"'{spec}': expected <api>[,<api>...]:<header>=<value>")
+            raise RestrictionError(f"'{spec}': expected <{word}>[,<{word}>...]:<header>=<value>")
         for group in (g.strip() for g in groups.split(",")):
             # Triton's words first (its L0_http test greps the log for them), then ours
             if group not in GROUPS:
-                raise RestrictionError(f"unknown restricted api '{group}' in '{spec}' (one of "
+                raise RestrictionError(f"unknown restricted {word} '{group}' in '{spec}' (one of "
                                        f"{', '.join(GROUPS)})")
             if group in out:
-                raise RestrictionError(f"api '{group}' can not be specified in multiple config "
-                                       f"groups ('{spec}')")
+                raise RestrictionError(f"{word} '{group}' can not be specified in multiple "
+                                       f"config groups ('{spec}')")
             out[group] = (key.strip().lower(), value)
     return out
 

@@ -59,8 +59,12 @@ def refused(model: str, key: str, why: str, code: ErrorCode = ErrorCode.INVALID_
 
 def file_path(model: str, key: str) -> tuple[str, ...]:
     """The components of the path a ``file:`` parameter names inside the model directory, or a
-    400 saying why it names none: only plain relative paths ('1/model.onnx', 'labels.txt')."""
+    400 saying why it names none: only plain paths ('1/model.onnx', 'labels.txt'). One leading
+    '/' is the model directory itself, as Triton joins the path to it ('file:/1/model.py' is
+    '1/model.py'); nothing can name a place outside it."""
     path = key[len(FILE_PREFIX):]
+    if path.startswith("/"):
+        path = path[1:]
     if not path:
         raise refused(model, key, "names no file: use 'file:<path in the model directory>', "
                                   "e.g. 'file:1/model.onnx'")
@@ -70,9 +74,6 @@ def file_path(model: str, key: str) -> tuple[str, ...]:
         raise refused(model, key, "contains a control character")
     if "\\" in path:
         raise refused(model, key, "contains a backslash: separate directories with '/'")
-    if path.startswith("/"):
-        raise refused(model, key, "is an absolute path: name a path inside the model "
-                                  "directory, e.g. 'file:1/model.onnx'")
     parts = tuple(path.split("/"))
     if len(parts) > MAX_DEPTH:
         raise refused(model, key, f"has {len(parts)} path components, more than the "

@@ -7,6 +7,7 @@ socket into shared memory.
 """
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import msgspec
@@ -21,12 +22,14 @@ from shmserve.frontend.shm.registry import ShmRegistry
 from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.errors import InferError, invalid
-from shmserve.ipc.messages.common import ShmRef, Tensor
+from shmserve.ipc.messages.common import ErrorCode, ShmRef, Tensor
 from shmserve.ipc.messages.to_frontend import InferResult
 from shmserve.ipc.shm import ShmArena
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
+
+_U32 = struct.Struct("<I")
 
 
 def unparsable(field: str, problem: str, detail: str = "") -> InferError:
@@ -137,10 +140,11 @@ def _shape(name: str, value: Any) -> list[int]:
         raise unparsable("shape", NOT_ARRAY, f"input '{name}': the shape is an array of "
                                              f"non-negative integers")
     if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        # Triton answers this one with a 500 (its JSON reader's words); it is the client's: 400
-        raise invalid(f"Unable to parse 'shape': attempt to access JSON non-unsigned-integer as "
-                      f"unsigned-integer (input '{name}' has shape {value}; the dims must be "
-                      f"non-negative integers)")
+        # a 500, as Triton answers it (its JSON reader fails there; Triton's own HTTP tests
+        # expect the 500), with its words and then which input and shape
+        raise InferError(ErrorCode.INTERNAL, f"Unable to parse 'shape': attempt to access JSON "
+                         f"non-unsigned-integer as unsigned-integer (input '{name}' has shape "
+                         f"{value}; the dims must be non-negative integers)")
     return value
 
 
@@ -166,7 +170,7 @@ def parse_infer(model: ModelView, body, header_len: int | None, body_ref: ShmRef
     mv = memoryview(body)
     budget = TensorBudget(limits)
     if header_len == 0:
-        return _parse_raw(model, mv, body_ref, budget, forwarded)
+        return _parse_raw(model, mv, body_ref, arena, budget, forwarded)
     if header_len is None:
         header_len = len(mv)
     elif header_len < 0 or header_len > len(mv):
@@ -283,9 +287,10 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
                            protocol_params=("binary_data_output",))
 
 
-def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,
+def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None, arena: ShmArena,
                budget: TensorBudget, forwarded: dict[str, str] | None = None) -> PreparedRequest:
-    """Inference-Header-Content-Length: 0 — the whole body is the data of the only input."""
+    """Inference-Header-Content-Length: 0 — the whole body is the data of the only input (for a
+    BYTES input, its one element, without the length the binary extension puts before each)."""
     if len(model.inputs) != 1:
         raise invalid(f"Raw request must only have 1 input (found 1) to be deduced but got "
                       f"{len(model.inputs)} inputs in '{model.name}' model configuration "
@@ -315,14 +320,26 @@ def _parse_raw(model: ModelView, mv: memoryview, body_ref: ShmRef | None,
         shape = [1] + shape
     t = Tensor(spec.name, spec.datatype, shape)
     budget.declare(t)
-    budget.data(t, len(mv))
-    validation.check_byte_size(model, t, len(mv), mv)
-    if body_ref is not None and len(mv) > INLINE_LIMIT:
-        t.shm = body_ref
+    scratch: list[ShmRef] = []
+    if spec.datatype == "BYTES":
+        data = _U32.pack(len(mv)) + mv      # the element as the binary extension carries it
+        budget.data(t, len(data))
+        validation.check_byte_size(model, t, len(data), data)
+        request.place_data(t, data, arena, scratch)
     else:
-        t.data = bytes(mv)
-    return request.prepare(model, [t], None, {}, "", [], [], True, budget.limits,
-                           forwarded=forwarded)
+        budget.data(t, len(mv))
+        validation.check_byte_size(model, t, len(mv), mv)
+        if body_ref is not None and len(mv) > INLINE_LIMIT:
+            t.shm = body_ref
+        else:
+            t.data = bytes(mv)
+    try:
+        return request.prepare(model, [t], None, {}, "", scratch, [], True, budget.limits,
+                               forwarded=forwarded)
+    except BaseException:
+        for ref in scratch:
+            arena.free(ref)
+        raise
 
 
 def _as_json(wanted) -> bool:

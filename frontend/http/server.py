@@ -103,6 +103,11 @@ class HttpConnection(asyncio.Protocol):
         self.started = 0.0              # when the request being received began; 0 = none
         self.last_active = time.monotonic()
         self.parser = httptools.HttpRequestParser(self)
+        # a request with both Transfer-Encoding and Content-Length (python's requests adds the
+        # latter to a body it was given chunked by hand) is read by Transfer-Encoding alone, as
+        # RFC 9112 §6.1 allows and Triton does, and its connection closes after the answer
+        # (on_headers_complete), so that no other reading of the stream can follow it
+        self.parser.set_dangerous_leniencies(lenient_chunked_length=True)
         # set by connection_made, the first call asyncio makes
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.url = b""
@@ -229,6 +234,9 @@ class HttpConnection(asyncio.Protocol):
         req.http10 = self.parser.get_http_version() == "1.0"
         req.started = self.started
         length = self.headers.get("content-length")
+        if length is not None and "transfer-encoding" in self.headers:
+            length = None
+            req.keep_alive = False
         if length is not None:
             try:
                 n = int(length)

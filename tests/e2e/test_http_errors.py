@@ -55,7 +55,7 @@ CASES = [
     ("bad datatype name", "/v2/models/identity_fp32/infer",
      {"inputs": [_in(datatype="FLOAT", data=[1.0] * 4)]}, None, 400, "invalid datatype for input INPUT0"),
     ("negative dim", "/v2/models/identity_fp32/infer",
-     {"inputs": [_in(shape=(1, -4), data=[1.0] * 4)]}, None, 400, "'shape'"),
+     {"inputs": [_in(shape=(1, -4), data=[1.0] * 4)]}, None, 500, "'shape'"),     # as Triton
     ("batch too large", "/v2/models/simple/infer",
      {"inputs": [_in("INPUT0", (9, 16), "INT32", [0] * 144), _in("INPUT1", (9, 16), "INT32", [0] * 144)]},
      None, 400, "batch-size must be <= 8"),

@@ -74,8 +74,16 @@ def test_grpc_stream_is_restricted_too(server):
     assert "expecting header 'triton-grpc-protocol-infer-key'" in str(results[0][1])
 
 
-def test_a_bad_restriction_stops_the_start():
+@pytest.mark.parametrize("flags, text", [
+    (["--http-restricted-api", "inferencing:k=v"], "unknown restricted api 'inferencing'"),
+    # the words Triton's L0_grpc greps its log for
+    (["--grpc-restricted-protocol=model-reposit,health:k1=v1",
+      "--grpc-restricted-protocol=metadata,health:k2=v2"], "unknown restricted protocol 'model-reposit'"),
+    (["--grpc-restricted-protocol=model-repository,health:k1=v1",
+      "--grpc-restricted-protocol=metadata,health:k2=v2"],
+     "protocol 'health' can not be specified in multiple config groups"),
+])
+def test_a_bad_restriction_stops_the_start(flags, text):
     p = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
-                        "--http-restricted-api", "inferencing:k=v"], capture_output=True, text=True,
-                       timeout=60)
-    assert p.returncode == 2 and "unknown restricted api 'inferencing'" in p.stderr
+                        *flags], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.count(text) == 1, p.stderr

@@ -139,10 +139,10 @@ def test_buffer_size_overflow(server):
            "byte size overflow for input 'INPUT0'")
 
 
-def test_negative_dimension_is_a_400_with_tritons_words(server):
-    """Triton answers 500 (its JSON reader fails); a client's bad shape is a 400 here."""
+def test_negative_dimension_is_a_500_with_tritons_words(server):
+    """Triton answers 500 (its JSON reader fails), which its own L0_http test expects."""
     doc = {"inputs": [{"name": "INPUT0", "shape": [2, -5], "datatype": "FP32", "data": [1.0]}]}
-    _error(_post(server, "identity_fp32", json=doc), 400,
+    _error(_post(server, "identity_fp32", json=doc), 500,
            "Unable to parse 'shape': attempt to access JSON non-unsigned-integer as "
            "unsigned-integer", "input 'INPUT0'")
 

@@ -28,6 +28,13 @@ def test_a_group_is_restricted_once():
         restricted.parse(["health:a=1", "health,metadata:b=2"])
 
 
+def test_grpc_errors_say_protocol_as_tritons_do():
+    with pytest.raises(restricted.RestrictionError, match="protocol 'health' can not be specified in multiple config groups"):
+        restricted.parse(["model-repository,health:k1=v1", "metadata,health:k2=v2"], "protocol")
+    with pytest.raises(restricted.RestrictionError, match="unknown restricted protocol 'model-reposit'"):
+        restricted.parse(["model-reposit,health:k1=v1"], "protocol")
+
+
 def test_every_http_endpoint_has_its_group():
     app = KServeHttpApp.__new__(KServeHttpApp)
     groups = {p: api_group(p) for _, p, _ in KServeHttpApp.routes(app)}

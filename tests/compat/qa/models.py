@@ -1,0 +1,142 @@
+"""Build the model repositories Triton's test.sh files build.
+
+- ``python_model``: test.sh's ``mkdir -p models/X/1; cp ../python_models/Y/model.py ...``.
+- ``sed``/``append``: its ``sed -i`` and ``echo ... >> config.pbtxt`` edits.
+- ``generated``: a model test.sh copies from Triton's pre-generated ``/data/inferenceserver``
+  repositories, made here by Triton's own generators (qa/common/gen_qa_models.py and
+  gen_qa_identity_models.py, ONNX only), so names, tensors, datatypes and dims are theirs.
+- ``as_libtorch``: a generated ONNX model renamed to its libtorch twin (same name and
+  INPUT__0-style tensor names as gen_qa_models.py's libtorch model, same arithmetic).
+- ``example``: a model of Triton's docs/examples/model_repository (what Dockerfile.QA copies into
+  qa/L0_*/models), from the directory given with --examples or, without it, this project's
+  configs/models, which holds models of the same names and interfaces.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
+OWN_EXAMPLES = os.path.join(ROOT, "configs", "models")
+
+# generator -> the flags Triton's gen_qa_model_repository passes it (ONNX part)
+_GENERATORS = {
+    "qa_model_repository": ("gen_qa_models.py", ["--onnx"]),
+    "qa_identity_model_repository": ("gen_qa_identity_models.py", ["--onnx"]),
+}
+
+
+class Missing(Exception):
+    """A model this run cannot provide; the cases that need it are skipped with the message."""
+
+
+def python_model(qa: str, src: str, repo: str, name: str | None = None,
+                 model_file: str = "model.py", config: str | None = "config.pbtxt",
+                 files: tuple[str, ...] = ()) -> str:
+    """models/<name>/1/model.py and models/<name>/config.pbtxt from qa/python_models/<src>."""
+    name = name or src
+    srcdir = os.path.join(qa, "python_models", src)
+    dst = os.path.join(repo, name)
+    os.makedirs(os.path.join(dst, "1"), exist_ok=True)
+    shutil.copy(os.path.join(srcdir, model_file), os.path.join(dst, "1", "model.py"))
+    for extra in files:
+        shutil.copy(os.path.join(srcdir, extra), os.path.join(dst, "1", os.path.basename(extra)))
+    if config:
+        shutil.copy(os.path.join(srcdir, config), os.path.join(dst, "config.pbtxt"))
+    return dst
+
+
+def sed(path: str, pattern: str, repl: str, count: int = 0) -> None:
+    """``sed -i "s/pattern/repl/[g]"`` (a Python regex, per line; count=1 for no ``g``)."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    out = [re.sub(pattern, repl, line, count=count) for line in lines]
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def sed_first(path: str, pattern: str, repl: str) -> None:
+    """``sed -i "0,/pattern/{s/pattern/repl/}"``: only the first match in the file."""
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(re.sub(pattern, repl, text, count=1))
+
+
+def append(path: str, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+
+
+def rename(config_dir: str, name: str) -> None:
+    """``sed -i "s/^name:.*/name: \\"<name>\\"/" config.pbtxt``"""
+    sed(os.path.join(config_dir, "config.pbtxt"), r"^name:.*", f'name: "{name}"')
+
+
+def copytree(src: str, dst: str) -> str:
+    shutil.copytree(src, dst, symlinks=False, dirs_exist_ok=True)
+    return dst
+
+
+def generated(ctx, repository: str, model: str, dest_repo: str, name: str | None = None) -> str:
+    """Copy ``model`` of Triton's ``repository`` (qa_model_repository, ...) into ``dest_repo``."""
+    cache = os.path.join(ctx.work, "generated", repository)
+    if not os.path.isdir(cache):
+        script, flags = _GENERATORS[repository]
+        common = os.path.join(ctx.qa, "common")
+        done = subprocess.run([sys.executable, os.path.join(common, script), *flags,
+                               f"--models_dir={cache}"], cwd=common, capture_output=True,
+                              text=True, timeout=600, env=ctx.env())
+        if done.returncode != 0:
+            shutil.rmtree(cache, ignore_errors=True)
+            raise Missing(f"Triton's {script} --onnx failed: {done.stderr.strip()[-300:]}")
+    src = os.path.join(cache, model)
+    if not os.path.isdir(src):
+        raise Missing(f"needs Triton's generated model {model} ({repository}), which "
+                      "its generator does not make with --onnx")
+    return copytree(src, os.path.join(dest_repo, name or model))
+
+
+def as_libtorch(ctx, model: str, dest_repo: str) -> str:
+    """``libtorch_[nobatch_]<in>_<in>_<out>`` as ONNX: gen_qa_models.py's ONNX model of the same
+    arithmetic, its tensors renamed INPUT__0/INPUT__1/OUTPUT__0/OUTPUT__1 as the libtorch
+    generator names them."""
+    import onnx
+    onnx_name = model.replace("libtorch", "onnx", 1)
+    dst = generated(ctx, "qa_model_repository", onnx_name, dest_repo, name=model)
+    path = os.path.join(dst, "1", "model.onnx")
+    m = onnx.load(path)
+    names = {f"{io}{i}": f"{io}__{i}" for io in ("INPUT", "OUTPUT") for i in range(4)}
+    for vi in [*m.graph.input, *m.graph.output]:
+        vi.name = names.get(vi.name, vi.name)
+    for node in m.graph.node:
+        node.input[:] = [names.get(n, n) for n in node.input]
+        node.output[:] = [names.get(n, n) for n in node.output]
+    onnx.save(m, path)
+    cfg = os.path.join(dst, "config.pbtxt")
+    rename(dst, model)
+    for old, new in names.items():
+        sed(cfg, rf'name: "{old}"', f'name: "{new}"')
+    return dst
+
+
+def example(ctx, model: str, dest_repo: str, name: str | None = None) -> str:
+    """A model of Triton's docs/examples/model_repository (or this project's equivalent)."""
+    for base in (ctx.examples, OWN_EXAMPLES):
+        if base and os.path.isdir(os.path.join(base, model, "1")):
+            return copytree(os.path.join(base, model), os.path.join(dest_repo, name or model))
+    raise Missing(f"needs Triton's example model {model} (docs/examples/model_repository)")
+
+
+def python_backend_example(ctx, path: str) -> str:
+    """A file of python_backend's examples/ (given with --python-backend)."""
+    if not ctx.python_backend:
+        raise Missing(f"needs python_backend's examples/{path} (pass --python-backend)")
+    full = os.path.join(ctx.python_backend, "examples", path)
+    if not os.path.exists(full):
+        raise Missing(f"python_backend has no examples/{path}")
+    return full

@@ -1,0 +1,167 @@
+#!/usr/bin/env python3
+"""Run a selection of Triton's own QA suites (its qa/L0_* folders), unchanged, against shmserve.
+
+Each suite is replayed as its test.sh runs it against tritonserver: the same model repositories
+(built from qa/python_models etc.; models test.sh copies from Triton's pre-generated
+/data/inferenceserver repositories are made with Triton's own generators, ONNX only), the same
+server flags, the same unittest/pytest files and classes, and the log greps and exit-code checks
+test.sh makes itself. The server takes the fixed ports the QA files hard-code (8000-8002): nothing
+else may hold them. Cases that need a GPU, torch, TensorRT, C++ clients or custom C++ backends
+are SKIP with the reason.
+
+Not part of the test suite (CI has no copy of Triton's qa/). This is how the team finds where
+shmserve still answers differently from Triton.
+
+Usage: python tests/compat/run_triton_qa.py QA_DIR [--suite NAME]... [--json PATH]
+           [--examples DIR] [--python-backend DIR] [--keep] [-v]
+  QA_DIR: the qa/ folder of triton-inference-server/server (it is copied, never changed)
+  --examples: that repository's docs/examples/model_repository (default: configs/models here,
+              models of the same names and interfaces)
+  --python-backend: a checkout of triton-inference-server/python_backend (its examples/ give
+              L0_backend_python/decoupled and L0_decoupled their square/repeat models)
+  --suite: a suite to run (repeatable; a prefix such as L0_backend_python takes its sub-suites);
+           default: all of them, in the order below
+
+Prints a table per suite (case, PASS/FAIL/SKIP, one-line reason) and the totals.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from qa import report  # noqa: E402
+from qa.harness import Case, PortsBusy, Suite, wait_ports_free  # noqa: E402
+
+# suite name -> module under qa/ whose run(ctx) replays it
+SUITES = {
+    "L0_backend_python": "suite_backend_python",
+    "L0_backend_python/response_sender": "suite_bp_response_sender",
+    "L0_backend_python/async_execute": "suite_bp_async_execute",
+    "L0_backend_python/decoupled": "suite_bp_decoupled",
+    "L0_backend_python/model_control": "suite_bp_model_control",
+    "L0_backend_python/logging": "suite_bp_logging",
+    "L0_backend_python/model_readiness": "suite_bp_model_readiness",
+    "L0_http": "suite_http",
+    "L0_grpc": "suite_grpc",
+    "L0_shared_memory": "suite_shared_memory",
+    "L0_input_validation": "suite_input_validation",
+    "L0_parameters": "suite_parameters",
+    "L0_decoupled": "suite_decoupled",
+    "L0_client_timeout": "suite_client_timeout",
+    "L0_request_cancellation": "suite_request_cancellation",
+}
+
+
+class Ctx:
+    """What every suite needs: where the copy of qa/ is, the optional sources, the test env."""
+
+    def __init__(self, qa_src: str, work: str, examples: str | None, python_backend: str | None,
+                 verbose: bool):
+        self.work = work
+        self.qa = os.path.join(work, "qa")
+        shutil.copytree(qa_src, self.qa, symlinks=True)
+        self.examples = os.path.abspath(examples) if examples else None
+        self.python_backend = os.path.abspath(python_backend) if python_backend else None
+        self.verbose = verbose
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a test process: qa/common (test_util, shm_util, ...) and the
+        triton_shm_monitor stand-in on PYTHONPATH, as Triton's QA image has them."""
+        paths = [os.path.join(self.qa, "common"), os.path.join(HERE, "qa", "pystubs")]
+        if os.environ.get("PYTHONPATH"):
+            paths.append(os.environ["PYTHONPATH"])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
+        for k in ("TRITONSERVER_IPADDR", "TEST_JETSON", "TEST_WINDOWS"):
+            env.pop(k, None)
+        env.update(extra)
+        return env
+
+
+def check_install() -> str | None:
+    import shmserve.engine
+    paths = list(shmserve.engine.__path__)
+    if not any(os.path.realpath(p).startswith(os.path.realpath(ROOT) + os.sep) for p in paths):
+        return (f"the installed shmserve is {paths}, not this checkout ({ROOT}); "
+                f"run: cd {ROOT} && python3 -m pip install --no-deps -e .")
+    return None
+
+
+def run_suite(ctx: Ctx, name: str) -> list[Suite]:
+    t0 = time.monotonic()
+    print(f"-- {name}", flush=True)
+    try:
+        module = importlib.import_module(f"qa.{SUITES[name]}")
+        out = module.run(ctx)
+    except PortsBusy:
+        raise
+    except Exception as e:                  # noqa: BLE001 - one suite's crash is its FAIL
+        import traceback
+        s = Suite(name, ctx)
+        s.add("(suite)", "FAIL", f"the suite's replay crashed: {type(e).__name__}: {e}",
+              traceback.format_exc())
+        out = s
+    suites = out if isinstance(out, list) else [out]
+    print(f"   done in {time.monotonic() - t0:.0f} s", flush=True)
+    return suites
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("qa_dir")
+    p.add_argument("--suite", action="append", default=[])
+    p.add_argument("--json")
+    p.add_argument("--examples")
+    p.add_argument("--python-backend")
+    p.add_argument("--keep", action="store_true", help="keep the work folder (logs, repositories)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print each case as it ends")
+    a = p.parse_args(argv)
+    if not os.path.isdir(os.path.join(a.qa_dir, "common")):
+        p.error(f"{a.qa_dir} is not Triton's qa/ folder (no common/ in it)")
+    wanted = [n for n in SUITES if not a.suite or any(n == s or n.startswith(s.rstrip("/") + "/")
+                                                       for s in a.suite)]
+    if not wanted:
+        p.error(f"no such suite; known: {', '.join(SUITES)}")
+    problem = check_install()
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    try:
+        wait_ports_free(timeout=5)
+    except PortsBusy as e:
+        print(e, file=sys.stderr)
+        return 2
+    work = tempfile.mkdtemp(prefix="shmserve-triton-qa-")
+    ctx = Ctx(os.path.abspath(a.qa_dir), work, a.examples, a.python_backend, a.verbose)
+    by_suite: dict[str, list[Case]] = {}
+    try:
+        for name in wanted:
+            for s in run_suite(ctx, name):
+                by_suite.setdefault(s.name, []).extend(s.cases)
+    except PortsBusy as e:
+        print(f"stopped: {e}", file=sys.stderr)
+    finally:
+        if a.keep:
+            print(f"work folder kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    for name, cases in by_suite.items():
+        print()
+        print(report.table(name, cases))
+    print(report.summary(by_suite))
+    if a.json:
+        report.write_json(a.json, by_suite, {"qa_dir": os.path.abspath(a.qa_dir),
+                                             "examples": ctx.examples,
+                                             "python_backend": ctx.python_backend})
+    return 0 if all(c.status != "FAIL" for cases in by_suite.values() for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
