@@ -83,6 +83,7 @@ class ModelVersion:
     retry_on_death: bool = True         # re-run once what a dead worker held (stateless models)
     clock: object = None                # the core's clock (ns) for its queue; None = monotonic
     ensemble: EnsemblePlan | None = None    # an ensemble's steps (it has no instances)
+    labels: dict[str, list[bytes]] = field(default_factory=dict)    # an ensemble's, per output
 
     def __post_init__(self):
         self.build_queue()

@@ -89,3 +89,32 @@ def _read(path: str, most: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+class LabelFileError(Exception):
+    """A label file that cannot be used; the model fails to load with this text."""
+
+
+def read_labels(config: dict, model_dir: str) -> dict[str, list[bytes]]:
+    """Each output's labels (one per line, the line number is the class index), for the outputs
+    with a ``label_filename``. The file must lie inside the model directory."""
+    labels: dict[str, list[bytes]] = {}
+    root = os.path.normpath(os.path.abspath(model_dir))
+    for out in config.get("output", []):
+        filename, name = out.get("label_filename", ""), out.get("name", "")
+        if not filename:
+            continue
+        path = os.path.normpath(os.path.join(root, filename))
+        if os.path.isabs(filename) or os.path.commonpath([root, path]) != root:
+            raise LabelFileError(f"label file path '{path}' for output '{name}' in model "
+                                 f"'{config.get('name', '')}' is outside the model directory")
+        try:
+            data = read_bytes(path, DATA_MAX_BYTES)
+        except OSError as e:
+            raise LabelFileError(f"unable to read the label file '{path}' for output '{name}': "
+                                 f"{e.strerror or e}") from None
+        lines = data.split(b"\n")
+        if lines[-1] == b"":        # the newline that ends the last line starts no label
+            lines.pop()
+        labels[name] = lines
+    return labels

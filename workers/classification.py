@@ -4,16 +4,17 @@ item, largest first, each ``b"<value>:<index>"`` or ``b"<value>:<index>:<label>"
 
 The worker applies it to the model's array before the output is placed, so the client gets a few
 short strings instead of the whole tensor. Labels come from the output's ``label_filename`` in
-the model directory and are read once, when the instance loads.
+the model directory and are read once, when the instance loads (``ipc/model_files.py``); an
+ensemble's output has the ensemble's labels, read when it loads, which come with the request
+(``OutputSpec.labels``) to the step that produces it.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
-from shmserve.ipc import dtypes, model_files
+from shmserve.ipc import dtypes
 
 # Triton refuses to rank more entries than this per batch item (pathological sizes)
 MAX_ELEMENTS = 1_000_000
@@ -23,38 +24,9 @@ class ClassificationError(ValueError):
     """The output cannot be classified; the request fails with INVALID_ARG and this text."""
 
 
-class LabelFileError(Exception):
-    """A label file that cannot be used; the model fails to load with this text."""
-
-
 def unsupported_type(datatype: str) -> str:
     """Triton's words for an output whose datatype the extension does not rank."""
     return f"class result not available for output due to unsupported type '{datatype}'"
-
-
-def read_labels(config: dict, model_dir: str) -> dict[str, list[bytes]]:
-    """Each output's labels (one per line, the line number is the class index), for the outputs
-    with a ``label_filename``. The file must lie inside the model directory."""
-    labels: dict[str, list[bytes]] = {}
-    root = os.path.normpath(os.path.abspath(model_dir))
-    for out in config.get("output", []):
-        filename, name = out.get("label_filename", ""), out.get("name", "")
-        if not filename:
-            continue
-        path = os.path.normpath(os.path.join(root, filename))
-        if os.path.isabs(filename) or os.path.commonpath([root, path]) != root:
-            raise LabelFileError(f"label file path '{path}' for output '{name}' in model "
-                                 f"'{config.get('name', '')}' is outside the model directory")
-        try:
-            data = model_files.read_bytes(path, model_files.DATA_MAX_BYTES)
-        except OSError as e:
-            raise LabelFileError(f"unable to read the label file '{path}' for output '{name}': "
-                                 f"{e.strerror or e}") from None
-        lines = data.split(b"\n")
-        if lines[-1] == b"":        # the newline that ends the last line starts no label
-            lines.pop()
-        labels[name] = lines
-    return labels
 
 
 def classify(arr: np.ndarray, datatype: str, k: int, batching: bool,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import msgspec
 import zmq
 
-from shmserve.ipc import channel, logs, packets
+from shmserve.ipc import channel, logs, model_files, packets
 from shmserve.ipc.exec_record import ExecutionRecord, record_path
 from shmserve.ipc.gpu import cuda_ipc
 from shmserve.ipc.gpu.device import CudaError, DeviceTensor
@@ -244,7 +244,7 @@ class Worker:
             self.senders = bool(getattr(self.backend, "emits", False))
             self.use_config(self.spec.config_json)
             config = json.loads(self.spec.config_json)
-            self.labels = classification.read_labels(config, self.spec.model_dir)
+            self.labels = model_files.read_labels(config, self.spec.model_dir)
             self.sequence = sequence.from_config(config, self.spec.model_dir)
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
@@ -533,7 +533,7 @@ class Worker:
                     chains.extend(m for m in p.chain if m not in chains)
                 target = {o.name: o.shm or o.cuda for o in p.outputs
                           if o.shm is not None or o.cuda is not None}
-                top = {o.name: o.classification for o in p.outputs if o.classification}
+                top = {o.name: (o.classification, o.labels) for o in p.outputs if o.classification}
                 device = frozenset(o.name for o in p.outputs if o.device)
                 wanted = [o.name for o in p.outputs]
                 if self.sequence is not None:   # control inputs, implicit state
@@ -649,8 +649,9 @@ class Worker:
     def result(self, req_id: int, resp, targets: dict, top: dict,
                device: frozenset = frozenset()) -> InferResult:
         """``targets``: outputs to write into clients' regions; ``top``: outputs to return as
-        their top K classes (the classification extension); ``device``: outputs that may stay
-        on the GPU (in the device arena) when the model left them there."""
+        their top K classes (the classification extension), with the labels the request brings
+        (None: the model's own); ``device``: outputs that may stay on the GPU (in the device
+        arena) when the model left them there."""
         if resp.error:
             return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
         outs: list[Tensor] = []
@@ -674,8 +675,9 @@ class Worker:
                 if name not in self.shapes_noted:
                     self.note_shape(name, arr.shape)
                 if top and name in top:
-                    arr = classification.classify(arr, datatype, top[name],
-                                                  self.checks.batching, self.labels.get(name, ()))
+                    k, labels = top[name]       # an ensemble's own labels first, then the model's
+                    arr = classification.classify(arr, datatype, k, self.checks.batching,
+                                                  self.labels.get(name, ()) if labels is None else labels)
                     datatype = "BYTES"
                 target = targets.get(name)
                 if type(target) is CudaRef:

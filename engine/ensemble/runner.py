@@ -228,7 +228,8 @@ class EnsembleRunner:
                                       spec.classification if spec else 0,
                                       spec.cuda if spec else None,
                                       # only later steps read it, on their GPUs
-                                      spec is None and tensor in run.plan.device_tensors))
+                                      spec is None and tensor in run.plan.device_tensors,
+                                      spec.labels if spec else None))
         if not outputs:             # a step whose outputs nobody wants still runs (for its effects)
             outputs = [OutputSpec(own) for own in step.outputs]
         p, head = run.payload, run.head

@@ -25,7 +25,7 @@ from shmserve.engine.lifecycle.uploads import UploadDirs
 from shmserve.engine.models import Instance, ModelVersion
 from shmserve.engine.processes.instances import InstanceSupervisor, SpawnFailed
 from shmserve.engine.states import ModelState
-from shmserve.ipc import model_config
+from shmserve.ipc import model_config, model_files
 from shmserve.ipc.messages.common import ChainHop, ControlAction, ErrorCode, StateCause
 from shmserve.ipc.messages.to_frontend import ModelInfo, ModelTable, VersionInfo
 from shmserve.ipc.messages.to_scheduler import ControlRequest
@@ -258,10 +258,14 @@ class ModelLifecycle:
         mode, loading it loads those of them that are not loaded (as Triton does)."""
         try:
             plan = ensemble_plan.plan(load.entry.config)
-        except ConfigError as e:
+            # its own label files: a classification of its outputs names these labels
+            labels = model_files.read_labels(model_config.config_to_dict(load.entry.config),
+                                             load.versions[0].path) if load.versions else {}
+        except (ConfigError, model_files.LabelFileError) as e:
             return self.finish_load(load, str(e))
         for ver in load.versions:
             ver.ensemble = plan
+            ver.labels = labels
         log.info("loading ensemble '%s' (composing models %s)", load.name,
                  ", ".join(plan.composing()))
         if self.settings.model_control_mode in ("explicit", "on_demand"):
@@ -557,6 +561,7 @@ class ModelLifecycle:
             states_of.setdefault(n, {})[ver.version] = VersionInfo(
                 ver.version, ver.state, ver.reason, ver.cause, round(ver.load_started * 1e9),
                 self.route(ver))
+        labels = {n: ver.labels for (n, _), ver in self.versions.items() if ver.labels}
         models = []
         for name, entry in sorted(self.entries.items()):
             cfg = self._config_bytes(name, entry.config)
@@ -574,7 +579,7 @@ class ModelLifecycle:
                 if entry.auto_complete and entry.config is not None and \
                         (not entry.config.input or not entry.config.output):
                     cfg = b""       # the model completes it when it first loads
-            models.append(ModelInfo(name, cfg, vers, on_demand))
+            models.append(ModelInfo(name, cfg, vers, on_demand, labels.get(name, {})))
         return ModelTable(models, self.startup_done)
 
     def route(self, ver: ModelVersion) -> list[ChainHop]:

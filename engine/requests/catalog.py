@@ -55,6 +55,7 @@ class ModelView:
     response_cache: bool = False
     raw_config: bytes = b""             # as the table carried it (unchanged: the view is reused)
     raw_versions: list = field(default_factory=list)    # the table's VersionInfos, likewise
+    labels: dict[str, list[bytes]] = field(default_factory=dict)   # an ensemble's, per output
     _ready: list = field(default_factory=list, repr=False, compare=False)
     _ready_of: Any = field(default=None, repr=False, compare=False)
 
@@ -93,7 +94,8 @@ class ModelView:
 
 
 def _view(info, old: ModelView | None = None) -> ModelView:
-    if old is not None and old.raw_config == info.config and old.on_demand == info.on_demand:
+    if old is not None and old.raw_config == info.config and old.on_demand == info.on_demand \
+            and old.labels == info.labels:
         # the same config (on demand, a table comes with every load and unload of any model,
         # and parsing hundreds of configs each time would cost): the same view, or a copy
         # with the new states
@@ -112,7 +114,7 @@ def _view(info, old: ModelView | None = None) -> ModelView:
     view = ModelView(info.name, cfg, config_to_json(cfg).encode(), states,
                      max_batch_size=cfg.max_batch_size, platform=cfg.platform or cfg.backend,
                      on_demand=info.on_demand, raw_config=info.config,
-                     raw_versions=list(info.versions))
+                     raw_versions=list(info.versions), labels=info.labels)
     view.variable_inputs = frozenset(t.name for t in cfg.input
                                      if -1 in t.dims and not t.allow_ragged_batch)
     view.has_optional = any(t.optional for t in cfg.input)

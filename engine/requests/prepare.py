@@ -245,7 +245,7 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
     if model.sequence and not model.iterative:
         _check_sequence(model, batch, correlation_id)
     payload = InferPayload(request_id, tensors,
-                           [_output_spec(o) for o in outputs],
+                           [_output_spec(o, model.labels) for o in outputs],
                            model_params, correlation_id, flags)
     for r in regions:
         r.in_use += 1
@@ -253,9 +253,11 @@ def prepare(model: ModelView, tensors: list[Tensor], outputs: list[OutputWanted]
                            timeout_us, shape_key(model, tensors))
 
 
-def _output_spec(o: OutputWanted) -> OutputSpec:
+def _output_spec(o: OutputWanted, labels: dict[str, list[bytes]]) -> OutputSpec:
     if isinstance(o.ref, CudaRef):
         return OutputSpec(o.name, None, o.classification, o.ref)
+    if o.classification and o.name in labels:   # an ensemble's output, with its own labels
+        return OutputSpec(o.name, o.ref, o.classification, labels=labels[o.name])
     return OutputSpec(o.name, o.ref, o.classification)
 
 

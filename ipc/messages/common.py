@@ -87,6 +87,9 @@ class OutputSpec(msgspec.Struct, array_like=True):
     # steps read): an output the model leaves on a GPU may stay there, in a slot of the
     # worker's device arena (Tensor.cuda), instead of being copied to host memory
     device: bool = False
+    # an ensemble output's class labels (its config's label_filename), for the step's worker
+    # to classify with instead of the step model's own; sent only with a classification
+    labels: list[bytes] | None = None
 
 
 def parameter_problem(params: dict) -> str:

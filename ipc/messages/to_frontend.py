@@ -37,6 +37,9 @@ class ModelInfo(msgspec.Struct, array_like=True):
     # --model-control-mode=on_demand: a request for a version that is not READY is held by the
     # scheduler while the model loads (config b"": the model completes it when it first loads)
     on_demand: bool = False
+    # an ensemble's class labels per output (label_filename, read when it loads): the step
+    # that produces the output classifies with them (OutputSpec.labels)
+    labels: dict[str, list[bytes]] = {}
 
 
 class ModelTable(msgspec.Struct, array_like=True, tag=10):

@@ -26,6 +26,7 @@ CLASSIFIER = os.path.join(REPO_ROOT, "configs", "models", "classifier_onnx")
 with open(os.path.join(CLASSIFIER, "labels.txt")) as _f:
     COLOR_LABELS = _f.read().split()
 RANK_LABELS = [b"l0", b"l1", b"", b"l3"]        # index 2: an empty line, no label
+ENSEMBLE_LABELS = [b"e0", b"e1", b"e2", b"e3", b"e4"]
 PROTOCOLS = ["http-json", "http-binary", "grpc"]
 
 
@@ -60,6 +61,27 @@ def _write_repo(repo: str) -> None:
         ''', IDENTITY)
     with open(os.path.join(repo, "rank_fp32", "labels.txt"), "wb") as f:
         f.write(b"\n".join(RANK_LABELS) + b"\n")
+    # an ensemble whose own output names a label file (Triton's old docs ensemble example has its
+    # labels there): its labels, not the step model's, name the classes
+    for name, labels in (("rank_ensemble", 'label_filename: "ensemble_labels.txt"'),
+                         ("ensemble_no_labels_file", 'label_filename: "nope.txt"')):
+        os.makedirs(os.path.join(repo, name, "1"))
+        with open(os.path.join(repo, name, "config.pbtxt"), "w") as f:
+            f.write(textwrap.dedent(f'''
+                platform: "ensemble"
+                max_batch_size: 8
+                input [ {{ name: "IN", data_type: TYPE_FP32, dims: [ -1 ] }} ]
+                output [ {{ name: "OUT", data_type: TYPE_FP32, dims: [ -1 ] {labels} }} ]
+                ensemble_scheduling {{ step [
+                  {{ model_name: "rank_fp32", model_version: -1,
+                     input_map {{ key: "INPUT0" value: "IN" }},
+                     output_map {{ key: "OUTPUT0" value: "MID" }} }},
+                  {{ model_name: "rank_fp32", model_version: -1,
+                     input_map {{ key: "INPUT0" value: "MID" }},
+                     output_map {{ key: "OUTPUT0" value: "OUT" }} }} ] }}
+            '''))
+    with open(os.path.join(repo, "rank_ensemble", "ensemble_labels.txt"), "wb") as f:
+        f.write(b"\n".join(ENSEMBLE_LABELS) + b"\n")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +89,8 @@ def srv(tmp_path_factory):
     repo = str(tmp_path_factory.mktemp("classification"))
     _write_repo(repo)
     loads = []
-    for m in ("classifier_onnx", "classifier_nobatch", "rank_fp32", "rank_int32", "rank_bytes"):
+    for m in ("classifier_onnx", "classifier_nobatch", "rank_fp32", "rank_int32", "rank_bytes",
+              "rank_ensemble"):
         loads += ["--load-model", m]
     s = Server(repo, "--model-control-mode", "explicit", *loads)
     yield s
@@ -138,6 +161,29 @@ def test_batched_top_k_with_labels_matches_numpy(srv, protocol):
     rows = np.array([[3, 2, 1, 0, -1]], np.float32)
     assert infer(srv, protocol, "rank_fp32", rows, 5)[2] == \
         [[b"3.000000:0:l0", b"2.000000:1:l1", b"1.000000:2", b"0.000000:3:l3", b"-1.000000:4"]]
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_ensemble_output_is_classified_with_the_ensembles_labels(srv, protocol):
+    rows = np.array([[3, 2, 1, 0, -1]], np.float32)
+    want = [[b"3.000000:0:e0", b"2.000000:1:e1", b"1.000000:2:e2", b"0.000000:3:e3",
+             b"-1.000000:4:e4"]]
+    # the first request may go through the scheduler, the next worker to worker: both
+    for _ in range(4):
+        assert infer(srv, protocol, "rank_ensemble", rows, 5, input_name="IN",
+                     output_name="OUT") == ("BYTES", [1, 5], want)
+    # the step model asked directly keeps its own labels
+    assert infer(srv, protocol, "rank_fp32", rows, 2)[2] == [[b"3.000000:0:l0", b"2.000000:1:l1"]]
+
+
+def test_an_ensemble_label_file_that_cannot_be_read_fails_its_load(srv):
+    c = httpclient.InferenceServerClient(srv.url)
+    try:
+        with pytest.raises(InferenceServerException, match="unable to read the label file .*nope.txt"):
+            c.load_model("ensemble_no_labels_file")
+        assert not c.is_model_ready("ensemble_no_labels_file")
+    finally:
+        c.close()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -3,13 +3,8 @@ Triton's string format, clamping, ties and NaN, datatypes, and reading label fil
 import numpy as np
 import pytest
 
-from shmserve.workers.classification import (
-    MAX_ELEMENTS,
-    ClassificationError,
-    LabelFileError,
-    classify,
-    read_labels,
-)
+from shmserve.ipc.model_files import LabelFileError, read_labels
+from shmserve.workers.classification import MAX_ELEMENTS, ClassificationError, classify
 
 
 def _expected(row: np.ndarray, k: int, labels=()) -> list[bytes]:

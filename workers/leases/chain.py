@@ -86,7 +86,7 @@ class Chains:
             return
         if k == len(msg.hops) - 1:      # the client's outputs, as the client asked for them
             own_of = {tensor: own for own, tensor in hop.outputs.items()}
-            outputs = [OutputSpec(own_of[o.name], o.shm, o.classification, o.cuda)
+            outputs = [OutputSpec(own_of[o.name], o.shm, o.classification, o.cuda, labels=o.labels)
                        for o in p.outputs if o.name in own_of]
         else:
             outputs = [OutputSpec(own) for own in hop.outputs]
