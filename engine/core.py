@@ -36,6 +36,7 @@ from shmserve.engine.models import ModelVersion
 from shmserve.engine.port import SchedulerPort
 from shmserve.engine.processes.deaths import WorkerDeaths
 from shmserve.engine.processes.instances import InstanceSupervisor
+from shmserve.engine.readiness import ReadinessChecks
 from shmserve.engine.states import InstanceState, KillReason, ModelState
 from shmserve.ipc import channel
 from shmserve.ipc.gpu import device as gpu
@@ -60,6 +61,8 @@ from shmserve.ipc.messages.to_scheduler import (
     LeasedDone,
     LeaseEnded,
     Pong,
+    ReadinessQuery,
+    ReadinessReport,
     ResponseReport,
     SequencesLost,
     SetLogSettings,
@@ -113,6 +116,7 @@ class SchedulerCore:
         self.streamed_by: OrderedDict[tuple[int, int], int] = OrderedDict()
         self.deaths = WorkerDeaths(self)        # what a worker's death means (engine/processes/deaths.py)
         self.accounting = Accounting(clock, self.ensembles.timings)
+        self.readiness = ReadinessChecks(port, clock)      # models that decide it (is_ready())
         # --rate-limit execution_count (engine/batching/rate_limiter.py); None: off
         self.rate_limiter = RateLimiter(settings.rate_limit_resources) \
             if settings.rate_limit else None
@@ -137,6 +141,7 @@ class SchedulerCore:
             SetLogSettings: self.set_log_settings,
             SetTraceSettings: self.set_trace_settings,
             ReleaseOutputs: self.release_handed,
+            ReadinessQuery: self.readiness_query, ReadinessReport: self.readiness.report,
         }
         # --model-control-mode=on_demand (engine/lifecycle/on_demand.py): requests hold loads
         self.on_demand = OnDemand(self) if settings.model_control_mode == "on_demand" else None
@@ -387,6 +392,12 @@ class SchedulerCore:
         # a worker's BLS client takes leases too, but never on a model whose execution waits
         # for the answer (the instance it would be lent may be the one waiting)
         taker = not msg.chain or (msg.frontend > ENSEMBLE_FRONTEND and ver.name not in msg.chain)
+        if msg.sequence_id and isinstance(ver.queue, SequenceBatcher):
+            refused = ver.queue.lost_start_error(msg.sequence_id, msg.sequence_flags)
+            if refused:     # before a lent worker, which never knew the sequence, gets it
+                self.reply_error(msg.frontend, msg.req_id, ver.name, ver.version,
+                                 ErrorCode.INVALID_ARG, refused)
+                return
         if self.leases.by_version and not msg.no_lease and taker and not msg.lost and \
                 self.leases.give_back(ver, msg, payload):
             return
@@ -625,6 +636,11 @@ class SchedulerCore:
         if ver.auto_complete and msg.config_json and \
                 not self.lifecycle.apply_completed_config(ver, msg.config_json):
             return
+        if msg.asks_model and not ver.asks_model:
+            ver.asks_model = True       # frontends ask it (engine/readiness.py) from now on
+            self.table_dirty = True
+        if ver.state == ModelState.READY:
+            self.table_dirty = True     # a restarted instance: the version is healthy again
         inst.state = InstanceState.IDLE
         ver.queue.instance_idle(inst)
         if ver.state == ModelState.LOADING and ver.all_started():
@@ -649,7 +665,14 @@ class SchedulerCore:
 
     def process_exited(self, spawn_id: int) -> None:
         """The shell saw the worker process of ``spawn_id`` end (engine/processes/deaths.py)."""
+        found = self.supervisor.find(spawn_id)
+        self.readiness.worker_gone(spawn_id)
         self.deaths.exited(spawn_id)
+        if found is not None and found[0].state == ModelState.READY:
+            self.flush_table()      # its readiness reads the instance's health (unhealthy)
+
+    def readiness_query(self, msg: ReadinessQuery) -> None:
+        self.readiness.query(msg, self.versions.get((msg.model, msg.version)))
 
     def fail_queued(self, ver: ModelVersion, code: ErrorCode, stat: str, message: str) -> None:
         now = self.clock()

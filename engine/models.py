@@ -84,6 +84,7 @@ class ModelVersion:
     clock: object = None                # the core's clock (ns) for its queue; None = monotonic
     ensemble: EnsemblePlan | None = None    # an ensemble's steps (it has no instances)
     labels: dict[str, list[bytes]] = field(default_factory=dict)    # an ensemble's, per output
+    asks_model: bool = False    # its model decides its own readiness (is_ready())
 
     def __post_init__(self):
         self.build_queue()

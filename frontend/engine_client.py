@@ -22,7 +22,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from typing import Callable, Iterable
 
 import zmq
@@ -55,6 +55,7 @@ from shmserve.ipc.messages.to_frontend import (
     LeaseLost,
     LeaseRevoked,
     ModelTable,
+    ReadinessReply,
     StatsReply,
     WorkerGone,
 )
@@ -64,6 +65,7 @@ from shmserve.ipc.messages.to_scheduler import (
     ForgetSegments,
     FrontendHello,
     LeasedDone,
+    ReadinessQuery,
     SequencesLost,
     SetLogSettings,
     SetTraceSettings,
@@ -81,6 +83,12 @@ LEASED_FLUSH_S = 0.05
 
 # How often the deadline sweep runs while requests are held (sooner when a deadline is nearer).
 SWEEP_S = 0.5
+
+# Sequences lost with a leased worker that ended, remembered until their next request.
+LOST_SEQUENCES_KEPT = 4096
+
+# How long a model's own is_ready() may take before the version reads not ready (Triton's).
+READINESS_TIMEOUT_S = 5.0
 
 
 class EngineClient:
@@ -113,6 +121,8 @@ class EngineClient:
         self.on_trace_settings: Callable[[TraceChanges, str], None] | None = None
         self.leases = LeaseTable()              # the instances lent to us (ipc/lease_table.py)
         self.sequences = SequencePaths()        # which way each sequence's requests go
+        # (model, version, correlation id) of sequences lost with a leased worker (in order)
+        self.lost_sequences: OrderedDict[tuple, bool] = OrderedDict()
         # ensembles whose steps may run worker to worker (workers/leases/chain.py): their steps
         self.routes: dict[tuple[str, int], list[ChainHop]] = {}
         # leased requests of this turn of the event loop, per worker, sent when it ends
@@ -132,7 +142,8 @@ class EngineClient:
             InferResult: self._deliver, InferResults: self._deliver_many,
             WorkerGone: self._worker_gone,
             ModelTable: self._update_table, StatsReply: self._answer_query,
-            ControlReply: self._answer_query, LeaseGranted: self._lease_granted,
+            ControlReply: self._answer_query, ReadinessReply: self._answer_query,
+            LeaseGranted: self._lease_granted,
             LeaseRevoked: self._lease_revoked, LeaseBounced: self._lease_bounced,
             LeaseLost: self._lease_lost, SetLogSettings: self._log_settings,
             SetTraceSettings: self._trace_settings,
@@ -221,10 +232,14 @@ class EngineClient:
         """How a sequence's request goes (frontend/sequence_paths.py): under ``lease`` or, for
         a sequence model's, the lease whose worker has its sequence; None (the scheduler);
         or HOLD."""
+        key = (head.model, head.version, head.sequence_id)
+        if self.lost_sequences and self.lost_sequences.pop(key, False) and \
+                not head.sequence_flags & SEQUENCE_START:
+            lease = None    # the scheduler was told why it was lost (SequencesLost): it says so
         if lease is not None and lease.cids is not None:
             lease = self.leases.place(head.model, head.version, head.sequence_id,
                                       bool(head.sequence_flags & SEQUENCE_START))
-        return self.sequences.choose((head.model, head.version, head.sequence_id), lease)
+        return self.sequences.choose(key, lease)
 
     def _sequence_done(self, req_id: int) -> None:
         for rid in self.sequences.finished(req_id):
@@ -550,6 +565,11 @@ class EngineClient:
         for (model, version), lease in self.leases.forget(match):
             if lease.cids:
                 self.scheduler.send(SequencesLost(model, version, list(lease.cids)))
+                # their next requests go to the scheduler, even under a new lease, for the reason
+                lost = self.lost_sequences
+                lost.update(((model, version, cid), True) for cid in lease.cids)
+                while len(lost) > LOST_SEQUENCES_KEPT:
+                    lost.popitem(last=False)
 
     def _lease_lost(self, msg: LeaseLost) -> None:
         if self.corked:         # what is held for the worker finds it gone, before its box closes
@@ -637,6 +657,21 @@ class EngineClient:
         if self.on_trace_settings is not None:
             self.on_trace_settings(msg.changes, msg.model)
 
+    async def model_decides_ready(self, model: str, version: int,
+                                  timeout: float = READINESS_TIMEOUT_S) -> bool:
+        """What the model's own is_ready() says now (every instance of the version); not ready
+        when it has not said within ``timeout`` (Triton's 5 s)."""
+        qid = next(self.ids)
+        fut = self.loop.create_future()
+        self.queries[qid] = fut
+        self.scheduler.send(ReadinessQuery(self.frontend_id, qid, model, version))
+        try:
+            return (await asyncio.wait_for(fut, timeout)).ready
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self.queries.pop(qid, None)
+
     async def statistics(self, model: str = "", version: int = -1,
                          timeout: float = 5.0) -> StatsReply:
         qid = next(self.ids)
@@ -698,7 +733,7 @@ class EngineClient:
         if self.on_table is not None:
             self.on_table()
 
-    def _answer_query(self, msg: StatsReply | ControlReply) -> None:
+    def _answer_query(self, msg: StatsReply | ControlReply | ReadinessReply) -> None:
         fut = self.queries.get(msg.query_id)
         if fut is not None and not fut.done():
             fut.set_result(msg)

@@ -10,6 +10,7 @@ in what they accept or how they fail.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, AsyncGenerator, Callable
 
 from shmserve.engine.lifecycle.upload_files import FILE_PREFIX, ModelUploads
@@ -33,6 +34,8 @@ EXTENSIONS = ["classification", "model_repository", "schedule_policy", "model_co
               "statistics", "trace", "logging"]
 
 FIRST_TABLE_WAIT_S = 30.0
+
+log = logging.getLogger("shmserve.frontend")
 
 
 class FrontendService:
@@ -89,7 +92,24 @@ class FrontendService:
                 raise
             return False
         # on demand, a model that is not loaded is ready: a request loads it and is served
-        return view.servable(view.states[v])
+        if not view.servable(view.states[v]):
+            return False
+        if self.strict_readiness:
+            unhealthy = view.unhealthy(v)
+            if unhealthy:       # Triton's words for a dead instance process, then ours
+                log.error("Model '%s' version %d is not ready: Stub process '%s' is not healthy. "
+                          "(its worker process ended; it is restarting)", view.name, v, unhealthy)
+                return False
+        return True
+
+    def model_decides(self, name: str, version: str) -> tuple[str, int] | None:
+        """(model, version) when that version serves and its model decides its own readiness
+        (a python model's is_ready(): ask it, ``client.model_decides_ready``); else None."""
+        try:
+            view, v = self.catalog.resolve(name, version)
+        except InferError:
+            return None
+        return (view.name, v) if view.asks_model(v) else None
 
     def model(self, name: str, version: str) -> tuple[ModelView, int]:
         """The model and version a metadata, config or infer request addresses."""

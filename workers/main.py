@@ -44,6 +44,7 @@ from shmserve.ipc.messages.to_scheduler import (
     ForgetSegments,
     LeaseEnded,
     Pong,
+    ReadinessReport,
     ResponseReport,
     SetLogSettings,
     Wake,
@@ -52,6 +53,7 @@ from shmserve.ipc.messages.to_scheduler import (
 )
 from shmserve.ipc.messages.to_worker import (
     ChainExecute,
+    CheckReadiness,
     ExecuteBatch,
     LeasedExecute,
     LendSequences,
@@ -78,6 +80,7 @@ from shmserve.workers.leases.chain import Chains
 from shmserve.workers.leases.sequences import SequenceLease
 from shmserve.workers.python_backend import metrics as pb_metrics
 from shmserve.workers.python_backend import pb_utils
+from shmserve.workers.readiness import ReadinessCalls
 from shmserve.workers.waiting_cpu import WaitingCpu
 
 if TYPE_CHECKING:  # imported at a model's first BLS call
@@ -151,7 +154,9 @@ class Worker:
                          ReleaseOutputs: self.release_outputs, ForgetSegments: self.forget,
                          Ping: self.pong, Wake: _ignore, CancelRequest: self.cancel,
                          RevokeLease: self.revoke_lease, SetLogSettings: self.log_settings,
-                         LendSequences: self.lend_sequences}
+                         LendSequences: self.lend_sequences,
+                         CheckReadiness: self.check_readiness}
+        self.readiness = ReadinessCalls(args.spawn_id, self.tell)
 
     def use_config(self, config_json: str) -> None:
         """What the config decides about every answer: reshapes and the output checks."""
@@ -260,8 +265,9 @@ class Worker:
         # families initialize() created on /metrics
         self.send_metrics()
         freeze_startup_heap()       # the model's objects too
+        asks_model = getattr(self.backend, "ready_check", None) is not None
         self.tell(WorkerReady(self.args.spawn_id, os.getpid(), self.inbox.address,
-                                        completed))
+                                        completed, asks_model))
         return True
 
     def write_last_words(self, reason: str) -> None:
@@ -453,6 +459,13 @@ class Worker:
         for name in msg.segments:
             self.maps.forget(name)
         self.cuda_handles.forget(msg.cuda_handles)
+
+    def check_readiness(self, msg: CheckReadiness) -> None:
+        model_ready = getattr(self.backend, "ready_check", None)
+        if model_ready is None:     # a model that does not decide it is ready once loaded
+            self.tell(ReadinessReport(self.args.spawn_id, msg.check, True))
+        else:
+            self.readiness.check(msg.check, model_ready)
 
     def pong(self, msg: Ping) -> None:
         self.tell(Pong(self.args.spawn_id, msg.seq))

@@ -131,12 +131,8 @@ class SequenceBatcher(IdleInstances):
         seq = self.sequences.get(cid)
         start = bool(req.flags & SEQUENCE_START)
         if not start and (seq is None or not seq.open):
-            why = self.lost.get(cid)
-            if why is not None:
-                raise SequenceError(f"inference request for sequence {cid} to model '{name}' "
-                                    f"must specify the START flag on the first request of the "
-                                    f"sequence: {why}")
-            raise SequenceError(f"inference request for sequence {cid} to model '{name}' must "
+            raise SequenceError(self.lost_start_error(cid, req.flags) or
+                                f"inference request for sequence {cid} to model '{name}' must "
                                 f"specify the START flag on the first request of the sequence")
         if start:
             self.lost.pop(cid, None)
@@ -322,6 +318,19 @@ class SequenceBatcher(IdleInstances):
             seq = self.sequences.get(cid)
             if seq is None or not seq.open:
                 self.mark_lost(cid)
+
+    def lost_start_error(self, cid: int | str, flags: int) -> str:
+        """The error of a request (not a START) of a sequence that died with its worker, with
+        why; "" for any other request. A request on its way to a lent instance is judged by it
+        too, since the lent worker never knew the sequence."""
+        if flags & SEQUENCE_START:
+            return ""
+        seq = self.sequences.get(cid)
+        why = self.lost.get(cid) if seq is None or not seq.open else None
+        if why is None:
+            return ""
+        return (f"inference request for sequence {cid} to model '{self.cfg.model}' must specify "
+                f"the START flag on the first request of the sequence: {why}")
 
     def mark_lost(self, cid: int | str) -> str:
         """Sequence ``cid`` died with its worker: why, which its next request is told."""

@@ -24,7 +24,7 @@ from shmserve.engine.lifecycle.startup_report import SlowLoads, status_table
 from shmserve.engine.lifecycle.uploads import UploadDirs
 from shmserve.engine.models import Instance, ModelVersion
 from shmserve.engine.processes.instances import InstanceSupervisor, SpawnFailed
-from shmserve.engine.states import ModelState
+from shmserve.engine.states import InstanceState, ModelState
 from shmserve.ipc import model_config, model_files
 from shmserve.ipc.messages.common import ChainHop, ControlAction, ErrorCode, StateCause
 from shmserve.ipc.messages.to_frontend import ModelInfo, ModelTable, VersionInfo
@@ -560,7 +560,7 @@ class ModelLifecycle:
         for (n, _), ver in self.versions.items():
             states_of.setdefault(n, {})[ver.version] = VersionInfo(
                 ver.version, ver.state, ver.reason, ver.cause, round(ver.load_started * 1e9),
-                self.route(ver))
+                self.route(ver), ver.asks_model, _unhealthy(ver))
         labels = {n: ver.labels for (n, _), ver in self.versions.items() if ver.labels}
         models = []
         for name, entry in sorted(self.entries.items()):
@@ -651,3 +651,11 @@ def fingerprint(dirs: list[str]) -> tuple:
                     continue
                 out.append((os.path.relpath(path, d), st.st_size, st.st_mtime_ns))
     return tuple(out)
+
+
+def _unhealthy(ver: ModelVersion) -> str:
+    """The first instance of a READY version that is not running now (died, restarting)."""
+    if ver.state != ModelState.READY:
+        return ""
+    return next((i.name for i in ver.instances
+                 if i.state in (InstanceState.BACKOFF, InstanceState.STARTING)), "")

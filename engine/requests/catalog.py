@@ -72,6 +72,17 @@ class ModelView:
             self._ready_of = states
         return self._ready
 
+    def unhealthy(self, version: int) -> str:
+        """The version's instance that is not running now (its worker ended and restarts), or
+        "" when all run."""
+        return next((v.unhealthy for v in self.raw_versions
+                     if v.version == version and v.unhealthy), "")
+
+    def asks_model(self, version: int) -> bool:
+        """Whether the version's model decides its own readiness (is_ready()): a readiness
+        check asks it rather than reading the state alone."""
+        return any(v.version == version and v.asks_model for v in self.raw_versions)
+
     def servable(self, state: tuple[ModelState, str, StateCause]) -> bool:
         """Whether a request for a version in ``state`` is served: READY, or (on demand) not
         loaded, loading or unloading, as long as its last load did not fail."""

@@ -117,8 +117,11 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
 
     @translated
     async def ModelReady(self, request, context):
-        return pb.ModelReadyResponse(ready=self.service.model_ready(request.name,
-                                                                    request.version))
+        ready = self.service.model_ready(request.name, request.version)
+        asked = self.service.model_decides(request.name, request.version) if ready else None
+        if asked is not None:
+            ready = await self.service.client.model_decides_ready(*asked)
+        return pb.ModelReadyResponse(ready=ready)
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(**self.service.metadata())

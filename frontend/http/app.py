@@ -28,7 +28,7 @@ from shmserve.frontend.service import FrontendService
 from shmserve.ipc import logs
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.errors import InferError, http_status, invalid, shm_error
-from shmserve.ipc.messages.common import ShmRef
+from shmserve.ipc.messages.common import ErrorCode, ShmRef
 from shmserve.ipc.messages.to_frontend import InferResult
 from shmserve.ipc.shm import ShmError
 
@@ -282,7 +282,14 @@ class KServeHttpApp(HttpApp):
     def model_ready(self, conn, req, model: str, version: str = ""):
         if not self.service.model_ready(model, version):
             return self.error(conn, req, 400, "Model version not ready")
+        asked = self.service.model_decides(model, version)
+        if asked is not None:
+            return self.later(conn, req, self._model_says_ready(*asked))
         conn.respond(req, 200, content_type="")
+
+    async def _model_says_ready(self, model: str, version: int) -> None:
+        if not await self.service.client.model_decides_ready(model, version):
+            raise InferError(ErrorCode.INVALID_ARG, "Model version not ready")     # 400
 
     def model_metadata(self, conn, req, model: str, version: str = ""):
         view, v = self.service.model(model, version)

@@ -46,6 +46,9 @@ IPC_HANDLE_SIZE = 64                # sizeof(cudaIpcMemHandle_t)
 _UINT64_MAX = 2 ** 64 - 1
 _BAD_HANDLE = "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t"     # Triton's words
 
+# keys Triton keeps for its python backend's own segments: a client may not register them
+RESERVED_KEY_PREFIX = "triton_python_backend_shm_region_"
+
 
 def _unsupported() -> InferError:
     return InferError(ErrorCode.UNSUPPORTED, "client shared memory is disabled on this server "
@@ -147,8 +150,15 @@ class ShmRegistry:
         self._check_client(f"shared memory region '{name}'", peer)
         if not name:
             raise invalid("shared memory region name must not be empty")
-        if not isinstance(key, str) or not key.strip("/"):
+        if not isinstance(key, str):
             raise invalid(f"shared memory region '{name}': 'key' must be a non-empty string")
+        # Triton's key rules and words, checked before anything else as Triton checks them
+        if not key.strip("/"):
+            raise invalid(f"cannot register shared memory region '{name}' - invalid shm key "
+                          f"'{key}'")
+        if key.lstrip("/").startswith(RESERVED_KEY_PREFIX):
+            raise invalid(f"cannot register shared memory region '{name}' with key '{key}' as the "
+                          f"key contains the reserved prefix '{RESERVED_KEY_PREFIX}'")
         offset = _non_negative_int(offset, f"shared memory region '{name}': 'offset'")
         byte_size = _non_negative_int(byte_size, f"shared memory region '{name}': 'byte_size'")
         if name in self.regions:

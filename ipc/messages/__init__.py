@@ -27,6 +27,7 @@ from shmserve.ipc.messages.to_frontend import (
     LeaseLost,
     LeaseRevoked,
     ModelTable,
+    ReadinessReply,
     StatsReply,
     WorkerGone,
 )
@@ -40,6 +41,8 @@ from shmserve.ipc.messages.to_scheduler import (
     LeaseEnded,
     Pong,
     ProcessExited,
+    ReadinessQuery,
+    ReadinessReport,
     ResponseReport,
     SequencesLost,
     SetLogSettings,
@@ -52,6 +55,7 @@ from shmserve.ipc.messages.to_scheduler import (
 )
 from shmserve.ipc.messages.to_worker import (
     ChainExecute,
+    CheckReadiness,
     ExecuteBatch,
     LeasedExecute,
     LendSequences,
@@ -69,7 +73,7 @@ Message = Union[
     BatchDone, CustomMetrics, ResponseReport, InferResult, InferResults, Wake, ProcessExited, WorkerGone,
     RevokeLease, LendSequences, LeasedExecute, ChainExecute, LeasedDone, LeaseEnded, LeaseBounced, LeaseGranted,
     LeaseRevoked, LeaseLost,
-    SetLogSettings, SetTraceSettings,
+    SetLogSettings, SetTraceSettings, ReadinessQuery, ReadinessReport, ReadinessReply, CheckReadiness,
 ]
 
 

@@ -28,6 +28,12 @@ class VersionInfo(msgspec.Struct, array_like=True):
     # an ensemble whose steps run one after the other: its steps, with the versions serving
     # them now (a frontend that holds leases on them all sends it worker to worker)
     route: list["ChainHop"] = []
+    # its model decides its own readiness (is_ready()): a readiness check asks it
+    # (ReadinessQuery) instead of reading the state alone
+    asks_model: bool = False
+    # a READY version's instance that is not running now (its worker ended; it restarts):
+    # with --strict-readiness the version reads not ready until it runs again
+    unhealthy: str = ""
 
 
 class ModelInfo(msgspec.Struct, array_like=True):
@@ -112,6 +118,11 @@ class ControlReply(msgspec.Struct, array_like=True, tag=12):
     query_id: int
     error: str = ""
     code: ErrorCode | None = None
+
+
+class ReadinessReply(msgspec.Struct, array_like=True, tag=17):
+    query_id: int
+    ready: bool
 
 
 class StatsReply(msgspec.Struct, array_like=True, tag=11):

@@ -131,6 +131,25 @@ class WorkerReady(msgspec.Struct, array_like=True, tag=30):
     pid: int
     address: str
     config_json: str = ""       # the auto-completed config, when the worker was asked for it
+    # the model decides its own readiness (a python model's is_ready()): a readiness check of
+    # its version asks the worker (CheckReadiness)
+    asks_model: bool = False
+
+
+class ReadinessQuery(msgspec.Struct, array_like=True, tag=18):
+    """A frontend asks whether a version whose model decides its own readiness is ready now."""
+    frontend: int
+    query_id: int
+    model: str
+    version: int
+
+
+class ReadinessReport(msgspec.Struct, array_like=True, tag=37):
+    """A worker's answer to CheckReadiness: what the model's is_ready() said (False for an
+    exception or an answer that is not a boolean)."""
+    spawn_id: int
+    check: int
+    ready: bool
 
 
 class Pong(msgspec.Struct, array_like=True, tag=33):

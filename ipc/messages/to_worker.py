@@ -38,6 +38,11 @@ class Shutdown(msgspec.Struct, array_like=True, tag=21):
     pass
 
 
+class CheckReadiness(msgspec.Struct, array_like=True, tag=29):
+    """Call the model's is_ready() and answer with ReadinessReport."""
+    check: int
+
+
 class Ping(msgspec.Struct, array_like=True, tag=24):
     """Sent to idle workers; one that does not answer in time is killed and restarted."""
     seq: int

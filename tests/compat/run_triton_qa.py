@@ -40,23 +40,23 @@ sys.path.insert(0, HERE)
 from qa import report  # noqa: E402
 from qa.harness import Case, PortsBusy, Suite, wait_ports_free  # noqa: E402
 
-# suite name -> module under qa/ whose run(ctx) replays it
+# suite name -> "module:function" under qa/ that replays it
 SUITES = {
-    "L0_backend_python": "suite_backend_python",
-    "L0_backend_python/response_sender": "suite_bp_response_sender",
-    "L0_backend_python/async_execute": "suite_bp_async_execute",
-    "L0_backend_python/decoupled": "suite_bp_decoupled",
-    "L0_backend_python/model_control": "suite_bp_model_control",
-    "L0_backend_python/logging": "suite_bp_logging",
-    "L0_backend_python/model_readiness": "suite_bp_model_readiness",
-    "L0_http": "suite_http",
-    "L0_grpc": "suite_grpc",
-    "L0_shared_memory": "suite_shared_memory",
-    "L0_input_validation": "suite_input_validation",
-    "L0_parameters": "suite_parameters",
-    "L0_decoupled": "suite_decoupled",
-    "L0_client_timeout": "suite_client_timeout",
-    "L0_request_cancellation": "suite_request_cancellation",
+    "L0_backend_python": "suite_backend_python:run",
+    "L0_backend_python/response_sender": "suite_bp_subs:response_sender",
+    "L0_backend_python/async_execute": "suite_bp_subs:async_execute",
+    "L0_backend_python/decoupled": "suite_bp_subs:decoupled",
+    "L0_backend_python/model_control": "suite_bp_subs:model_control",
+    "L0_backend_python/logging": "suite_bp_subs2:logging",
+    "L0_backend_python/model_readiness": "suite_bp_subs2:model_readiness",
+    "L0_http": "suite_http:run",
+    "L0_grpc": "suite_grpc:run",
+    "L0_shared_memory": "suite_shared_memory:run",
+    "L0_input_validation": "suite_misc:input_validation",
+    "L0_parameters": "suite_misc:parameters",
+    "L0_decoupled": "suite_decoupled:decoupled",
+    "L0_client_timeout": "suite_misc:client_timeout",
+    "L0_request_cancellation": "suite_decoupled:request_cancellation",
 }
 
 
@@ -74,8 +74,8 @@ class Ctx:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a test process: qa/common (test_util, shm_util, ...) and the
-        triton_shm_monitor stand-in on PYTHONPATH, as Triton's QA image has them."""
-        paths = [os.path.join(self.qa, "common"), os.path.join(HERE, "qa", "pystubs")]
+        triton_shm_monitor stand-in and the deselect plugin on PYTHONPATH, as Triton's QA image has them."""
+        paths = [os.path.join(self.qa, "common"), os.path.join(HERE, "qa", "pypath")]
         if os.environ.get("PYTHONPATH"):
             paths.append(os.environ["PYTHONPATH"])
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "PYTHONUNBUFFERED": "1"}
@@ -98,8 +98,8 @@ def run_suite(ctx: Ctx, name: str) -> list[Suite]:
     t0 = time.monotonic()
     print(f"-- {name}", flush=True)
     try:
-        module = importlib.import_module(f"qa.{SUITES[name]}")
-        out = module.run(ctx)
+        module, function = SUITES[name].split(":")
+        out = getattr(importlib.import_module(f"qa.{module}"), function)(ctx)
     except PortsBusy:
         raise
     except Exception as e:                  # noqa: BLE001 - one suite's crash is its FAIL

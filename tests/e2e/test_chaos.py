@@ -88,7 +88,7 @@ def test_chaos_every_request_answered(example_repo, case):
         # every failure is the documented case: a request whose retry also lost its worker
         assert set(counts) <= {"ok", "500 worker died"}, counts
         assert counts["ok"] > 0.99 * total
-        assert srv.model_ready(model) and srv.ready()
+        wait_for(lambda: srv.model_ready(model) and srv.ready(), 60, "the killed instances to run again")
         # every killed worker was restarted, and nothing extra is left
         wait_for(lambda: len(descendants(srv.proc.pid)) == processes_before, 30,
                  "the process count to return to where it started")

@@ -74,7 +74,8 @@ def test_poison_fails_alone_while_good_requests_all_succeed(server):
         # run alone, it is taken for the cause at once; in a batch, it had its retry alone
         assert "taken for the cause and not retried" in e.message() or \
             "retried alone after an earlier worker death" in e.message()
-    assert server.model_ready("poisonable")     # never a crash loop: good work came between
+    # never a crash loop (good work came between): ready again once the instance restarted
+    wait_for(lambda: server.model_ready("poisonable"), 30, "the restarted instance")
 
 
 def _deaths(srv) -> int:
@@ -102,7 +103,7 @@ def test_each_poison_costs_one_worker_and_never_a_crash_loop(tmp_path, leases):
             assert "exited unexpectedly (exit code 3) while executing this request; it was the " \
                    "only request the worker was running, so it is taken for the cause and not " \
                    "retried" in e.value.message()
-            assert srv.model_ready("poisonable")
+            wait_for(lambda: srv.model_ready("poisonable"), 30, "the restarted instance")
         assert int(_infer(c, 7).as_numpy("OUTPUT0")[0, 0]) == 7
         c.close()
         wait_for(lambda: _deaths(srv) >= poisons, 20, "the deaths to be logged")

@@ -11,6 +11,7 @@ import pytest
 from shmserve.frontend import peer_uid
 from shmserve.frontend.shm.registry import ShmRegistry, is_local_peer
 from shmserve.ipc.errors import InferError
+from shmserve.ipc.messages.common import ErrorCode
 
 
 @pytest.fixture
@@ -153,11 +154,27 @@ def test_the_owner_of_a_loopback_socket_is_found_for_each_address_form(loopback)
     assert peer_uid.socket_uid("unix:/tmp/s") is None and peer_uid.socket_uid("") is None
 
 
-@pytest.mark.parametrize("key", ["/..", "..", "/.", "/a/b", "/x\0y", "/"])
+@pytest.mark.parametrize("key", ["/..", "..", "/.", "/a/b", "/x\0y"])
 def test_keys_that_are_not_segment_names(key):
     with pytest.raises(InferError) as e:
         ShmRegistry().register_system("r", key, 0, 1)
-    assert "'key'" in e.value.message or "is not a valid POSIX shared memory name" in e.value.message
+    assert "is not a valid POSIX shared memory name" in e.value.message
+
+
+@pytest.mark.parametrize("key, text", [
+    # Triton's key rules, in its words
+    ("", "cannot register shared memory region 'r' - invalid shm key ''"),
+    ("/", "cannot register shared memory region 'r' - invalid shm key '/'"),
+    ("///", "cannot register shared memory region 'r' - invalid shm key '///'"),
+    ("/triton_python_backend_shm_region_1", "cannot register shared memory region 'r' with key "
+     "'/triton_python_backend_shm_region_1' as the key contains the reserved prefix "
+     "'triton_python_backend_shm_region_'"),
+    ("//triton_python_backend_shm_region_x", "as the key contains the reserved prefix"),
+])
+def test_tritons_key_rules(key, text):
+    with pytest.raises(InferError) as e:
+        ShmRegistry().register_system("r", key, 0, 1)
+    assert text in e.value.message and e.value.code == ErrorCode.INVALID_ARG
 
 
 def test_directories_and_symlinks_are_not_segments(segment):

@@ -105,6 +105,9 @@ class PythonBackend:
         if not callable(getattr(self.model, "execute", None)):
             raise BackendLoadError(f"TritonPythonModel in {path} has no execute method")
         self.is_async = inspect.iscoroutinefunction(self.model.execute)
+        # the model decides its own readiness (workers/readiness.py calls it on a thread)
+        self.ready_check = self._model_ready if callable(getattr(self.model, "is_ready", None)) \
+            else None
         # made at the first coroutine the model hands over (workers/python_backend/model_loop.py)
         self.loop: ModelLoop | None = None
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(cfg)
@@ -327,6 +330,23 @@ class PythonBackend:
     def _not_none(self) -> str:
         return f"Python model '{self.spec.instance_name}' is using the decoupled mode and the " \
                f"execute function must return None."
+
+    def _model_ready(self) -> bool:
+        """The model's is_ready(), as Triton reads it: ready only when it returns True; an
+        exception or another value (logged) is not ready. A coroutine runs on the model's loop."""
+        try:
+            result = self.model.is_ready()
+            if inspect.iscoroutine(result):
+                result = self._loop().run(result)
+        except Exception as e:
+            log.error("is_ready() of model '%s' raised %s: %s", self.spec.model_name,
+                      type(e).__name__, e)
+            return False
+        if not isinstance(result, bool):
+            log.error("is_ready() of model '%s' returned %s, not a boolean: the model is not "
+                      "ready", self.spec.model_name, type(result).__name__)
+            return False
+        return result
 
     def _loop(self) -> ModelLoop:
         if self.loop is None:

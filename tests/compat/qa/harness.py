@@ -213,7 +213,7 @@ class Suite:
                              messages: list[str], count_exact: bool = True) -> None:
         """test.sh's "Expect fail to start" checks: the server must not become ready and its log
         must hold each message (exactly once where test.sh greps -c ... != 1)."""
-        server = QaServer(args, os.path.join(cwd, log_name), cwd, timeout=60)
+        server = QaServer(args, os.path.join(cwd, log_name), cwd, timeout=30)
         if server.started:
             server.stop()
             self.add(f"{step}: fails to start", "FAIL",
@@ -221,12 +221,13 @@ class Suite:
                      f"became ready", tail(server.log_text(), 30))
             return
         text = server.log_text()
+        how = server.why_not        # exited (with its code) or stayed up, never ready
         for msg in messages:
             n = text.count(msg)
             ok = n == 1 if count_exact else n >= 1
             self.check(f"{step}: log has '{msg}'", ok,
                        f"'{msg}' {'exactly once' if count_exact else ''} in the server log",
-                       f"{n} times; log ends: " + tail(text, 4).replace("\n", " | "),
+                       f"{n} times ({how}); log ends: " + tail(text, 4).replace("\n", " | "),
                        tail(text, 40))
 
     def stopped_gracefully(self, step: str, server: QaServer) -> None:

@@ -103,15 +103,15 @@ def generated(ctx, repository: str, model: str, dest_repo: str, name: str | None
 
 def as_libtorch(ctx, model: str, dest_repo: str) -> str:
     """``libtorch_[nobatch_]<in>_<in>_<out>`` as ONNX: gen_qa_models.py's ONNX model of the same
-    arithmetic, its tensors renamed INPUT__0/INPUT__1/OUTPUT__0/OUTPUT__1 as the libtorch
-    generator names them."""
+    arithmetic, its outputs renamed OUTPUT__0/OUTPUT__1 as the libtorch generator names them
+    (its inputs keep INPUT0/INPUT1)."""
     import onnx
     onnx_name = model.replace("libtorch", "onnx", 1)
     dst = generated(ctx, "qa_model_repository", onnx_name, dest_repo, name=model)
     path = os.path.join(dst, "1", "model.onnx")
     m = onnx.load(path)
-    names = {f"{io}{i}": f"{io}__{i}" for io in ("INPUT", "OUTPUT") for i in range(4)}
-    for vi in [*m.graph.input, *m.graph.output]:
+    names = {f"OUTPUT{i}": f"OUTPUT__{i}" for i in range(4)}
+    for vi in m.graph.output:
         vi.name = names.get(vi.name, vi.name)
     for node in m.graph.node:
         node.input[:] = [names.get(n, n) for n in node.input]
@@ -140,3 +140,22 @@ def python_backend_example(ctx, path: str) -> str:
     if not os.path.exists(full):
         raise Missing(f"python_backend has no examples/{path}")
     return full
+
+
+def shell_block(test_sh: str, after: str, until: str, cwd: str) -> None:
+    """Run, with bash in ``cwd``, the lines of ``test_sh`` that follow the first line holding
+    ``after`` up to the first line matching the regex ``until``: the echo/heredoc model configs
+    some test.sh files write, taken verbatim."""
+    with open(test_sh) as f:
+        lines = f.read().split("\n")
+    try:
+        start = next(i for i, line in enumerate(lines) if after in line) + 1
+        end = next(i for i in range(start, len(lines)) if re.search(until, lines[i]))
+    except StopIteration:
+        raise Missing(f"{test_sh} changed: no block after '{after}' ending at /{until}/") from None
+    script = "\n".join(lines[start:end + 1])
+    done = subprocess.run(["bash", "-e", "-c", script], cwd=cwd, capture_output=True, text=True,
+                          timeout=60)
+    if done.returncode != 0:
+        raise Missing(f"building the models of {os.path.basename(test_sh)} failed: "
+                      f"{done.stderr.strip()[-300:]}")

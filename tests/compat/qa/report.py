@@ -20,6 +20,7 @@ def table(suite: str, cases: list[Case]) -> str:
         line = f"{c.status:4}  {c.name:<{name_w}}"
         if c.reason:
             line += f"  {c.reason}"
+        line = line.rstrip()
         lines.append(line if len(line) <= max(width, 200) else line[:max(width, 200) - 3] + "...")
     n = counts(cases)
     lines.append(f"   {n['PASS']} pass, {n['FAIL']} fail, {n['SKIP']} skip")

@@ -129,15 +129,12 @@ def run_pytest(suite: Suite, step: str, cwd: str, target: str, env: dict,
                total_timeout: float = 1800, extra: tuple[str, ...] = ()) -> list[str]:
     """``python3 -m pytest target`` with the cases in ``skips`` (Class.test) deselected."""
     skips = skips or {}
-    path = target.split("::")[0]
     xml = os.path.join(cwd, f".qa-{step.replace(' ', '_').replace('/', '_')}.xml")
     if os.path.exists(xml):
         os.remove(xml)
-    deselect = []
-    for key in skips:
-        deselect += ["--deselect", f"{path}::{key.replace('.', '::')}"]
-    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-o", "addopts=",
-           f"--timeout={int(timeout)}", f"--junitxml={xml}", *extra, *deselect, target]
+    env = {**env, "QA_DESELECT": "\n".join(skips)}
+    cmd = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-p", "qa_deselect",
+           "-o", "addopts=", f"--timeout={int(timeout)}", f"--junitxml={xml}", *extra, target]
     t0 = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
@@ -172,8 +169,7 @@ def _junit(suite: Suite, step: str, xml: str) -> list[str]:
         skipped = tc.find("skipped")
         if bad is not None:
             text = bad.text or ""
-            reason = exception_line(text) if "Error" in text or "Exception" in text else ""
-            reason = reason or (bad.get("message") or "").split("\n")[0]
+            reason = " ".join((bad.get("message") or "").split())[:400] or exception_line(text)
             suite.add(name, "FAIL", reason, text, dt)
             verdicts.append("FAIL")
         elif skipped is not None:
