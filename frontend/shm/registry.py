@@ -172,9 +172,9 @@ class ShmRegistry:
                           f"register a segment your client created")
         try:
             fd = _posixshmem.shm_open("/" + segment, os.O_RDWR, 0)
-        except FileNotFoundError:
-            raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': no "
-                          f"segment with that key exists)") from None
+        except FileNotFoundError:       # Triton's code for it too (its QA expects INTERNAL)
+            raise InferError(ErrorCode.INTERNAL, f"Unable to open shared memory region: '{key}' "
+                             f"(region '{name}': no segment with that key exists)") from None
         except PermissionError:
             raise invalid(f"Unable to open shared memory region: '{key}' (region '{name}': "
                           f"permission denied)") from None
@@ -256,16 +256,18 @@ class ShmRegistry:
         """``raw_handle``: the handle's bytes (gRPC), or HTTP's ``{"b64": ...}``; a field the
         HTTP request left out is None."""
         self._check_client(f"shared memory region '{name}'", peer)
-        if not name:
-            raise invalid("'region name' is necessary to register cuda shared memory region")
+        if not name:        # Triton's words first (its QA matches them)
+            raise invalid("failed to register shared memory region '': invalid args ('region "
+                          "name' is necessary to register cuda shared memory region)")
         if raw_handle is None:
             raise invalid(f"Shared memory register request has no 'raw_handle' field (region "
                           f"'{name}')")
         if not isinstance(raw_handle, (bytes, bytearray)):
             raw_handle = raw_handle_from_json(name, raw_handle)
-        if len(raw_handle) != IPC_HANDLE_SIZE:
-            raise invalid(f"{_BAD_HANDLE} (region '{name}': 'raw_handle' has {len(raw_handle)} "
-                          f"bytes, a CUDA IPC handle has {IPC_HANDLE_SIZE})")
+        if len(raw_handle) != IPC_HANDLE_SIZE:      # Triton's gRPC words, its HTTP words, ours
+            raise invalid(f"failed to register shared memory region '{name}': invalid args "
+                          f"({_BAD_HANDLE}: 'raw_handle' has {len(raw_handle)} bytes, a CUDA IPC "
+                          f"handle has {IPC_HANDLE_SIZE})")
         for field, value in (("byte_size", byte_size), ("device_id", device_id)):
             if value is None:
                 raise invalid(f"Shared memory register request has no '{field}' field (region "

@@ -30,6 +30,8 @@ import argparse
 import importlib
 import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +39,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from qa import report  # noqa: E402
+from qa import harness, report  # noqa: E402
 from qa.harness import Case, PortsBusy, Suite, wait_ports_free  # noqa: E402
 
 # suite name -> "module:function" under qa/ that replays it
@@ -85,12 +87,23 @@ class Ctx:
         return env
 
 
-def check_install() -> str | None:
-    import shmserve.engine
-    paths = list(shmserve.engine.__path__)
-    if not any(os.path.realpath(p).startswith(os.path.realpath(ROOT) + os.sep) for p in paths):
-        return (f"the installed shmserve is {paths}, not this checkout ({ROOT}); "
-                f"run: cd {ROOT} && python3 -m pip install --no-deps -e .")
+def use_checkout(work: str) -> str | None:
+    """Make every server import shmserve from this checkout, whatever is installed: a folder
+    ``shmserve/`` of links to engine/ frontend/ workers/ ipc/, first on the servers' PYTHONPATH
+    (pyproject.toml maps the package the same way). Returns a problem, or None."""
+    pkg = os.path.join(work, "pkgroot", "shmserve")
+    os.makedirs(pkg)
+    for part in ("engine", "frontend", "workers", "ipc"):
+        os.symlink(os.path.join(ROOT, part), os.path.join(pkg, part))
+    paths = [os.path.dirname(pkg)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])
+    harness.SERVER_ENV["PYTHONPATH"] = os.pathsep.join(paths)
+    done = subprocess.run([sys.executable, "-c", "import shmserve.engine.launch.cli as m; "
+                           "import os; print(os.path.realpath(m.__file__))"],
+                          env={**os.environ, **harness.SERVER_ENV}, capture_output=True, text=True,
+                          timeout=60)
+    where = done.stdout.strip()
+    if done.returncode != 0 or not where.startswith(os.path.realpath(ROOT) + os.sep):
+        return f"cannot make the server import this checkout ({ROOT}): {where or done.stderr[-300:]}"
     return None
 
 
@@ -113,6 +126,10 @@ def run_suite(ctx: Ctx, name: str) -> list[Suite]:
     return suites
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("qa_dir")
@@ -129,16 +146,19 @@ def main(argv: list[str] | None = None) -> int:
                                                        for s in a.suite)]
     if not wanted:
         p.error(f"no such suite; known: {', '.join(SUITES)}")
-    problem = check_install()
-    if problem:
-        print(problem, file=sys.stderr)
-        return 2
     try:
         wait_ports_free(timeout=5)
     except PortsBusy as e:
         print(e, file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="shmserve-triton-qa-")
+    problem = use_checkout(work)
+    if problem:
+        print(problem, file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+        return 2
+    # SIGTERM (timeout, kill) ends the run through the finally blocks that stop the servers
+    signal.signal(signal.SIGTERM, _interrupt)
     ctx = Ctx(os.path.abspath(a.qa_dir), work, a.examples, a.python_backend, a.verbose)
     by_suite: dict[str, list[Case]] = {}
     try:
@@ -147,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 by_suite.setdefault(s.name, []).extend(s.cases)
     except PortsBusy as e:
         print(f"stopped: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted: the tables below hold the cases run so far", file=sys.stderr)
     finally:
         if a.keep:
             print(f"work folder kept: {work}")

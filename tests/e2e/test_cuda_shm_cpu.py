@@ -89,7 +89,7 @@ def test_register_without_a_gpu_says_why_and_the_server_keeps_serving(no_gpu, pr
 def test_malformed_handles_over_http(no_gpu, handle, words):
     c = httpclient.InferenceServerClient(no_gpu.url)
     text = refused(lambda: c.register_cuda_shared_memory("c1", handle, 0, 64), words)
-    assert text.startswith("'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t")
+    assert "'raw_handle' must be a valid base64 encoded cudaIpcMemHandle_t" in text     # Triton's
 
 
 def test_malformed_requests_over_grpc_and_http(no_gpu):

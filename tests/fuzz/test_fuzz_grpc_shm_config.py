@@ -86,7 +86,9 @@ def test_grpc_infer_requests(model, req):
 
 
 # ---- shared-memory registry -------------------------------------------------------------------
-SEGMENT = "/dev/shm/shmtest_fuzz"
+# one per process: pytest-xdist runs this module's setup and teardown in each of its workers
+KEY = f"shmtest_fuzz_{os.getpid()}"
+SEGMENT = f"/dev/shm/{KEY}"
 
 
 def setup_module():
@@ -101,7 +103,7 @@ def teardown_module():
 @given(calls=st.lists(st.tuples(
     st.sampled_from(["register", "unregister", "status", "resolve"]),
     st.one_of(st.sampled_from(["r1", "r2", ""]), st.text(max_size=6)),
-    st.one_of(st.sampled_from(["/shmtest_fuzz", "shmtest_fuzz", "/", "/..", "/a/b", "/x\0"]),
+    st.one_of(st.sampled_from(["/" + KEY, KEY, "/", "/..", "/a/b", "/x\0"]),
               st.text(max_size=10), big_ints),
     st.one_of(big_ints, st.none(), st.text(max_size=3)),
     st.one_of(big_ints, st.none(), st.booleans()),

@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))      # tests/, for se
 from serverproc import descendants  # noqa: E402
 
 PORTS = (8000, 8001, 8002)
+# Set by run_triton_qa.py: what every server's environment adds (PYTHONPATH to this checkout).
+SERVER_ENV: dict[str, str] = {}
 PORT_ARGS = ["--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"]
 
 
@@ -77,7 +79,7 @@ class QaServer:
         cmd = [sys.executable, "-m", "shmserve.engine.launch.cli", *PORT_ARGS, *self.args]
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, **(env or {})})
+                                     env={**os.environ, **SERVER_ENV, **(env or {})})
         self.returncode: int | None = None
         self.started = False
         self.why_not = ""

@@ -104,19 +104,25 @@ def generated(ctx, repository: str, model: str, dest_repo: str, name: str | None
 def as_libtorch(ctx, model: str, dest_repo: str) -> str:
     """``libtorch_[nobatch_]<in>_<in>_<out>`` as ONNX: gen_qa_models.py's ONNX model of the same
     arithmetic, its outputs renamed OUTPUT__0/OUTPUT__1 as the libtorch generator names them
-    (its inputs keep INPUT0/INPUT1)."""
+    (its inputs keep INPUT0/INPUT1), its dims left free as a TorchScript model's are."""
     import onnx
     onnx_name = model.replace("libtorch", "onnx", 1)
     dst = generated(ctx, "qa_model_repository", onnx_name, dest_repo, name=model)
-    path = os.path.join(dst, "1", "model.onnx")
-    m = onnx.load(path)
     names = {f"OUTPUT{i}": f"OUTPUT__{i}" for i in range(4)}
-    for vi in m.graph.output:
-        vi.name = names.get(vi.name, vi.name)
-    for node in m.graph.node:
-        node.input[:] = [names.get(n, n) for n in node.input]
-        node.output[:] = [names.get(n, n) for n in node.output]
-    onnx.save(m, path)
+    for version in os.listdir(dst):
+        path = os.path.join(dst, version, "model.onnx")
+        if not os.path.isfile(path):
+            continue
+        m = onnx.load(path)
+        for vi in m.graph.output:
+            vi.name = names.get(vi.name, vi.name)
+        for vi in [*m.graph.input, *m.graph.output]:        # TorchScript takes any shape
+            for k, dim in enumerate(vi.type.tensor_type.shape.dim):
+                dim.dim_param = f"{vi.name}_d{k}"
+        for node in m.graph.node:
+            node.input[:] = [names.get(n, n) for n in node.input]
+            node.output[:] = [names.get(n, n) for n in node.output]
+        onnx.save(m, path)
     cfg = os.path.join(dst, "config.pbtxt")
     rename(dst, model)
     for old, new in names.items():
