@@ -23,19 +23,15 @@ import zmq
 from shmserve.ipc import channel, logs, model_files, packets
 from shmserve.ipc.exec_record import ExecutionRecord, record_path
 from shmserve.ipc.gpu import cuda_ipc
-from shmserve.ipc.gpu.device import CudaError, DeviceTensor
+from shmserve.ipc.gpu.device import CudaError
 from shmserve.ipc.gpu.device_arena import DeviceArena
-from shmserve.ipc.gpu.device_arena import to_host as device_to_host
 from shmserve.ipc.messages import decode_payload
 from shmserve.ipc.messages.common import (
     ENSEMBLE_FRONTEND,
-    CudaRef,
     CustomMetrics,
     ErrorCode,
     InferPayload,
     LeasedRecord,
-    Tensor,
-    parameter_problem,
 )
 from shmserve.ipc.messages.to_frontend import InferResult, InferResults, LeaseBounced
 from shmserve.ipc.messages.to_scheduler import (
@@ -70,9 +66,10 @@ from shmserve.ipc.proc import (
     failure_path,
     freeze_startup_heap,
 )
-from shmserve.ipc.shm import ShmArena, ShmError, ShmFull, ShmMapCache
+from shmserve.ipc.shm import ShmArena, ShmError, ShmMapCache
 from shmserve.ipc.spawn_args import WorkerArgs
-from shmserve.workers import classification, sequence, tensors, warmup
+from shmserve.workers import sequence, tensors, warmup
+from shmserve.workers.answers import Answers
 from shmserve.workers.backends import autocomplete
 from shmserve.workers.backends.base import Backend, WorkRequest, load_backend
 from shmserve.workers.leases.batch import LeasedBatcher
@@ -116,10 +113,12 @@ class Worker:
         self.device_arena = DeviceArena(args.cuda_memory_pool)
         # clients' CUDA regions and other workers' device arenas, opened on use
         self.cuda_handles = cuda_ipc.CudaHandles(self.device_arena.local)
+        # what the backend returned, made into answers (the config's reshapes and checks)
+        self.answers = Answers(args.spec.model_name, args.spec.version, self.inbox.address,
+                               self.arena, self.maps, self.device_arena, self.cuda_handles)
         self.device_inputs = False      # the backend binds inputs in device memory (DeviceTensor)
         self.spec = args.spec
         self.use_config(args.spec.config_json)
-        self.labels: dict[str, list[bytes]] = {}    # output -> class labels (label_filename)
         self.sequence: sequence.Sequences | None = None    # sequence_batching: set by load()
         self.backend: Backend = None  # type: ignore[assignment]  # set by load()
         # messages that request.is_cancelled() read while execute() ran; handled first, in order
@@ -161,9 +160,7 @@ class Worker:
     def use_config(self, config_json: str) -> None:
         """What the config decides about every answer: reshapes and the output checks."""
         config = json.loads(config_json)
-        self.reshapes = tensors.Reshapes(config)
-        self.checks = tensors.OutputChecks(config)
-        self.shapes_noted: set[str] = set()     # outputs whose shape broke the config, logged
+        self.answers.use_config(config)
         self.lease_batcher = LeasedBatcher(config)
         # a sequence model's leased requests meet in its own sequence batcher
         sb = config.get("sequence_batching")
@@ -249,7 +246,7 @@ class Worker:
             self.senders = bool(getattr(self.backend, "emits", False))
             self.use_config(self.spec.config_json)
             config = json.loads(self.spec.config_json)
-            self.labels = model_files.read_labels(config, self.spec.model_dir)
+            self.answers.labels = model_files.read_labels(config, self.spec.model_dir)
             self.sequence = sequence.from_config(config, self.spec.model_dir)
             warmup.run_warmup(self.backend, self.spec.config_json, self.spec.model_dir)
         except Exception as e:
@@ -421,7 +418,7 @@ class Worker:
                 res = InferResult(route.req_id, self.spec.model_name, self.spec.version,
                                   no_response=True)
             else:
-                res = self.result(route.req_id, resp, targets, top, device)
+                res = self.answers.result(route.req_id, resp, targets, top, device)
                 if not self.decoupled:
                     # a model that is not decoupled answers once: its first response is the
                     # answer, and any later one finds the stream closed (as Triton keeps the
@@ -536,7 +533,7 @@ class Worker:
                 for t in p.inputs:
                     arr = tensors.to_numpy(t, self.maps) if t.cuda is None else \
                         cuda_ipc.input_tensor(t, self.cuda_handles, self.device_inputs)
-                    inputs[t.name] = self.reshapes.model_input(t.name, arr)
+                    inputs[t.name] = self.answers.reshapes.model_input(t.name, arr)
                     types[t.name] = t.datatype
                 route = batch.routes[i]
                 key = (route.frontend, route.req_id)
@@ -563,9 +560,9 @@ class Worker:
                 classes.append(top)
                 devices.append(device)
             except sequence.SequenceRequestError as e:
-                results[i] = self.error(batch.routes[i].req_id, str(e), ErrorCode.INVALID_ARG)
+                results[i] = self.answers.error(batch.routes[i].req_id, str(e), ErrorCode.INVALID_ARG)
             except (ShmError, CudaError, ValueError, msgspec.DecodeError) as e:
-                results[i] = self.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
+                results[i] = self.answers.error(batch.routes[i].req_id, f"invalid request tensors: {e}",
                                         ErrorCode.INVALID_ARG)
         t1 = t2 = clock()
         if work:
@@ -578,7 +575,7 @@ class Worker:
                 log.exception("execute failed")
                 responses = None
                 for i in ready:
-                    results[i] = self.error(batch.routes[i].req_id, f"execute failed: {e}",
+                    results[i] = self.answers.error(batch.routes[i].req_id, f"execute failed: {e}",
                                             ErrorCode.INTERNAL)
             finally:
                 self.running = None
@@ -598,7 +595,7 @@ class Worker:
                         if resp is None:
                             continue        # answered through its response sender
                         self.end_stream(batch.routes[i])
-                        results[i] = self.result(batch.routes[i].req_id, resp, target, top,
+                        results[i] = self.answers.result(batch.routes[i].req_id, resp, target, top,
                                                  device)
         t3 = clock()
         for i in traced:
@@ -655,85 +652,6 @@ class Worker:
             self.streams.pop(key, None)
             self.stream_cancelled.discard(key)
             self.responses_reported.pop(key, None)
-
-    def error(self, req_id: int, message: str, code: ErrorCode) -> InferResult:
-        return InferResult(req_id, self.spec.model_name, self.spec.version, error=message, code=code)
-
-    def result(self, req_id: int, resp, targets: dict, top: dict,
-               device: frozenset = frozenset()) -> InferResult:
-        """``targets``: outputs to write into clients' regions; ``top``: outputs to return as
-        their top K classes (the classification extension), with the labels the request brings
-        (None: the model's own); ``device``: outputs that may stay on the GPU (in the device
-        arena) when the model left them there."""
-        if resp.error:
-            return self.error(req_id, resp.error, resp.code or ErrorCode.INTERNAL)
-        outs: list[Tensor] = []
-        uses_shm = False                # slots of ours, given back later
-        try:
-            for name, datatype, arr in resp.outputs:
-                arr = self.reshapes.client_output(name, arr)
-                if type(arr) is DeviceTensor:
-                    ref = self.device_arena.keep(arr) if name in device and not \
-                        self.checks.problem(name, datatype, arr.shape) else None
-                    if ref is not None:
-                        outs.append(Tensor(name, datatype, list(arr.shape), None, None, ref))
-                        uses_shm = True
-                        continue
-                    arr = device_to_host(arr)   # full, or a tensor that must change first
-                datatype, arr = self.checks.fit(name, datatype, arr)
-                problem = self.checks.datatype_problem(name, datatype)
-                if problem:
-                    self.free_outputs(outs, targets)
-                    return self.error(req_id, problem, ErrorCode.INTERNAL)
-                if name not in self.shapes_noted:
-                    self.note_shape(name, arr.shape)
-                if top and name in top:
-                    k, labels = top[name]       # an ensemble's own labels first, then the model's
-                    arr = classification.classify(arr, datatype, k, self.checks.batching,
-                                                  self.labels.get(name, ()) if labels is None else labels)
-                    datatype = "BYTES"
-                target = targets.get(name)
-                if type(target) is CudaRef:
-                    outs.append(cuda_ipc.write_output(name, datatype, arr, target,
-                                                      self.cuda_handles, tensors.OutputTooLarge))
-                    continue
-                if target is not None:
-                    outs.append(tensors.into_region(name, datatype, arr, target, self.maps))
-                    continue
-                t = tensors.from_numpy(name, datatype, arr, self.arena)
-                uses_shm |= t.shm is not None
-                outs.append(t)
-        except (tensors.OutputTooLarge, classification.ClassificationError) as e:
-            self.free_outputs(outs, targets)
-            return self.error(req_id, str(e), ErrorCode.INVALID_ARG)
-        except ShmFull as e:            # /dev/shm is full: this request fails, we carry on
-            self.free_outputs(outs, targets)
-            return self.error(req_id, f"failed to return outputs: {e}",
-                              ErrorCode.RESOURCE_EXHAUSTED)
-        except (ShmError, CudaError, ValueError, TypeError) as e:
-            self.free_outputs(outs, targets)
-            return self.error(req_id, f"failed to return outputs: {e}", ErrorCode.INTERNAL)
-        bad = parameter_problem(resp.parameters)
-        if bad:
-            self.free_outputs(outs, targets)
-            return self.error(req_id, f"response parameter {bad}", ErrorCode.INTERNAL)
-        return InferResult(req_id, self.spec.model_name, self.spec.version, outs,
-                           worker=self.inbox.address if uses_shm else "",
-                           parameters=resp.parameters)
-
-    def note_shape(self, name: str, shape: tuple) -> None:
-        """An output whose shape is not the config's passes, as in Triton; said once per output."""
-        problem = self.checks.shape_problem(name, shape)
-        if problem:
-            self.shapes_noted.add(name)
-            log.warning("%s (passed on as it is; logged once)", problem)
-
-    def free_outputs(self, outs, targets: dict) -> None:
-        for t in outs:
-            if t.shm is not None and t.name not in targets:
-                self.arena.free(t.shm)
-            elif t.cuda is not None and t.name not in targets:
-                self.device_arena.free(t.cuda)
 
     def close(self, waker: PacketWaker | None = None) -> None:
         if self.backend is not None:

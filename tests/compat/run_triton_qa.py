@@ -73,6 +73,7 @@ class Ctx:
         self.examples = os.path.abspath(examples) if examples else None
         self.python_backend = os.path.abspath(python_backend) if python_backend else None
         self.verbose = verbose
+        self.suites: list[Suite] = []
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a test process: qa/common (test_util, shm_util, ...) and the
@@ -107,23 +108,20 @@ def use_checkout(work: str) -> str | None:
     return None
 
 
-def run_suite(ctx: Ctx, name: str) -> list[Suite]:
+def run_suite(ctx: Ctx, name: str) -> None:
+    """Replay one suite; its Suite objects add themselves to ctx.suites."""
     t0 = time.monotonic()
     print(f"-- {name}", flush=True)
     try:
         module, function = SUITES[name].split(":")
-        out = getattr(importlib.import_module(f"qa.{module}"), function)(ctx)
+        getattr(importlib.import_module(f"qa.{module}"), function)(ctx)
     except PortsBusy:
         raise
     except Exception as e:                  # noqa: BLE001 - one suite's crash is its FAIL
         import traceback
-        s = Suite(name, ctx)
-        s.add("(suite)", "FAIL", f"the suite's replay crashed: {type(e).__name__}: {e}",
-              traceback.format_exc())
-        out = s
-    suites = out if isinstance(out, list) else [out]
+        Suite(name, ctx).add("(suite)", "FAIL", f"the suite's replay crashed: {type(e).__name__}: "
+                             f"{e}", traceback.format_exc())
     print(f"   done in {time.monotonic() - t0:.0f} s", flush=True)
-    return suites
 
 
 def _interrupt(signum, frame):
@@ -160,11 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (timeout, kill) ends the run through the finally blocks that stop the servers
     signal.signal(signal.SIGTERM, _interrupt)
     ctx = Ctx(os.path.abspath(a.qa_dir), work, a.examples, a.python_backend, a.verbose)
-    by_suite: dict[str, list[Case]] = {}
     try:
         for name in wanted:
-            for s in run_suite(ctx, name):
-                by_suite.setdefault(s.name, []).extend(s.cases)
+            run_suite(ctx, name)
     except PortsBusy as e:
         print(f"stopped: {e}", file=sys.stderr)
     except KeyboardInterrupt:
@@ -174,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"work folder kept: {work}")
         else:
             shutil.rmtree(work, ignore_errors=True)
+    by_suite: dict[str, list[Case]] = {}
+    for s in ctx.suites:
+        by_suite.setdefault(s.name, []).extend(s.cases)
     for name, cases in by_suite.items():
         print()
         print(report.table(name, cases))

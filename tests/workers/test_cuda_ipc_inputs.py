@@ -28,6 +28,7 @@ from shmserve.ipc.messages.common import CudaRef, ErrorCode, InferPayload, Outpu
 from shmserve.ipc.messages.to_scheduler import ForgetSegments
 from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
+from shmserve.workers.answers import Answers
 from shmserve.workers.backends.base import WorkResponse
 from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
@@ -79,10 +80,11 @@ def make_worker(backend, config=CONFIG) -> tuple[Worker, list]:
     w.args = types.SimpleNamespace(spawn_id=1)
     w.spec = types.SimpleNamespace(model_name="m", version=1)
     w.inbox = types.SimpleNamespace(address="unix://test")
-    w.use_config(json.dumps(config))
     w.backend, w.device_inputs = backend, backend.device_inputs
     w.maps, w.cuda_handles, w.arena = ShmMapCache(), cuda_ipc.CudaHandles(), None
-    w.sequence, w.senders, w.labels, w.streams = None, False, {}, {}
+    w.answers = Answers("m", 1, "unix://test", w.arena, w.maps, None, w.cuda_handles)
+    w.use_config(json.dumps(config))
+    w.sequence, w.senders, w.streams = None, False, {}
     w.running, w.running_chain, w.cancelled = None, [], set()
     w.out_lock = threading.Lock()
     w.record = execution_record()

@@ -29,6 +29,7 @@ from shmserve.ipc.messages import encode
 from shmserve.ipc.messages.common import CudaRef, InferPayload, OutputSpec, Tensor
 from shmserve.ipc.messages.to_worker import ExecuteBatch, ReleaseOutputs, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
+from shmserve.workers.answers import Answers
 from shmserve.workers.backends.base import WorkResponse
 from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
@@ -185,11 +186,12 @@ def make_worker(backend, pool=None, config=CONFIG) -> tuple[Worker, list]:
     w.args = types.SimpleNamespace(spawn_id=1)
     w.spec = types.SimpleNamespace(model_name="m", version=1)
     w.inbox = types.SimpleNamespace(address="unix://test")
-    w.use_config(json.dumps(config))
     w.backend, w.device_inputs = backend, backend.device_inputs
     w.device_arena = DeviceArena(pool)
     w.maps, w.cuda_handles, w.arena = ShmMapCache(), cuda_ipc.CudaHandles(w.device_arena.local), None
-    w.sequence, w.senders, w.labels, w.streams = None, False, {}, {}
+    w.answers = Answers("m", 1, "unix://test", w.arena, w.maps, w.device_arena, w.cuda_handles)
+    w.use_config(json.dumps(config))
+    w.sequence, w.senders, w.streams = None, False, {}
     w.running, w.running_chain, w.cancelled = None, [], set()
     w.out_lock = threading.Lock()
     w.record = execution_record()

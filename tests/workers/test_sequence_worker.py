@@ -29,6 +29,7 @@ from shmserve.ipc.messages.to_scheduler import WorkerLoadFailed
 from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
 from shmserve.ipc.spawn_args import InstanceSpec
+from shmserve.workers.answers import Answers
 from shmserve.workers.leases.chain import Chains
 from shmserve.workers.main import Worker
 
@@ -74,7 +75,8 @@ def make_worker(model_dir: str) -> Worker:
     w.main_thread = threading.get_ident()
     w.senders = cfg["backend"] == "python"
     w.metrics_due = 0.0
-    w.labels, w.backend, w.sequence = {}, None, None
+    w.backend, w.sequence = None, None
+    w.answers = Answers(cfg["name"], 1, "ipc://unused", w.arena, w.maps, None, None)
     w.use_config(cfg_json)
     w.sent = []
     w.answer = lambda fid, msg: w.sent.append(msg)

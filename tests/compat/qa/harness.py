@@ -8,6 +8,7 @@ answers 200 (or never, when the process exits first), stopped with SIGTERM and w
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -175,12 +176,23 @@ def tail(text: str, n: int = 15) -> str:
     return "\n".join(text.rstrip().splitlines()[-n:])
 
 
+def error_lines(text: str, n: int = 3) -> str:
+    """The server log's error lines (glog 'E' lines, message only), else its last lines."""
+    errors = [line.split("] ", 1)[-1] for line in text.splitlines()
+              if re.match(r"^E\d{4} ", line) or line.startswith(("Error", "error:", "usage:"))]
+    return " | ".join(errors[:n]) if errors else tail(text, n).replace("\n", " | ")
+
+
 @dataclass
 class Suite:
     """The verdicts of one Triton suite, and what its steps need to run."""
     name: str
     ctx: object
     cases: list[Case] = field(default_factory=list)
+
+    def __post_init__(self):
+        # the run's list of suites, so that an interrupted run still reports what it ran
+        getattr(self.ctx, "suites", []).append(self)
 
     def add(self, name: str, status: str, reason: str = "", detail: str = "",
             seconds: float = 0.0) -> None:
@@ -206,8 +218,7 @@ class Suite:
         if not server.started:
             self.add(f"{step}: server start", "FAIL",
                      f"shmserve {' '.join(args)}: {server.why_not}: "
-                     + tail(server.log_text(), 3).replace("\n", " | "),
-                     tail(server.log_text(), 60))
+                     + error_lines(server.log_text()), tail(server.log_text(), 60))
             return None
         return server
 
@@ -229,8 +240,7 @@ class Suite:
             ok = n == 1 if count_exact else n >= 1
             self.check(f"{step}: log has '{msg}'", ok,
                        f"'{msg}' {'exactly once' if count_exact else ''} in the server log",
-                       f"{n} times ({how}); log ends: " + tail(text, 4).replace("\n", " | "),
-                       tail(text, 40))
+                       f"{n} times ({how}); the log says: " + error_lines(text), tail(text, 40))
 
     def stopped_gracefully(self, step: str, server: QaServer) -> None:
         """test.sh's ``wait $SERVER_PID`` exit-status check after kill (SIGTERM)."""

@@ -77,7 +77,11 @@ def run(ctx) -> Suite:
     # python_test.py
     build_main(qa, d)
     M.sed(os.path.join(d, "models", "init_args", "config.pbtxt"), "TRITON_DIR_PATH", ctx.work)
-    skips = {"PythonTest.test_gpu_tensor_error": GPU, "PythonTest.test_dlpack_tensor_error": GPU}
+    skips = {"PythonTest.test_gpu_tensor_error": GPU, "PythonTest.test_dlpack_tensor_error": GPU,
+             "PythonTest.test_growth_error": "not applicable: expects the python backend's shm "
+             "pool to fail to grow ('Failed to increase the shared memory pool size') in Triton "
+             "CI's 1 GiB /dev/shm; shmserve has no such pool (the 64 MiB HTTP input limit is "
+             "L0_http's input size cases)"}
     if not HAS_TORCH:
         skips.update({"PythonTest.test_bf16": NO_TORCH, "PythonTest.test_infer_pytorch": NO_TORCH})
     before = shm_entries()

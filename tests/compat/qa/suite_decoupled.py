@@ -52,11 +52,12 @@ def decoupled(ctx) -> Suite:
         if not server:
             continue
         try:
-            for t in DECOUPLED_CASES:
-                run_unittest(suite, step, d, [f"decoupled_test.DecoupledTest.{t}"], ctx.env())
+            for t in DECOUPLED_CASES:       # each case waits out its own delays: minutes
+                run_unittest(suite, step, d, [f"decoupled_test.DecoupledTest.{t}"], ctx.env(),
+                             timeout=900)
             if not extra:       # test.sh exports the client-side variable for this one case
                 run_unittest(suite, step, d, ["decoupled_test.DecoupledTest.test_one_to_multi_many"],
-                             ctx.env(TRITONSERVER_DELAY_GRPC_RESPONSE="2000"))
+                             ctx.env(TRITONSERVER_DELAY_GRPC_RESPONSE="2000"), timeout=1500)
         finally:
             server.stop()
     return suite
