@@ -290,6 +290,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
                 pass
         except OSError as e:
             parser.error(f"--log-file: cannot open '{a.log_file}' for appending: {e.strerror}")
+    if a.http_max_input_size <= 0:      # Triton's words (its L0_http greps the log for them)
+        parser.error("Error: --http-max-input-size must be greater than 0.")
     for flag in ("http_max_header_size", "http_max_connections", "http_request_timeout_secs",
                  "http_idle_timeout_secs", "http_max_json_elements", "grpc_max_message_size",
                  "max_request_tensor_bytes", "request_deadline_secs", "model_load_timeout_secs"):

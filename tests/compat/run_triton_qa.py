@@ -56,9 +56,9 @@ SUITES = {
     "L0_shared_memory": "suite_shared_memory:run",
     "L0_input_validation": "suite_misc:input_validation",
     "L0_parameters": "suite_misc:parameters",
-    "L0_decoupled": "suite_decoupled:decoupled",
     "L0_client_timeout": "suite_misc:client_timeout",
     "L0_request_cancellation": "suite_decoupled:request_cancellation",
+    "L0_decoupled": "suite_decoupled:decoupled",        # the longest: ~40 min of waits
 }
 
 
@@ -124,6 +124,16 @@ def run_suite(ctx: Ctx, name: str) -> None:
     print(f"   done in {time.monotonic() - t0:.0f} s", flush=True)
 
 
+def checkout_state() -> dict:
+    """Which code the servers ran: this checkout's commit and its uncommitted product files."""
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", "-C", ROOT, *args], capture_output=True, text=True, timeout=30)
+        return done.stdout.strip() if done.returncode == 0 else ""
+    changed = git("status", "--porcelain", "--", "engine", "frontend", "workers", "ipc")
+    return {"commit": git("rev-parse", "HEAD"),
+            "uncommitted_product_files": [line[3:] for line in changed.splitlines()]}
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -158,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (timeout, kill) ends the run through the finally blocks that stop the servers
     signal.signal(signal.SIGTERM, _interrupt)
     ctx = Ctx(os.path.abspath(a.qa_dir), work, a.examples, a.python_backend, a.verbose)
+    started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), **checkout_state()}
     try:
         for name in wanted:
             run_suite(ctx, name)
@@ -180,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         report.write_json(a.json, by_suite, {"qa_dir": os.path.abspath(a.qa_dir),
                                              "examples": ctx.examples,
-                                             "python_backend": ctx.python_backend})
+                                             "python_backend": ctx.python_backend,
+                                             "checkout_at_start": started,
+                                             "checkout_at_end": checkout_state()})
     return 0 if all(c.status != "FAIL" for cases in by_suite.values() for c in cases) else 1
 
 

@@ -1,6 +1,8 @@
 """What one HTTP client may hold: header bytes and fields, time to send a request, idle time,
 connections. Raw sockets, since a well-behaved client never hits these (issue 13)."""
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -169,3 +171,11 @@ def test_an_error_reaches_a_client_that_is_still_sending(server):
     assert answer.startswith(b"HTTP/1.1 431 ") and b"--http-max-header-size" in answer
     s.close()
     _serves(server)
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_max_input_size_that_is_not_positive_stops_the_start(value):
+    # Triton's words: its L0_http test greps the server log for them
+    p = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
+                        f"--http-max-input-size={value}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Error: --http-max-input-size must be greater than 0." in p.stderr

@@ -75,6 +75,10 @@ class QaServer:
                  timeout: float = 120, wait_ready: bool = True):
         wait_ports_free()
         self.args = list(args)
+        base, n = log_path, 1
+        while os.path.exists(log_path):     # test.sh reuses some names; keep every log
+            n += 1
+            log_path = f"{base}.{n}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
         cmd = [sys.executable, "-m", "shmserve.engine.launch.cli", *PORT_ARGS, *self.args]

@@ -82,8 +82,11 @@ def copytree(src: str, dst: str) -> str:
     return dst
 
 
-def generated(ctx, repository: str, model: str, dest_repo: str, name: str | None = None) -> str:
-    """Copy ``model`` of Triton's ``repository`` (qa_model_repository, ...) into ``dest_repo``."""
+def generated(ctx, repository: str, model: str, dest_repo: str, name: str | None = None,
+              only_version: str | None = None) -> str:
+    """Copy ``model`` of Triton's ``repository`` (qa_model_repository, ...) into ``dest_repo``
+    (with ``only_version``: that version folder and the files beside the versions, as test.sh's
+    ``cp -r $DATADIR/.../<model>/1 ...``)."""
     cache = os.path.join(ctx.work, "generated", repository)
     if not os.path.isdir(cache):
         script, flags = _GENERATORS[repository]
@@ -98,7 +101,12 @@ def generated(ctx, repository: str, model: str, dest_repo: str, name: str | None
     if not os.path.isdir(src):
         raise Missing(f"needs Triton's generated model {model} ({repository}), which "
                       "its generator does not make with --onnx")
-    return copytree(src, os.path.join(dest_repo, name or model))
+    dst = copytree(src, os.path.join(dest_repo, name or model))
+    if only_version:
+        for entry in os.listdir(dst):
+            if entry.isdigit() and entry != only_version:
+                shutil.rmtree(os.path.join(dst, entry))
+    return dst
 
 
 def as_libtorch(ctx, model: str, dest_repo: str) -> str:
