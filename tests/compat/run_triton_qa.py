@@ -58,7 +58,7 @@ SUITES = {
     "L0_parameters": "suite_misc:parameters",
     "L0_client_timeout": "suite_misc:client_timeout",
     "L0_request_cancellation": "suite_decoupled:request_cancellation",
-    "L0_decoupled": "suite_decoupled:decoupled",        # the longest: ~40 min of waits
+    "L0_decoupled": "suite_decoupled:decoupled",        # the longest: ~1 h of waits
 }
 
 

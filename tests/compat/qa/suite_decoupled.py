@@ -52,12 +52,12 @@ def decoupled(ctx) -> Suite:
         if not server:
             continue
         try:
-            for t in DECOUPLED_CASES:       # each case waits out its own delays: minutes
+            for t in DECOUPLED_CASES:   # each case waits out its own delays: up to ~20 min
                 run_unittest(suite, step, d, [f"decoupled_test.DecoupledTest.{t}"], ctx.env(),
-                             timeout=900)
+                             timeout=2400)
             if not extra:       # test.sh exports the client-side variable for this one case
                 run_unittest(suite, step, d, ["decoupled_test.DecoupledTest.test_one_to_multi_many"],
-                             ctx.env(TRITONSERVER_DELAY_GRPC_RESPONSE="2000"), timeout=1500)
+                             ctx.env(TRITONSERVER_DELAY_GRPC_RESPONSE="2000"), timeout=2400)
         finally:
             server.stop()
     return suite
