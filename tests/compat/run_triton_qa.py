@@ -13,12 +13,15 @@ Not part of the test suite (CI has no copy of Triton's qa/). This is how the tea
 shmserve still answers differently from Triton.
 
 Usage: python tests/compat/run_triton_qa.py QA_DIR [--suite NAME]... [--json PATH]
-           [--examples DIR] [--python-backend DIR] [--keep] [-v]
+           [--examples DIR] [--python-backend DIR] [--tritonserver ANCHOR] [--keep] [-v]
   QA_DIR: the qa/ folder of triton-inference-server/server (it is copied, never changed)
   --examples: that repository's docs/examples/model_repository (default: configs/models here,
               models of the same names and interfaces)
   --python-backend: a checkout of triton-inference-server/python_backend (its examples/ give
               L0_backend_python/decoupled and L0_decoupled their square/repeat models)
+  --tritonserver: run the real Triton instead, as ../shared/tools/triton-bench/setup.sh installs
+              it under ANCHOR (Triton 2.51 from nvidia-pytriton: the python backend only), to
+              learn which failures Triton shares
   --suite: a suite to run (repeatable; a prefix such as L0_backend_python takes its sub-suites);
            default: all of them, in the order below
 
@@ -108,6 +111,25 @@ def use_checkout(work: str) -> str | None:
     return None
 
 
+def use_tritonserver(anchor: str) -> str | None:
+    """Make every server the real tritonserver under ``anchor`` (triton-bench's layout: its
+    binary and backends in triton/, its libraries and numpy in the venv/). Returns a problem."""
+    exe = os.path.join(anchor, "triton", "bin", "tritonserver")
+    python = os.path.join(anchor, "venv", "bin", "python")
+    if not (os.path.exists(exe) and os.path.exists(python)):
+        return f"no tritonserver under {anchor} (run triton-bench's setup.sh first)"
+    site, libdir = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib']); "
+         "print(sysconfig.get_config_var('LIBDIR'))"],
+        check=True, capture_output=True, text=True, timeout=60).stdout.split()[:2]
+    harness.SERVER_CMD[:] = [exe, f"--backend-directory={anchor}/triton/backends",
+                             f"--cache-directory={anchor}/triton/caches", "--allow-gpu-metrics=false"]
+    harness.SERVER_ENV.update({"LD_LIBRARY_PATH": f"{site}/nvidia_pytriton.libs:{libdir}",
+                               "PYTHONPATH": site,
+                               "PATH": f"{anchor}/venv/bin:" + os.environ.get("PATH", "")})
+    return None
+
+
 def run_suite(ctx: Ctx, name: str) -> None:
     """Replay one suite; its Suite objects add themselves to ctx.suites."""
     t0 = time.monotonic()
@@ -145,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--examples")
     p.add_argument("--python-backend")
+    p.add_argument("--tritonserver", metavar="ANCHOR")
     p.add_argument("--keep", action="store_true", help="keep the work folder (logs, repositories)")
     p.add_argument("-v", "--verbose", action="store_true", help="print each case as it ends")
     a = p.parse_args(argv)
@@ -160,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 2
     work = tempfile.mkdtemp(prefix="shmserve-triton-qa-")
-    problem = use_checkout(work)
+    problem = use_tritonserver(a.tritonserver) if a.tritonserver else use_checkout(work)
     if problem:
         print(problem, file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
@@ -168,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (timeout, kill) ends the run through the finally blocks that stop the servers
     signal.signal(signal.SIGTERM, _interrupt)
     ctx = Ctx(os.path.abspath(a.qa_dir), work, a.examples, a.python_backend, a.verbose)
-    started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), **checkout_state()}
+    started = {"started": time.strftime("%Y-%m-%d %H:%M:%S"),
+               **({"server": "tritonserver " + a.tritonserver} if a.tritonserver else checkout_state())}
     try:
         for name in wanted:
             run_suite(ctx, name)

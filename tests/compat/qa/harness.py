@@ -26,6 +26,9 @@ PORTS = (8000, 8001, 8002)
 # Set by run_triton_qa.py: what every server's environment adds (PYTHONPATH to this checkout).
 SERVER_ENV: dict[str, str] = {}
 PORT_ARGS = ["--http-port=8000", "--grpc-port=8001", "--metrics-port=8002"]
+# The server's command before its arguments; run_triton_qa.py --tritonserver sets Triton's own
+# (and SERVER_ENV its libraries) to learn which failures the real Triton shares.
+SERVER_CMD: list[str] = [sys.executable, "-m", "shmserve.engine.launch.cli"]
 
 
 class PortsBusy(RuntimeError):
@@ -81,7 +84,7 @@ class QaServer:
             log_path = f"{base}.{n}"
         self.log_path = log_path
         self.log = open(log_path, "wb")
-        cmd = [sys.executable, "-m", "shmserve.engine.launch.cli", *PORT_ARGS, *self.args]
+        cmd = [*SERVER_CMD, *PORT_ARGS, *self.args]
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdout=self.log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
                                      env={**os.environ, **SERVER_ENV, **(env or {})})
