@@ -25,6 +25,9 @@ What the owner implements: ``stream_headers(sid, headers, end_stream)``,
 # ruff: noqa: F405
 from __future__ import annotations
 
+import time
+from typing import Callable
+
 import hpack
 
 from shmserve.frontend.http2.frames import *  # noqa: F403 (the vocabulary, used throughout and re-exported)
@@ -37,7 +40,8 @@ _SELF_DEPENDENT = 0x100         # not on the wire: a HEADERS frame that depends 
 
 
 class Http2Server(Sender):
-    def __init__(self, owner, settings: dict[int, int], connection_window: int):
+    def __init__(self, owner, settings: dict[int, int], connection_window: int,
+                 clock: Callable[[], float] = time.monotonic):
         super().__init__(settings.get(INITIAL_WINDOW_SIZE, DEFAULT_WINDOW), connection_window)
         self.owner = owner
         self.buf = bytearray()                      # an incomplete frame, kept until whole
@@ -55,8 +59,8 @@ class Http2Server(Sender):
         self.block_stream = 0
         self.block_flags = 0
         self.continuations = 0
-        self.glitches = Budget(GLITCH_BURST, GLITCH_RATE)
-        self.resets = Budget(RESET_BURST, RESET_RATE)
+        self.glitches = Budget(GLITCH_BURST, GLITCH_RATE, clock)
+        self.resets = Budget(RESET_BURST, RESET_RATE, clock)
         self.acks_due = 1                           # SETTINGS ACKs we expect
         self.rst_closed = 0                         # the closed stream we last told so
         self.ended: list[Stream] = []               # streams the client ended in this read
