@@ -18,9 +18,17 @@ _ORT_TO_CONFIG = {
     "tensor(uint16)": "TYPE_UINT16", "tensor(uint32)": "TYPE_UINT32",
     "tensor(uint64)": "TYPE_UINT64", "tensor(bool)": "TYPE_BOOL", "tensor(string)": "TYPE_STRING",
 }
+CONFIG_DATATYPES = frozenset(_ORT_TO_CONFIG.values())   # those an ONNX tensor can have
 
 
-def _dims(shape) -> list[int]:
+def config_datatype(ort_type: str) -> str:
+    """The config data_type of an onnxruntime type string ("tensor(float)": TYPE_FP32), or
+    TYPE_INVALID for one that a config cannot name (a sequence, a map, float8...)."""
+    return _ORT_TO_CONFIG.get(ort_type, "TYPE_INVALID")
+
+
+def model_dims(shape) -> list[int]:
+    """An onnxruntime shape as config dims: a symbolic ("batch") or unknown dimension is -1."""
     return [d if isinstance(d, int) and d > 0 else -1 for d in shape]
 
 
@@ -53,9 +61,9 @@ def complete_onnx(cfg: dict, path: str, default_max_batch_size: int = DEFAULT_MA
             if entry is None:
                 entry = {"name": t.name}
                 cfg.setdefault(key, []).append(entry)
-            entry.setdefault("data_type", _ORT_TO_CONFIG.get(t.type, "TYPE_INVALID"))
+            entry.setdefault("data_type", config_datatype(t.type))
             if not entry.get("dims"):
-                entry["dims"] = _dims(t.shape[1:] if mbs > 0 else t.shape)
+                entry["dims"] = model_dims(t.shape[1:] if mbs > 0 else t.shape)
     return cfg
 
 

@@ -13,19 +13,16 @@ from shmserve.ipc.gpu import device as gpu
 from shmserve.ipc.gpu.device import DeviceTensor
 from shmserve.ipc.messages.common import ErrorCode
 from shmserve.workers import sequence
-from shmserve.workers.backends import ort_options
+from shmserve.workers.backends import autocomplete, onnx_checks, ort_options
 from shmserve.workers.backends.base import InstanceSpec, WorkRequest, WorkResponse
 
 # what cudaMalloc gives; a device tensor bound where it is must start on such an address
 DEVICE_ALIGNMENT = 256
 
-_ORT_TYPES = {
-    "tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(float16)": "FP16",
-    "tensor(bfloat16)": "BF16", "tensor(int8)": "INT8", "tensor(int16)": "INT16",
-    "tensor(int32)": "INT32", "tensor(int64)": "INT64", "tensor(uint8)": "UINT8",
-    "tensor(uint16)": "UINT16", "tensor(uint32)": "UINT32", "tensor(uint64)": "UINT64",
-    "tensor(bool)": "BOOL", "tensor(string)": "BYTES",
-}
+
+def _wire_type(ort_type: str) -> str:
+    """The wire datatype of an onnxruntime type string ("tensor(float)": FP32), or ""."""
+    return dtypes.CONFIG_TO_WIRE.get(autocomplete.config_datatype(ort_type), "")
 
 
 class OnnxBackend:
@@ -65,7 +62,7 @@ class OnnxBackend:
         # (given bytes, it feeds their repr, "b'0'", to the graph)
         self.string_inputs = {i.name for i in self.session.get_inputs()
                               if i.type == "tensor(string)"}
-        self.output_types = {o.name: _ORT_TYPES.get(o.type, "") for o in self.session.get_outputs()}
+        self.output_types = {o.name: _wire_type(o.type) for o in self.session.get_outputs()}
         self.output_names = list(self.output_types)
         # onnxruntime binds no string tensor: such a model runs through session.run, which
         # keeps strings on the CPU anyway
@@ -74,19 +71,16 @@ class OnnxBackend:
         # inputs in a client's CUDA region come as DeviceTensors (bound where they are) only on
         # a GPU session; elsewhere the worker copies them to the host first
         self.device_inputs = self.io_binding and self.device[0] == "cuda"
-        declared = {i["name"] for i in self.cfg.get("input", [])}
-        missing = declared - set(self.input_names)
-        if missing:
-            raise BackendLoadError(f"config declares input(s) {sorted(missing)} that the ONNX model "
-                                   f"does not have (model inputs: {self.input_names})")
         self._check_sequence_tensors()
+        # the config's inputs and outputs against the graph's, as Triton checks them at load
+        onnx_checks.check(self.cfg, self.session)
         self.batching = self.cfg.get("max_batch_size", 0) > 0
 
     def _check_sequence_tensors(self) -> None:
         """The control and state inputs, and the state outputs, sequence_batching feeds and
         takes: the graph must have them, with the same datatypes (Triton's words)."""
         inputs, outputs = sequence.declared(self.cfg)
-        types = {i.name: _ORT_TYPES.get(i.type, "") for i in self.session.get_inputs()}
+        types = {i.name: _wire_type(i.type) for i in self.session.get_inputs()}
         for name, wire in inputs.items():
             if name not in types:
                 raise BackendLoadError(f"configuration specified sequence control or state input "
