@@ -39,6 +39,7 @@ from shmserve.engine.processes.instances import InstanceSupervisor
 from shmserve.engine.readiness import ReadinessChecks
 from shmserve.engine.states import InstanceState, KillReason, ModelState
 from shmserve.ipc import channel
+from shmserve.ipc.backend_catalog import BackendCatalog
 from shmserve.ipc.gpu import device as gpu
 from shmserve.ipc.messages.common import (
     BLS_FRONTEND_BASE,
@@ -96,7 +97,9 @@ class SchedulerCore:
         repository = ModelRepository(settings.model_repositories,
                                      settings.model_config_name or None,
                                      gpu_count=gpu.visible_gpus(),
-                                     auto_complete=settings.auto_complete)
+                                     auto_complete=settings.auto_complete,
+                                     backends=BackendCatalog([settings.backend_directory]))
+        self.supervisor.backends = repository.backends
         self.lifecycle = ModelLifecycle(settings, repository, self.supervisor, clock,
                                         self.publish, self.reply_control, self.dispatch)
         self.versions = self.lifecycle.versions         # the serving map, shared

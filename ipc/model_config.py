@@ -7,23 +7,13 @@ import os
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.ipc import model_files
+from shmserve.ipc import backend_catalog, model_files
+from shmserve.ipc.backend_catalog import BackendCatalog, BackendNotFound
 
 ModelConfig = mc.ModelConfig
 
-# backend -> (platform Triton reports, default model file name)
-BACKENDS = {
-    "python": ("", "model.py"),
-    "onnxruntime": ("onnxruntime_onnx", "model.onnx"),
-    "tensorrt": ("tensorrt_plan", "model.plan"),
-    # Triton's test backends: a version directory, no model file
-    "identity": ("", ""),
-    "repeat": ("", ""),
-    "square": ("", ""),
-}
-# the backends that can serve a decoupled model (any number of responses per request)
-DECOUPLED_BACKENDS = ("python", "repeat", "square")
-PLATFORM_TO_BACKEND = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tensorrt"}
+# the built-in backends' table, for readers that need only those (the repository's model files)
+BACKENDS = backend_catalog.BUILT_IN
 
 
 class ConfigError(Exception):
@@ -155,8 +145,21 @@ def _normalize_sequence_batching(cfg: mc.ModelConfig) -> None:
                                        f"'{init.name}' data_file", init.data_file)
 
 
-def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelConfig:
-    """Check a config and fill the defaults Triton fills (docs/triton-compat.md §3.3); raises ConfigError."""
+_catalog: BackendCatalog | None = None
+
+
+def _default_catalog() -> BackendCatalog:
+    global _catalog
+    if _catalog is None:
+        _catalog = BackendCatalog()
+    return _catalog
+
+
+def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0,
+              backends: BackendCatalog | None = None) -> mc.ModelConfig:
+    """Check a config and fill the defaults Triton fills (docs/triton-compat.md §3.3); raises
+    ConfigError. ``backends``: where a config's backend is looked up (default: the built-in,
+    shipped and installed ones)."""
     if cfg.name and cfg.name != name:
         raise ConfigError(f"model name '{cfg.name}' in config.pbtxt does not match the directory "
                           f"name '{name}'")
@@ -164,21 +167,24 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
     if cfg.platform == "ensemble":
         return _normalize_ensemble(cfg, name)
     if not cfg.backend:
-        if cfg.platform in PLATFORM_TO_BACKEND:
-            cfg.backend = PLATFORM_TO_BACKEND[cfg.platform]
-        elif cfg.platform:
-            raise ConfigError(f"model '{name}': unsupported platform '{cfg.platform}'")
+        if cfg.platform in backend_catalog.PLATFORM_TO_BACKEND:
+            cfg.backend = backend_catalog.PLATFORM_TO_BACKEND[cfg.platform]
+        elif cfg.platform:      # Triton's words, then the ones that exist
+            raise ConfigError(f"unexpected platform type '{cfg.platform}' for {name} (supported "
+                              f"platforms: {', '.join(backend_catalog.PLATFORMS)})")
         else:
             raise ConfigError(f"model '{name}': config must set 'backend' (python, onnxruntime) "
                               f"or 'platform'")
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(f"model '{name}': unsupported backend '{cfg.backend}' "
-                          f"(supported: {', '.join(sorted(BACKENDS))})")
-    platform, filename = BACKENDS[cfg.backend]
+    try:
+        backend = (backends or _default_catalog()).find(cfg.backend)
+    except BackendNotFound as e:
+        raise ConfigError(f"model '{name}': {e}") from None
+    if backend.kind == "python-based":      # Triton reports it so
+        cfg.runtime = backend_catalog.PYTHON_BASED_FILE
     if not cfg.platform:
-        cfg.platform = platform
+        cfg.platform = backend.platform
     if not cfg.default_model_filename:
-        cfg.default_model_filename = filename
+        cfg.default_model_filename = backend.default_filename
     _check_file_name(name, "default_model_filename", cfg.default_model_filename)
     for w in cfg.model_warmup:
         for input_name, spec in w.inputs.items():
@@ -210,10 +216,11 @@ def normalize(cfg: mc.ModelConfig, name: str, gpu_count: int = 0) -> mc.ModelCon
         raise ConfigError(f"model '{name}': instance_group asks for {total} instances, more than "
                           f"the limit of {MAX_INSTANCES_PER_MODEL} (each is a process)")
     cfg.model_transaction_policy.decoupled = cfg.model_transaction_policy.decoupled
-    if cfg.model_transaction_policy.decoupled and cfg.backend not in DECOUPLED_BACKENDS:
+    if cfg.model_transaction_policy.decoupled and not backend.decoupled:
         raise ConfigError(f"model '{name}': the {cfg.backend} backend cannot serve a decoupled "
                           f"model (model_transaction_policy {{ decoupled: true }}); the "
-                          f"{', '.join(DECOUPLED_BACKENDS)} backends can")
+                          f"{', '.join(backend_catalog.DECOUPLED_BUILT_IN)} backends and the "
+                          f"python-based ones can")
     _check_response_cache(cfg)
     if not cfg.optimization.HasField("input_pinned_memory"):
         cfg.optimization.input_pinned_memory.enable = True

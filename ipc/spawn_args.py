@@ -25,6 +25,7 @@ class ServerSettings(msgspec.Struct):
     server_id: str = "triton"
     server_version: str = "0.1.0"
     model_config_name: str = ""
+    backend_directory: str = ""     # python-based backends, searched before the shipped ones
     http_address: str = "0.0.0.0"
     http_port: int = 8000
     allow_http: bool = True
@@ -115,6 +116,9 @@ class InstanceSpec(msgspec.Struct):
     # what auto-complete gives a model that can batch (--backend-config default-max-batch-size)
     default_max_batch_size: int = 4
     instance_index: int = 0     # among the version's instances (the identity backend's delays)
+    # where a backend that is not built in comes from (ipc/backend_catalog.py): a python-based
+    # backend's model.py, or a plug-in's entry point "module:attr"
+    backend_source: str = ""
 
 
 class WorkerLabel(msgspec.Struct):

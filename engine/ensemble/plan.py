@@ -235,7 +235,7 @@ def takes_device_inputs(sub: ModelConfig) -> bool:
         return bool(sub.instance_group) and \
             all(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in sub.instance_group) and \
             not any(t.data_type == mc.TYPE_STRING for t in (*sub.input, *sub.output))
-    if sub.backend == "python":
+    if sub.backend == "python" or sub.runtime == "model.py":    # python-based ones too
         param = sub.parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
         return param is not None and param.string_value.strip().lower() == "no"
     return False

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "python auto_complete_config)")
     p.add_argument("--strict-model-config", type=triton_bool, default=None,
                    help="deprecated: true is --disable-auto-complete-config")
+    p.add_argument("--backend-directory", default=D["backend_directory"],
+                   help="where python-based backends are found (<dir>/<backend>/model.py), "
+                        "before the ones shipped with shmserve; plug-in backends come from "
+                        "installed packages (docs/backends.md)")
     p.add_argument("--model-config-name", default=D["model_config_name"],
                    help="use <model>/configs/<name>.pbtxt instead of config.pbtxt where present")
     p.add_argument("--host", default=D["http_address"],
@@ -309,6 +313,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
     settings = ServerSettings(
         model_repositories=a.model_repository, run_dir="", segment_prefix="", launcher_pid=0,
         server_id=a.id, server_version=VERSION, model_config_name=a.model_config_name,
+        backend_directory=os.path.abspath(a.backend_directory) if a.backend_directory else "",
         http_address=a.http_address or a.host, http_port=a.http_port, allow_http=a.allow_http,
         grpc_address=a.grpc_address or a.host, grpc_port=a.grpc_port, allow_grpc=a.allow_grpc,
         metrics_address=a.metrics_address or a.http_address or a.host,

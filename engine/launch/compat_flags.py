@@ -89,7 +89,6 @@ NO_EFFECT: dict[str, tuple[Callable[[str], Any], bool, str]] = {
     "--pinned-memory-pool-byte-size": (_non_negative, False,
                                        "host tensors live in POSIX shared memory, not a pinned pool"),
     "--buffer-manager-thread-count": (_non_negative, False, "there is no buffer manager"),
-    "--backend-directory": (str, False, "the python, onnxruntime and tensorrt backends are built in"),
     "--repoagent-directory": (str, False, "repository agents are not supported"),
     "--min-supported-compute-capability": (float, False,
                                            "onnxruntime and TensorRT check the GPU themselves"),

@@ -329,7 +329,8 @@ class ModelLifecycle:
         """The first worker of an auto-completing version reports the completed config."""
         ver.auto_complete = False
         try:
-            cfg = model_config.normalize(model_config.config_from_json(config_json), ver.name)
+            cfg = model_config.normalize(model_config.config_from_json(config_json), ver.name,
+                                         backends=self.repository.backends)
         except ConfigError as e:
             self.version_failed(ver, f"auto-completed configuration is invalid: {e}")
             return False

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, field
 
 from shmserve.ipc import model_config, model_files
+from shmserve.ipc.backend_catalog import BackendCatalog, BackendNotFound
 from shmserve.ipc.model_config import ConfigError
 
 
@@ -65,8 +66,9 @@ def _misplaced_file(model_dir: str) -> str:
 
 class ModelRepository:
     def __init__(self, paths: list[str], config_name: str | None = None, gpu_count: int = 0,
-                 auto_complete: bool = True):
+                 auto_complete: bool = True, backends: BackendCatalog | None = None):
         self.paths = [os.path.abspath(p) for p in paths]
+        self.backends = backends or BackendCatalog()
         self.config_name = config_name
         self.gpu_count = gpu_count
         self.auto_complete = auto_complete
@@ -131,7 +133,7 @@ class ModelRepository:
                 # Triton fills the backend from the model file's name (an override config with
                 # just max_batch_size, as its model-control example sends, included)
                 cfg.backend = self._backend_from_files(entry.path) or ""
-            entry.config = model_config.normalize(cfg, name, self.gpu_count)
+            entry.config = model_config.normalize(cfg, name, self.gpu_count, self.backends)
         except ConfigError as e:
             entry.error = str(e)
             return entry
@@ -192,10 +194,18 @@ class ModelRepository:
             return False
         if cfg.backend == "onnxruntime":
             return not cfg.input or not cfg.output
-        if cfg.backend == "python":
-            # Triton calls auto_complete_config() whenever the model defines it
-            for v in version_dirs(entry.path):
-                path = os.path.join(entry.path, str(v), cfg.default_model_filename)
+        if cfg.backend == "python" or cfg.runtime == "model.py":
+            # Triton calls auto_complete_config() whenever the model (or its python-based
+            # backend) defines it
+            if cfg.backend == "python":
+                paths = [os.path.join(entry.path, str(v), cfg.default_model_filename)
+                         for v in version_dirs(entry.path)]
+            else:
+                try:
+                    paths = [self.backends.find(cfg.backend).source]
+                except BackendNotFound:     # gone since the config was read: the load says so
+                    paths = []
+            for path in paths:
                 try:
                     source = model_files.read_bytes(path, model_files.SOURCE_MAX_BYTES)
                 except model_files.ModelFileError:

@@ -27,6 +27,7 @@ from shmserve.engine.models import (
 from shmserve.engine.port import SchedulerPort
 from shmserve.engine.processes.supervision import describe_exit
 from shmserve.engine.states import InstanceState, KillReason, ModelState
+from shmserve.ipc.backend_catalog import BackendCatalog, BackendNotFound
 from shmserve.ipc.messages.to_scheduler import Pong
 from shmserve.ipc.messages.to_worker import Ping, Shutdown
 from shmserve.ipc.spawn_args import InstanceSpec
@@ -91,17 +92,26 @@ class InstanceSupervisor:
         self.ping_counter = 0
         self.next_ping = 0.0
         self.stopping = False
+        self.backends = BackendCatalog()    # the scheduler sets the repository's
 
     def now(self) -> float:
         return self.clock() / 1e9
 
     # ---- processes -------------------------------------------------------------------------------
+    def _backend_source(self, backend: str) -> str:
+        """Where a backend that is not built in is loaded from (the worker imports it)."""
+        try:
+            return self.backends.find(backend).source
+        except BackendNotFound:     # gone since the config was checked: the worker says so
+            return ""
+
     def spawn(self, ver: ModelVersion, inst: Instance) -> None:
         self.spawn_counter += 1
         sid = self.spawn_counter
         spec = InstanceSpec(ver.name, ver.version, ver.path, ver.config_json, inst.name, inst.kind,
                             inst.device_id, ver.config.backend, ver.auto_complete,
-                            self.default_max_batch_size, ver.instances.index(inst))
+                            self.default_max_batch_size, ver.instances.index(inst),
+                            self._backend_source(ver.config.backend))
         inst.spawn_id = sid
         inst.state = InstanceState.STARTING
         inst.connected = False

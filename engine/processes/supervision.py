@@ -11,7 +11,8 @@ and with it the group id, cannot have been reused by then. A child that leaves t
 such a process becomes the scheduler's child once its parent dies: it is reaped
 (``reap_orphans``), and killed when the server stops (``kill_orphans``).
 
-A worker is either spawned (``python -m shmserve.workers.main``, a fresh interpreter) or forked
+A worker is either spawned (``python -m shmserve.workers.main``, a fresh interpreter; for a python
+model with an execution environment, engine/processes/env_worker.py, which execs it) or forked
 by the fork server (engine/processes/forkserver.py), which hands it over as the scheduler's child with
 the same command line; ``WorkerProcess`` treats both alike, reaping a forked one with
 ``os.waitpid`` instead of through ``subprocess.Popen``.
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Collection
 
 import msgspec
 
+from shmserve.engine.lifecycle import execution_env
 from shmserve.ipc.exec_record import read_record, record_path
 from shmserve.ipc.messages.common import LogSettings
 from shmserve.ipc.proc import failure_path
@@ -61,25 +63,30 @@ FORK_PARAMETER = "FORK_WORKER"
 def fork_opt_out(spec: InstanceSpec) -> str:
     """Why this instance's worker must be a fresh interpreter rather than forked, or "": a
     python model with its own EXECUTION_ENV_PATH, or a config that says FORK_WORKER false."""
+    if execution_env_of(spec):
+        return execution_env.PARAMETER
     try:
         params = json.loads(spec.config_json).get("parameters") or {}
     except (ValueError, AttributeError):
         return ""
-    if not isinstance(params, dict):
-        return ""
-
-    def value(key: str) -> str | None:
-        p = params.get(key)
-        if isinstance(p, dict):
-            return str(p.get("string_value", ""))
-        return None if p is None else str(p)
-
-    if spec.backend == "python" and value("EXECUTION_ENV_PATH"):
-        return "EXECUTION_ENV_PATH"
-    flag = value(FORK_PARAMETER)
+    p = params.get(FORK_PARAMETER) if isinstance(params, dict) else None
+    flag = str(p.get("string_value", "")) if isinstance(p, dict) else (None if p is None else str(p))
     if flag is not None and flag.strip().lower() in ("false", "no", "off", "0"):
         return FORK_PARAMETER
     return ""
+
+
+def execution_env_of(spec: InstanceSpec) -> str:
+    """The EXECUTION_ENV_PATH of a python model or of a python-based backend's model, or ""."""
+    return execution_env.requested(spec.backend, spec.config_json, spec.backend_source)
+
+
+def worker_command(spec: InstanceSpec) -> str:
+    """The module a spawned worker runs: a python model with an execution environment starts
+    in engine/processes/env_worker.py, which makes the environment ready and execs the worker."""
+    if execution_env_of(spec):
+        return "shmserve.engine.processes.env_worker"
+    return "shmserve.workers.main"
 
 
 class WorkerProcess:
@@ -98,7 +105,8 @@ class WorkerProcess:
         self.returncode: int | None = None      # once reaped
         try:
             forked = None
-            if forkserver is not None:
+            module = worker_command(spec)
+            if forkserver is not None and module == "shmserve.workers.main":
                 try:
                     forked = forkserver.fork(label, self.args_path)
                 except Exception:           # a bug there must not cost the model its worker
@@ -107,7 +115,7 @@ class WorkerProcess:
                 self.pid, self.pidfd = forked
             else:
                 self.popen = subprocess.Popen(
-                    [sys.executable, "-m", "shmserve.workers.main", label, self.args_path],
+                    [sys.executable, "-m", module, label, self.args_path],
                     # a session (so a group) of its own: process_group=0 needs Python 3.11
                     stdin=subprocess.DEVNULL, close_fds=True, start_new_session=True)
                 self.pid = self.popen.pid

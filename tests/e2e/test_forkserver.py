@@ -14,6 +14,8 @@ import tritonclient.http as httpclient
 from repo_builder import write_model
 from serverproc import Server, alive, descendants, wait_for
 
+from shmserve.engine.lifecycle import execution_env
+
 DRAW = '''
 import os, random
 import numpy as np
@@ -60,6 +62,9 @@ def repo(tmp_path_factory):
         write_model(root, name, CONFIG, DRAW)
     write_model(root, "opt_out", OPT_OUT, DRAW)
     write_model(root, "env_path", ENV_PATH, DRAW)
+    # an unpacked execution environment (engine/lifecycle/execution_env.py): the worker starts
+    # in engine/processes/env_worker.py, which execs workers/env_start.py
+    os.makedirs(os.path.join(root, "env_path", "env", "lib", execution_env.python_dir(), "site-packages"))
     return root
 
 
@@ -167,7 +172,9 @@ def test_a_model_can_ask_for_a_fresh_interpreter(srv, model):
     assert _ppid(pid) == scheduler
     # exactly what the scheduler exec'ed: no padding, the arguments file last
     argv = _read(pid, "cmdline").split(b"\0")
-    assert argv[-1] == b"" and argv[:3] == [EXE, b"-m", b"shmserve.workers.main"], argv
+    # a model with an execution environment: workers/env_start.py, which runs workers/main.py
+    module = b"shmserve.workers.env_start" if model == "env_path" else b"shmserve.workers.main"
+    assert argv[-1] == b"" and argv[:3] == [EXE, b"-m", module], argv
     assert len(argv) == 6 and argv[4].endswith(b".args.json"), argv
 
 

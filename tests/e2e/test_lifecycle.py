@@ -38,7 +38,7 @@ def test_bad_models_are_unavailable_with_reasons_and_good_ones_serve(bad_repo):
             "no_model_file": "model file 'model.py' not found",
             "bad_init": "initialize failed on purpose",
             "wrong_name": "does not match the directory name",
-            "bad_backend": "unsupported backend 'tensorflow'",
+            "bad_backend": "unable to find backend library for backend 'tensorflow'",
         }
         if not _has_cuda_provider():
             expected["onnx_gpu"] = "CUDA execution provider"

@@ -25,8 +25,10 @@ def test_a_triton_command_line_parses(tmp_path):
         "grpc.max_connection_age_ms": 60000, "grpc.default_compression_level": 3}
     flags = {note.split()[0] for note in a.compat_notes}
     assert flags == {"--pinned-memory-pool-byte-size", "--buffer-manager-thread-count",
-                     "--backend-directory", "--backend-config", "--http-thread-count",
+                     "--backend-config", "--http-thread-count",
                      "--reuse-grpc-port", "--host-policy"}
+    # where python-based backends are looked for (docs/backends.md)
+    assert settings.backend_directory == "/opt/tritonserver/backends"
     assert all("has no effect: " in note for note in a.compat_notes)
     assert settings.trace == TraceConfig(["OFF"], 100, -1, 0, "/tmp/trace.json", "triton")
     assert settings.response_cache_bytes == 0       # --response-cache-byte-size 0: no cache

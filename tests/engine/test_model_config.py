@@ -163,8 +163,8 @@ def test_normalize_is_idempotent():
 @pytest.mark.parametrize("text, match", [
     (BASIC + 'name: "other"', "model name 'other' in config.pbtxt does not match the directory name 'm'"),
     (BASIC.replace('backend: "python"', ""), "must set 'backend'"),
-    (BASIC.replace("python", "tensorflow"), "unsupported backend 'tensorflow'"),
-    (BASIC.replace('backend: "python"', 'platform: "pytorch_libtorch"'), "unsupported platform 'pytorch_libtorch'"),
+    (BASIC.replace("python", "tensorflow"), "unable to find backend library for backend 'tensorflow'"),
+    (BASIC.replace('backend: "python"', 'platform: "pytorch_libtorch"'), "unexpected platform type 'pytorch_libtorch' for "),
     (BASIC.replace('backend: "python"', 'backend: "python" platform: "ensemble"'),
      "ensemble 'm' must not set a backend"),
     (BASIC.replace("max_batch_size: 8", "max_batch_size: -1"), "max_batch_size must be >= 0"),

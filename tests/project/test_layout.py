@@ -37,12 +37,29 @@ def test_every_package_is_listed_for_installation():
     assert listed == _package_dirs()
 
 
+# python-based backends shipped with shmserve: a model.py per folder, loaded by path (as
+# Triton loads them), not imported as packages; the wheel carries them as package data
+SHIPPED_BACKENDS = os.path.join(REPO_ROOT, "workers", "backends", "python_based")
+
+
 def test_every_module_folder_is_a_package():
     for top in TOPS:
         for dirpath, dirnames, filenames in os.walk(os.path.join(REPO_ROOT, top)):
-            dirnames[:] = [d for d in dirnames if d != "__pycache__"]
+            dirnames[:] = [d for d in dirnames if d != "__pycache__"
+                           and os.path.join(dirpath, d) != SHIPPED_BACKENDS]
             if any(f.endswith(".py") for f in filenames):
                 assert "__init__.py" in filenames, dirpath
+
+
+def test_the_shipped_backends_are_package_data():
+    import fnmatch
+    patterns = _pyproject()["tool"]["setuptools"]["package-data"]["shmserve.workers.backends"]
+    base = os.path.join(REPO_ROOT, "workers", "backends")
+    shipped = [os.path.relpath(os.path.join(d, f), base)
+               for d, _, files in os.walk(SHIPPED_BACKENDS) for f in files if f.endswith(".py")]
+    assert shipped
+    for path in shipped:
+        assert any(fnmatch.fnmatch(path, p) for p in patterns), path
 
 
 def test_mypy_links_name_the_four_folders():

@@ -1,6 +1,7 @@
 """The one small interface every backend implements, and the factory that picks one."""
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -88,4 +89,33 @@ def load_backend(spec: InstanceSpec,
     if spec.backend == "tensorrt":
         from shmserve.workers.backends.tensorrt import TensorRTBackend
         return TensorRTBackend(spec)
+    if spec.backend_source.endswith(".py"):         # python-based: a python model's way
+        from shmserve.workers.python_backend.backend import PythonBackend
+        return PythonBackend(spec, poll_cancelled)
+    if spec.backend_source:
+        return _plug_in(spec)
     raise BackendLoadError(f"backend '{spec.backend}' is not available in this build")
+
+
+def _plug_in(spec: InstanceSpec) -> Backend:
+    """An installed package's backend (entry point "module:attr"): a class built from the spec."""
+    module_name, _, attr = spec.backend_source.partition(":")
+    where = f"backend '{spec.backend}' ({spec.backend_source})"
+    try:
+        target: Any = importlib.import_module(module_name)
+        for part in attr.split(".") if attr else ():
+            target = getattr(target, part)
+    except Exception as e:
+        raise BackendLoadError(f"failed to import {where}: {type(e).__name__}: {e}") from e
+    if not callable(target):
+        raise BackendLoadError(f"{where} is not a class")
+    try:
+        backend = target(spec)
+    except BackendLoadError:
+        raise
+    except Exception as e:
+        raise BackendLoadError(f"{where} failed to load model '{spec.model_name}': "
+                               f"{type(e).__name__}: {e}") from e
+    if not callable(getattr(backend, "execute", None)):
+        raise BackendLoadError(f"{where} has no execute method")
+    return backend

@@ -74,18 +74,23 @@ class PythonBackend:
         self.poll_cancelled = poll_cancelled
         version_dir = os.path.join(spec.model_dir, str(spec.version))
         cfg = json.loads(spec.config_json)
-        path = os.path.join(version_dir, cfg.get("default_model_filename") or "model.py")
+        if spec.backend_source:     # a python-based backend: its model.py serves this model
+            path = spec.backend_source
+            code_dir = os.path.dirname(path)
+        else:
+            path = os.path.join(version_dir, cfg.get("default_model_filename") or "model.py")
+            code_dir = version_dir
         # model.py may import modules that sit next to it, as it can under Triton
-        if version_dir not in sys.path:
-            sys.path.insert(0, version_dir)
-        # model.py is a module of a package whose directory is the version's: its relative
+        if code_dir not in sys.path:
+            sys.path.insert(0, code_dir)
+        # model.py is a module of a package whose directory is its own: its relative
         # imports (`from . import helper`) work, as under Triton's stub
         package = "_shmserve_model_" + re.sub(r"\W", "_", f"{spec.model_name}_{spec.version}")
         stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
         module_name = f"{package}.{stem}"
         try:
             pkg = types.ModuleType(package)
-            pkg.__path__ = [version_dir]
+            pkg.__path__ = [code_dir]
             sys.modules[package] = pkg
             mod_spec = importlib.util.spec_from_file_location(module_name, path)
             if mod_spec is None or mod_spec.loader is None:
