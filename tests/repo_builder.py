@@ -299,6 +299,13 @@ def build_bad_repository(root: str) -> str:
         input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
         output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
     ''', BAD_INIT)
+    write_model(repo, "init_exit", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+    ''', "import os\n\nclass TritonPythonModel:\n    def initialize(self, args):\n"
+         "        os._exit(3)\n\n    def execute(self, requests):\n        return []\n")
     write_model(repo, "wrong_name", '''
         name: "another_name"
         backend: "python"

@@ -378,7 +378,7 @@ class ModelLifecycle:
                 for ver in load.versions:
                     self.versions[(name, ver.version)] = ver
                 self.entries[name] = load.entry
-            log.error("loading model '%s' failed: %s", name, error)
+            log.error("failed to load '%s': %s", name, error)      # Triton's words
         else:
             self.entries[name] = load.entry
             for v in old:

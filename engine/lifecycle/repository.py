@@ -226,6 +226,8 @@ def model_file_error(path: str, backend: str) -> str:
     try:
         model_files.check_regular(path)
     except FileNotFoundError:
+        if backend == "python":         # Triton's words
+            return f"Failed to preinitialize Python stub: Python model file not found in '{path}'"
         return f"model file '{os.path.basename(path)}' not found in {os.path.dirname(path)}"
     except OSError as e:
         return f"model file {path} cannot be used: {e.strerror or e}"

@@ -109,8 +109,10 @@ class WorkerDeaths:
                 core.queued_in.pop((r.frontend, r.req_id), None)
                 core.enqueue(ver, r)
         if death.outcome == Outcome.LOAD_FAILED:
-            core.lifecycle.version_failed(ver, death.load_error or (
-                f"worker process of instance '{inst.name}' {death.how} while loading the model"))
+            why = f"worker process of instance '{inst.name}' {death.how} while loading the model"
+            if ver.config.backend == "python" or ver.config.runtime == "model.py":
+                why = f"Stub process '{inst.name}' is not healthy. ({why})"     # Triton's words
+            core.lifecycle.version_failed(ver, death.load_error or why)
         elif death.outcome == Outcome.NOT_SERVING:
             core.lifecycle.drain_progress(ver)
         elif death.outcome == Outcome.CRASH_LOOP:

@@ -27,6 +27,8 @@ SMALL_RESPONSE = 64 * 1024
 # and a client still sending its request would see that instead of the error (nginx's
 # lingering close)
 LINGER_S = 2.0
+# Non-empty chunks a chunked request body may have (Triton's kMaxChunkedChunks)
+MAX_CHUNKS = 65536
 
 
 @dataclass
@@ -113,6 +115,7 @@ class HttpConnection(asyncio.Protocol):
         self.url = b""
         self.headers: dict[str, str] = {}
         self.chunks: list[bytes] = []
+        self.chunk_count = 0            # chunk headers of the request's chunked body
         self.request: HttpRequest | None = None
         self.received = 0
         self.queue: deque[HttpRequest] = deque()
@@ -198,6 +201,7 @@ class HttpConnection(asyncio.Protocol):
         self.headers = {}
         self.raw: list[tuple[str, str]] | None = [] if self.app.raw_headers else None
         self.chunks = []
+        self.chunk_count = 0
         self.received = 0
         self.header_bytes = self.header_count = 0
         self.started = self.last_active
@@ -252,8 +256,17 @@ class HttpConnection(asyncio.Protocol):
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.request = req
 
+    def on_chunk_header(self):
+        self.chunk_count += 1
+
     def on_body(self, body: bytes):
         req: HttpRequest = self.request  # type: ignore[assignment]  # on_headers_complete set it
+        # Triton's bound, and its words: each chunk costs a callback and an object here, so a
+        # body of a million 1-byte chunks would cost far more than its bytes (the last, empty
+        # chunk has a header but no body)
+        if self.chunk_count > MAX_CHUNKS:
+            raise _BodyError(400, f"Chunked request body exceeds maximum of {MAX_CHUNKS} "
+                                  f"non-empty chunks. Send fewer or larger HTTP chunks.")
         if req.body_slot is not None:
             n = len(body)
             view = req.body_slot.view

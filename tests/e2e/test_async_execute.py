@@ -68,6 +68,60 @@ class TritonPythonModel:
             "OUT", pb_utils.get_input_tensor_by_name(r, "WAIT").as_numpy())]) for r in requests]
 """
 
+# answers only once WAIT requests are in it at the same time (or fails after 30 s): a test of
+# concurrency that does not depend on how fast the machine is
+GATHER = """
+import asyncio
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.inside, self.all_in = 0, None
+
+    async def execute(self, requests):
+        if self.all_in is None:
+            self.all_in = asyncio.Event()
+        for r in requests:
+            want = float(pb_utils.get_input_tensor_by_name(r, "WAIT").as_numpy()[0])
+            self.inside += 1
+            if self.inside >= want:
+                self.all_in.set()
+            try:
+                await asyncio.wait_for(self.all_in.wait(), 30)
+                answer = pb_utils.InferenceResponse([pb_utils.Tensor("OUT", np.array([want], np.float32))])
+            except asyncio.TimeoutError:
+                answer = pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"only {self.inside} request(s) came together"))
+            r.get_response_sender().send(answer, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+"""
+# Triton's async_execute_decouple_bls: awaits a decoupled BLS call per request, then passes
+# its responses on
+BLS_GATHER = """
+import asyncio
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    async def one(self, request):
+        wait = pb_utils.get_input_tensor_by_name(request, "WAIT")
+        responses = await pb_utils.InferenceRequest(
+            model_name="gather", inputs=[wait], requested_output_names=["OUT"]).async_exec(
+            decoupled=True)
+        sender = request.get_response_sender()
+        for response in responses:
+            if response.has_error():
+                sender.send(response)
+            elif pb_utils.get_output_tensor_by_name(response, "OUT") is not None:
+                sender.send(pb_utils.InferenceResponse(
+                    [pb_utils.get_output_tensor_by_name(response, "OUT")]))
+        sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    async def execute(self, requests):
+        await asyncio.gather(*(self.one(r) for r in requests))
+        return None
+"""
+
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
@@ -76,6 +130,8 @@ def server(tmp_path_factory):
     write_model(repo, "overlap", CONFIG.format(decoupled=decoupled), DECOUPLED)
     write_model(repo, "later", CONFIG.format(decoupled=decoupled), LATER)
     write_model(repo, "plain", CONFIG.format(decoupled=""), PLAIN)
+    write_model(repo, "gather", CONFIG.format(decoupled=decoupled), GATHER)
+    write_model(repo, "bls_gather", CONFIG.format(decoupled=decoupled), BLS_GATHER)
     srv = Server(repo)
     try:
         yield srv
@@ -132,3 +188,11 @@ def test_a_plain_async_model_answers_each_request(server):
             assert c.infer("plain", _wait(v)).as_numpy("OUT").tolist() == [v]
     finally:
         c.close()
+
+
+def test_awaited_decoupled_bls_calls_of_several_executions_run_together(server):
+    """``await request.async_exec(decoupled=True)`` waits off the model's event loop (until the
+    first response, as in Triton), so four executions each awaiting a call are in the callee
+    at once: the callee answers only when all four are in it."""
+    _, out = _stream(server, "bls_gather", [4.0] * 4, 4)
+    assert [(e, r.as_numpy("OUT").tolist()) for _, r, e in out] == [(None, [4.0])] * 4

@@ -83,6 +83,11 @@ def test_matching_grpc_metadata_becomes_parameters_on_calls_and_streams(server):
     result, error = answers.get(timeout=30)
     c.stop_stream()
     assert error is None and params_of(result) == {"tenant-id": "7"}
+    # quotes, a backslash and a trailing space (RFC 9113 frowns on it; gRPC sends it and
+    # Triton takes it): passed on as it came
+    value = 'This is a "quoted" string with a backslash\\ '
+    res = c.infer("echo", [echo_input(grpcclient)], headers={"tenant": value})
+    assert params_of(res) == {"tenant": value}
 
 
 def test_reserved_names_are_refused_and_the_server_serves_on(repo):

@@ -179,3 +179,34 @@ def test_a_max_input_size_that_is_not_positive_stops_the_start(value):
     p = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository", "/tmp",
                         f"--http-max-input-size={value}"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Error: --http-max-input-size must be greater than 0." in p.stderr
+
+
+def _chunked(server, chunks: int) -> bytes:
+    """A raw-binary request to ``simple`` whose body is ``chunks`` chunks of one byte."""
+    s = _connect(server)
+    s.sendall(b"POST /v2/models/simple/infer HTTP/1.1\r\nHost: x\r\n"
+              b"Inference-Header-Content-Length: 0\r\nTransfer-Encoding: chunked\r\n"
+              b"Connection: close\r\n\r\n")
+    try:
+        s.sendall(b"1\r\nA\r\n" * chunks + b"0\r\n\r\n")
+    except (BrokenPipeError, ConnectionResetError):
+        pass                # refused while sending: the answer is still there to read
+    try:
+        return _read_all(s)
+    except ConnectionResetError:
+        return b""
+    finally:
+        s.close()
+
+
+def test_a_body_of_too_many_chunks_is_refused_with_triton_s_words(server):
+    """Each chunk costs a callback and an object: Triton's bound (65,536 non-empty chunks)."""
+    words = (b"Chunked request body exceeds maximum of 65536 non-empty chunks. Send fewer or "
+             b"larger HTTP chunks.")
+    at_most = _chunked(server, 65536)         # read whole: refused by what it says instead
+    assert at_most.startswith(b"HTTP/1.1 400 ") and words not in at_most
+    assert b"Raw request must only have 1 input" in at_most
+    for chunks in (65537, 400_000):
+        answer = _chunked(server, chunks)
+        assert answer.startswith(b"HTTP/1.1 400 ") and words in answer, answer[:300]
+    _serves(server)

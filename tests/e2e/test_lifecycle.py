@@ -35,16 +35,20 @@ def test_bad_models_are_unavailable_with_reasons_and_good_ones_serve(bad_repo):
         assert idx["good"]["state"] == "READY"
         expected = {
             "bad_pbtxt": "failed to parse",
-            "no_model_file": "model file 'model.py' not found",
+            "no_model_file": "Python model file not found in ",
             "bad_init": "initialize failed on purpose",
             "wrong_name": "does not match the directory name",
             "bad_backend": "unable to find backend library for backend 'tensorflow'",
+            # Triton's words for a python model's process that died loading, then ours
+            "init_exit": "Stub process 'init_exit_0_0' is not healthy. (worker process of "
+                         "instance 'init_exit_0_0' exited unexpectedly",
         }
         if not _has_cuda_provider():
             expected["onnx_gpu"] = "CUDA execution provider"
         for name, text in expected.items():
             assert idx[name]["state"] == "UNAVAILABLE", idx[name]
             assert text in idx[name]["reason"], idx[name]
+        assert "failed to load 'init_exit': Stub process" in srv.log_text()
         # strict readiness (Triton's default): not ready while a model is unavailable
         assert requests.get(f"{srv.base}/v2/health/ready", timeout=10).status_code == 400
         r = requests.post(f"{srv.base}/v2/models/bad_init/infer", json={"inputs": []}, timeout=10)

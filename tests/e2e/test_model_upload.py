@@ -7,6 +7,7 @@ uploads past --model-upload-max-bytes are refused with a message naming the para
 server keeps serving. The files live in a private directory under the server's run directory,
 which goes away on unload, on replacement and at stop; the repository is never written to.
 The unit tests: tests/frontend/test_upload_paths.py, tests/engine/test_upload_dirs.py."""
+import base64
 import glob
 import http.client
 import json
@@ -14,6 +15,7 @@ import os
 import shutil
 import stat
 import tempfile
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -241,6 +243,32 @@ def test_a_model_that_fails_to_load_leaves_nothing(srv, repo):
     assert "failed to load" in e.value.message() or "load failed" in e.value.message()
     assert uploads_of(srv) == [] and listing(repo) == before
     assert "broken" not in {m["name"] for m in h.get_model_repository_index()}
+
+
+PY_IDENTITY = b"""import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        return [pb_utils.InferenceResponse([pb_utils.Tensor("OUTPUT0",
+                pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())]) for r in requests]
+"""
+
+
+@pytest.mark.parametrize("name", ["model;test", "model|test", "model$test", "model`test`",
+                                  "model(test)", "model'test'", "model*test", "model!test"])
+def test_a_python_model_named_with_shell_characters_fails_to_load_as_in_triton(srv, name):
+    """Triton's python backend refuses them (its stub starts through a shell); Triton's
+    model_control QA test loads such names through raw HTTP and expects no 200."""
+    config = {"name": name, "backend": "python", "max_batch_size": 4,
+              "input": [{"name": "INPUT0", "data_type": "TYPE_FP32", "dims": [-1]}],
+              "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32", "dims": [-1]}]}
+    body = {"parameters": {"config": json.dumps(config),
+                           "file:/1/model.py": base64.b64encode(PY_IDENTITY).decode()}}
+    r = requests.post(f"{srv.base}/v2/repository/models/{urllib.parse.quote(name, safe='')}/load",
+                      json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "Invalid stub name: contains invalid characters" in r.json()["error"]
+    assert uploads_of(srv) == []
+    assert srv.model_ready("simple")
 
 
 def test_uploads_go_with_the_server(repo):

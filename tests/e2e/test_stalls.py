@@ -220,7 +220,7 @@ def test_a_full_log_pipe_does_not_freeze_the_server(tmp_path):
                 pass
         reader = threading.Thread(target=drain, daemon=True)
         reader.start()
-        wait_for(lambda: b"failed: parameter execution_timeout_ms" in drained, 20,
+        wait_for(lambda: b"failed to load 'good': parameter execution_timeout_ms" in drained, 20,
                  "the held log lines to come out once the pipe drains")
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -66,7 +66,8 @@ def test_missing_model_file_fails_that_version_only(tmp_path):
     assert entry.error == ""
     assert [p.version for p in entry.versions] == [1, 2, 3]
     assert entry.versions[0].error == "" and entry.versions[2].error == ""
-    assert entry.versions[1].error == f"model file 'model.py' not found in {tmp_path / 'm' / '2'}"
+    assert entry.versions[1].error == ("Failed to preinitialize Python stub: Python model file "
+                                       f"not found in '{tmp_path / 'm' / '2' / 'model.py'}'")
 
 
 def test_default_model_filename_is_honoured(tmp_path):
@@ -74,7 +75,7 @@ def test_default_model_filename_is_honoured(tmp_path):
                extra='default_model_filename: "custom.py"\nversion_policy { all { } }')
     entry = ModelRepository([str(tmp_path)]).scan()["m"]
     assert entry.versions[0].error == ""
-    assert "model file 'custom.py' not found" in entry.versions[1].error
+    assert "Python model file not found in" in entry.versions[1].error and "custom.py" in entry.versions[1].error
 
 
 def test_no_version_directory(tmp_path):

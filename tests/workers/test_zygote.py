@@ -172,10 +172,12 @@ HARNESS = '''
     forked = fs.fork(LABEL, fifo)
     assert forked is not None, "the first fork waits for the fork server's imports"
     pid, pidfd = forked
+    out["argv"] = feed(fifo, b"{}", pid)        # not WorkerArgs: the worker's main fails
+    # read once it is in its main: its setsid() may come after the fork server has answered
+    # (it is unreaped until wait_exit, so its /proc entry stays)
     fields = stat(pid)
     out["ppid_is_us"] = int(fields[1]) == os.getpid()
     out["own_session"] = int(fields[2]) == pid and int(fields[3]) == pid
-    out["argv"] = feed(fifo, b"{}", pid)        # not WorkerArgs: the worker's main fails
     out["exit"] = wait_exit(pid, pidfd)
 
     # 2. a killed fork server is started again; forks resume once it is ready

@@ -65,11 +65,19 @@ def gpu_inputs(cfg: dict) -> bool:
     return text == "no"
 
 
+STUB_NAME_INVALID = frozenset(";|&$`<>()[]{}\\\"'*?~#!")
+
+
 class PythonBackend:
     device_inputs = False   # set per model: gpu_inputs()
     emits = True            # request.get_response_sender() answers through WorkRequest.emit
 
     def __init__(self, spec: InstanceSpec, poll_cancelled=None):
+        # Triton's python backend refuses these names (it starts its stub through a shell);
+        # a model that loads here must load there too
+        if any(not name or STUB_NAME_INVALID.intersection(name)
+               for name in (spec.model_name, spec.instance_name)):
+            raise BackendLoadError("Invalid stub name: contains invalid characters")
         self.spec = spec
         self.poll_cancelled = poll_cancelled
         version_dir = os.path.join(spec.model_dir, str(spec.version))

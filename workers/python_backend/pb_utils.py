@@ -408,11 +408,13 @@ class InferenceRequest:
 
     async def async_exec(self, decoupled=False):
         """``await request.async_exec()``: the wait runs in a thread, so other awaits of an
-        async execute() go on meanwhile."""
-        if decoupled:
-            return self.exec(decoupled=True)    # iterated as the answers come
+        async execute() go on meanwhile. With ``decoupled``, the await ends at the model's
+        first response (as in Triton), and the iterator it gives holds that response."""
         import asyncio
-        return await asyncio.get_running_loop().run_in_executor(None, self.exec)
+        loop = asyncio.get_running_loop()
+        if decoupled:
+            return await loop.run_in_executor(None, lambda: self.exec(decoupled=True)._first())
+        return await loop.run_in_executor(None, self.exec)
 
 
 # the worker's BLS client, made on first use (workers/python_backend/bls.py); None outside a worker
@@ -438,6 +440,16 @@ class ResponseIterator:
     def cancel(self):
         if self._cancel is not None:
             self._cancel()
+
+    def _first(self) -> "ResponseIterator":
+        """Waits for the first response (async_exec runs this in a thread), kept for __next__."""
+        import itertools
+        try:
+            first = next(self._answers)
+        except StopIteration:
+            return self
+        self._answers = itertools.chain((first,), self._answers)
+        return self
 
 
 class InferenceResponseSender:
