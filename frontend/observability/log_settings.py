@@ -5,7 +5,9 @@ A change is checked whole before any of it applies (Triton applies the keys befo
 It applies in this frontend at once, then travels to the scheduler, which applies it and passes
 it on to every worker and every other frontend (``SetLogSettings``); the client is answered
 once the scheduler has done that. So a request the client sends after the answer runs under
-the new settings wherever it goes: the settings are ahead of it on every socket it crosses.
+the new settings in the frontends and the scheduler; a worker takes them with its next control
+message, and a request that reaches a leased worker straight from the frontend may come first
+(it then runs at the old level, as one already running would).
 
 What clients see, as Triton words it:
 - a ``log_file`` that is not null: UNSUPPORTED (HTTP 501, gRPC UNIMPLEMENTED) "log file

@@ -145,9 +145,15 @@ def test_a_verbose_level_set_over_http_reaches_every_process(server, log_path):
     now = c.update_log_settings({"log_verbose_level": 1})
     assert now == {**START, "log_file": log_path, "log_verbose_level": 1}
     assert c.get_log_settings() == now
-    lines = _run(server, log_path, 3, ERROR)
-    verbose = _line(lines, "chatty verbose 3")
-    assert verbose and ISO_LINE.match(verbose)[7] == "I"    # a verbose line is an I line
+    # the answer comes once the frontend and the scheduler took the change; the scheduler
+    # passes it on to the workers, and a request may reach a leased worker first: poll
+    tags = iter(range(300, 1000))
+
+    def verbose_line() -> str | None:
+        tag = next(tags)
+        return _line(_run(server, log_path, tag, ERROR), f"chatty verbose {tag}")
+    verbose = wait_for(verbose_line, WAIT_S, "the model's verbose line once its worker took the level")
+    assert ISO_LINE.match(verbose)[7] == "I"                # a verbose line is an I line
     # each process that took the change says so at verbose level 1: the frontend, the
     # scheduler and the worker (three pids at least). Each writes its log from a thread of its
     # own, so the scheduler's line can land after the answer the worker sent: wait for it.
