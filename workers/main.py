@@ -73,7 +73,7 @@ from shmserve.workers.answers import Answers
 from shmserve.workers.backends import autocomplete
 from shmserve.workers.backends.base import Backend, WorkRequest, load_backend
 from shmserve.workers.leases.batch import LeasedBatcher
-from shmserve.workers.leases.chain import Chains
+from shmserve.workers.leases.chain import STOPPING, Chains
 from shmserve.workers.leases.sequences import SequenceLease
 from shmserve.workers.python_backend import metrics as pb_metrics
 from shmserve.workers.python_backend import pb_utils
@@ -372,7 +372,7 @@ class Worker:
     def bounce_leased(self) -> None:
         """Stopping: leased requests already in the inbox go back to their frontends (the
         scheduler tells them the lease is lost once we have exited, for any that come later)."""
-        self.revoked_upto = 1 << 62
+        self.revoked_upto = STOPPING
         if self.sequence_lease is not None:
             self.sequence_lease.end()
         inbox = self.inbox

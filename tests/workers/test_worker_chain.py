@@ -17,7 +17,7 @@ from shmserve.ipc.messages.common import ChainHop, ErrorCode, InferPayload, Leas
 from shmserve.ipc.messages.to_frontend import InferResult, LeaseBounced
 from shmserve.ipc.messages.to_scheduler import SubmitRequest
 from shmserve.ipc.messages.to_worker import ChainExecute, ReleaseOutputs
-from shmserve.workers.leases.chain import Chains
+from shmserve.workers.leases.chain import STOPPING, Chains
 from shmserve.workers.main import Worker
 
 SPAWN, NEXT, OTHER = 7, 8, 9
@@ -167,9 +167,24 @@ def test_an_input_that_does_not_fit_the_steps_model_fails_before_it_runs(worker)
                          "'X' for model 'b'. Expected [-1, 4], got [2, 5]")
 
 
-def test_a_step_whose_lease_ended_goes_back_to_the_frontend_unrun(worker):
+def test_a_first_step_whose_lease_ended_goes_back_to_the_frontend_unrun(worker):
+    w, _ = worker
+    w.revoked_upto = 6
+    w.chains.run(chain(0), [frame(Tensor("IN", "FP32", [2, 4]))])
+    assert w.executed == []
+    assert w.answers == [(FRONTEND, LeaseBounced(SPAWN, 40))]
+
+
+def test_a_later_step_whose_lease_ended_runs_unless_the_worker_stops(worker):
+    """An earlier step has run the request: a lease revoked since (its ensemble unloaded with
+    a step) lets it finish, as a draining model does; a stopping worker sends it back."""
     w, peers = worker
     w.revoked_upto = 6
+    tensors = frame(Tensor("IN", "FP32", [2, 4]), Tensor("t1", "FP32", [2, 4], shm=slot("other")))
+    w.chains.run(chain(1, workers=(OTHER, SPAWN)), [tensors])
+    assert len(w.executed) == 1 and w.answers == []
+    w.executed.clear()
+    w.revoked_upto = STOPPING
     held = [(peers[OTHER].address, slot("other"))]
     w.chains.run(chain(1, workers=(OTHER, SPAWN), held=held), [frame()])
     assert w.executed == []

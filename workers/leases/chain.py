@@ -37,6 +37,7 @@ from shmserve.ipc.messages.to_scheduler import SubmitRequest
 from shmserve.ipc.messages.to_worker import ChainExecute, ExecuteBatch, ReleaseOutputs, RequestRoute
 
 log = logging.getLogger("shmserve.worker")
+STOPPING = 1 << 62      # the worker's revoked_upto once it stops (workers/main.py bounce_leased)
 
 # Cancels for requests of a chain this worker has not seen yet (the cancel reached every worker
 # of the route at once); the oldest are forgotten first.
@@ -57,7 +58,12 @@ class Chains:
         w = self.worker
         head, k = msg.head, msg.at
         key = (head.frontend, head.req_id)
-        if msg.leases[k] <= w.revoked_upto or msg.workers[k] != w.args.spawn_id:
+        # A hop after the first belongs to a request an earlier step has run: a lease revoked
+        # since (its ensemble was unloaded with a step, say) no longer takes new requests but
+        # lets this one finish, as a draining model finishes what it holds. Only a worker that
+        # is stopping sends it back.
+        revoked = msg.leases[k] <= w.revoked_upto and (k == 0 or w.revoked_upto >= STOPPING)
+        if revoked or msg.workers[k] != w.args.spawn_id:
             self.bounce(msg)
             return
         if self.cancelled and key in self.cancelled:
