@@ -100,7 +100,9 @@ def check_load_name(name: str) -> None:
     and one that could leave the repository, before it looks."""
     if not name.strip():
         raise invalid("Model name cannot be empty. Please enter a valid name to deploy.")
-    if "/" in name or "\\" in name or name.strip() in (".", ".."):
+    # (a backslash is an ordinary character of a Linux file name, as for Triton: a python
+    # model so named then fails its load with Triton's "Invalid stub name")
+    if "/" in name or name.strip() in (".", ".."):
         raise invalid(f"model name must not contain path traversal characters (got '{name}')")
 
 

@@ -254,7 +254,8 @@ class TritonPythonModel:
 
 
 @pytest.mark.parametrize("name", ["model;test", "model|test", "model$test", "model`test`",
-                                  "model(test)", "model'test'", "model*test", "model!test"])
+                                  "model(test)", "model'test'", "model*test", "model!test",
+                                  "model\\test"])
 def test_a_python_model_named_with_shell_characters_fails_to_load_as_in_triton(srv, name):
     """Triton's python backend refuses them (its stub starts through a shell); Triton's
     model_control QA test loads such names through raw HTTP and expects no 200."""
