@@ -7,8 +7,10 @@ with ``errors.grpc_status`` of its code, the same mapping for every RPC.
 """
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
+import os
 import ssl
 from typing import Callable
 
@@ -91,6 +93,24 @@ def _guard_stream(rpc, group: str, restrictions):
     return call
 
 
+DELAY_VARIABLE = "TRITONSERVER_SERVER_DELAY_GRPC_RESPONSE_SEC"
+
+
+def _response_delay() -> float:
+    try:
+        return max(0.0, float(os.environ.get(DELAY_VARIABLE, "0") or 0))
+    except ValueError:
+        return 0.0
+
+
+def _delayed(rpc, seconds: float):
+    @functools.wraps(rpc)
+    async def call(request, context):
+        await asyncio.sleep(seconds)        # the loop serves other calls meanwhile
+        return await rpc(request, context)
+    return call
+
+
 class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
     def __init__(self, service: FrontendService,
                  restrictions: dict[str, tuple[str, str]] | None = None,
@@ -99,6 +119,13 @@ class InferenceService(pb_grpc.GRPCInferenceServiceServicer):
         self.max_message = max_message
         # --grpc-header-forward-pattern: matching metadata becomes the request's parameters
         self.forward = HeaderForward(header_forward)
+        # Triton's test hook: every answer but an inference's is held this many seconds
+        # (its QA suites test clients' timeouts with it); off unless the variable is set
+        delay = _response_delay()
+        if delay > 0:
+            for name in RPC_GROUPS:
+                if name not in ("ModelInfer", "ModelStreamInfer"):
+                    setattr(self, name, _delayed(getattr(self, name), delay))
         # restricted RPCs are replaced on the instance before the server registers them
         for name, group in RPC_GROUPS.items():
             if restrictions and group in restrictions:
