@@ -31,15 +31,8 @@ max_batch_size: 8
 input [ {{ name: "INPUT0", data_type: TYPE_FP32, dims: [ 16 ] }} ]
 output [ {{ name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 16 ] }} ]
 """
-CODE = """
-import triton_python_backend_utils as pb_utils
-
-class TritonPythonModel:
-    def execute(self, requests):
-        return [pb_utils.InferenceResponse([pb_utils.Tensor(
-            "OUTPUT0", pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy())])
-            for r in requests]
-"""
+# the python identity model of the response-cache bench (side_by_side.sh's identity_fp32)
+from response_cache import CODE  # noqa: E402  (bench/ is the script's own folder on sys.path)
 
 
 def write_repo(root: str) -> tuple[str, str]:

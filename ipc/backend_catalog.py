@@ -40,6 +40,18 @@ PLATFORM_TO_BACKEND = {"onnxruntime_onnx": "onnxruntime", "tensorrt_plan": "tens
 PLATFORMS = ("ensemble", *PLATFORM_TO_BACKEND)
 
 
+def config_runs_python(cfg) -> bool:
+    """A normalized config whose model runs on the python backend: a python model, or a model
+    of a python-based backend (its ``runtime`` is ``model.py``, as Triton sets it)."""
+    return cfg.backend == "python" or cfg.runtime == PYTHON_BASED_FILE
+
+
+def spec_runs_python(backend: str, source: str) -> bool:
+    """The same for a worker's InstanceSpec: a python-based backend's source is its model.py (a
+    plug-in's is "module:attr")."""
+    return backend == "python" or source.endswith(".py")
+
+
 class BackendNotFound(LookupError):
     """A backend name no kind knows; the message lists what exists and where it looked."""
 

@@ -12,10 +12,6 @@ from shmserve.ipc.backend_catalog import BackendCatalog, BackendNotFound
 
 ModelConfig = mc.ModelConfig
 
-# the built-in backends' table, for readers that need only those (the repository's model files)
-BACKENDS = backend_catalog.BUILT_IN
-
-
 class ConfigError(Exception):
     """A model configuration that cannot be served; the message names the problem."""
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 from tritonclient.grpc import model_config_pb2 as mc
 
+from shmserve.ipc.backend_catalog import config_runs_python
 from shmserve.ipc.input_shapes import input_shape_problem
 from shmserve.ipc.messages.common import Tensor
 from shmserve.ipc.model_config import ConfigError, ModelConfig
@@ -235,7 +236,7 @@ def takes_device_inputs(sub: ModelConfig) -> bool:
         return bool(sub.instance_group) and \
             all(g.kind == mc.ModelInstanceGroup.KIND_GPU for g in sub.instance_group) and \
             not any(t.data_type == mc.TYPE_STRING for t in (*sub.input, *sub.output))
-    if sub.backend == "python" or sub.runtime == "model.py":    # python-based ones too
+    if config_runs_python(sub):             # python-based backends' models too
         param = sub.parameters.get("FORCE_CPU_ONLY_INPUT_TENSORS")
         return param is not None and param.string_value.strip().lower() == "no"
     return False

@@ -40,6 +40,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import IO, Mapping
 
+from shmserve.ipc.backend_catalog import spec_runs_python
+
 PARAMETER = "EXECUTION_ENV_PATH"
 MODEL_DIR_KEYWORD = "$$TRITON_MODEL_DIRECTORY"
 CACHE_DIR = "execution-envs"        # under the server's run directory
@@ -95,7 +97,7 @@ def requested(backend: str, config_json: str, backend_source: str = "") -> str:
     """The config's EXECUTION_ENV_PATH, as written ("" when none), for a python model or a
     model of a python-based backend (``backend_source``, InstanceSpec's, is then the backend's
     model.py, an absolute path; a plug-in's is "module:attr"); other backends have none."""
-    if backend != "python" and not os.path.isabs(backend_source):
+    if not spec_runs_python(backend, backend_source):
         return ""
     try:
         params = json.loads(config_json).get("parameters") or {}

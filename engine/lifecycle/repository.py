@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from shmserve.ipc import model_config, model_files
+from shmserve.ipc import backend_catalog, model_config, model_files
 from shmserve.ipc.backend_catalog import BackendCatalog, BackendNotFound
 from shmserve.ipc.model_config import ConfigError
 
@@ -49,9 +49,9 @@ def version_dirs(model_dir: str) -> list[int]:
     return sorted(out)
 
 
-# the files a model is served from (model_config.BACKENDS): found where they cannot be served
+# the files a model is served from (the built-in backends'): found where they cannot be served
 # from (the repository's top, a model directory's top), they get a hint where they belong
-MODEL_FILES = tuple(f for _, f in model_config.BACKENDS.values() if f)
+MODEL_FILES = tuple(f for _, f in backend_catalog.BUILT_IN.values() if f)
 
 
 def _misplaced_file(model_dir: str) -> str:
@@ -194,7 +194,7 @@ class ModelRepository:
             return False
         if cfg.backend == "onnxruntime":
             return not cfg.input or not cfg.output
-        if cfg.backend == "python" or cfg.runtime == "model.py":
+        if backend_catalog.config_runs_python(cfg):
             # Triton calls auto_complete_config() whenever the model (or its python-based
             # backend) defines it
             if cfg.backend == "python":

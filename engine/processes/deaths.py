@@ -19,6 +19,7 @@ from shmserve.engine.batching.sequences import SequenceBatcher
 from shmserve.engine.models import Instance, ModelVersion
 from shmserve.engine.processes.instances import Death, Outcome
 from shmserve.engine.states import ModelState
+from shmserve.ipc.backend_catalog import config_runs_python
 from shmserve.ipc.messages.common import BLS_FRONTEND_BASE, ENSEMBLE_FRONTEND, ErrorCode, StateCause
 from shmserve.ipc.messages.to_frontend import WorkerGone
 from shmserve.ipc.messages.to_scheduler import ForgetSegments
@@ -110,7 +111,7 @@ class WorkerDeaths:
                 core.enqueue(ver, r)
         if death.outcome == Outcome.LOAD_FAILED:
             why = f"worker process of instance '{inst.name}' {death.how} while loading the model"
-            if ver.config.backend == "python" or ver.config.runtime == "model.py":
+            if config_runs_python(ver.config):
                 why = f"Stub process '{inst.name}' is not healthy. ({why})"     # Triton's words
             core.lifecycle.version_failed(ver, death.load_error or why)
         elif death.outcome == Outcome.NOT_SERVING:

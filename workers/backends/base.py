@@ -7,6 +7,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from shmserve.ipc.backend_catalog import spec_runs_python
 from shmserve.ipc.errors import BackendLoadError
 from shmserve.ipc.gpu.device import DeviceTensor
 from shmserve.ipc.messages.common import ErrorCode
@@ -71,7 +72,7 @@ def load_backend(spec: InstanceSpec,
     """``poll_cancelled(cancel_key)`` tells whether a running request's client has gone (the
     python backend's ``request.is_cancelled()``, the square backend's stop);
     ``report_response`` takes a backend's response statistics (the square backend's)."""
-    if spec.backend == "python":
+    if spec_runs_python(spec.backend, spec.backend_source):   # python-based ones too
         from shmserve.workers.python_backend.backend import PythonBackend
         return PythonBackend(spec, poll_cancelled)
     if spec.backend == "onnxruntime":
@@ -89,9 +90,6 @@ def load_backend(spec: InstanceSpec,
     if spec.backend == "tensorrt":
         from shmserve.workers.backends.tensorrt import TensorRTBackend
         return TensorRTBackend(spec)
-    if spec.backend_source.endswith(".py"):         # python-based: a python model's way
-        from shmserve.workers.python_backend.backend import PythonBackend
-        return PythonBackend(spec, poll_cancelled)
     if spec.backend_source:
         return _plug_in(spec)
     raise BackendLoadError(f"backend '{spec.backend}' is not available in this build")
