@@ -109,6 +109,8 @@ def server(tmp_path_factory, plugin_site):
     # what must not load, each with its reason
     write_model(repo, "sneaky", EXPRESSION % "__import__('os').getcwd()", None)
     write_model(repo, "unknown_name", EXPRESSION % "X + Z", None)
+    write_model(repo, "too_long", EXPRESSION % ("X + " * 1100 + "X"), None)
+    write_model(repo, "too_deep", EXPRESSION % ("-" * 4000 + "X"), None)
     write_model(repo, "nosuch", EXPRESSION.replace("expression", "nosuch") % "X", None)
     write_model(repo, "escaping", EXPRESSION.replace("expression", "../backends/echo_facts") % "X", None)
     write_model(repo, "platform", EXPRESSION.replace('backend: "expression"',
@@ -174,6 +176,8 @@ def test_a_plug_in_from_an_installed_package_batches_and_counts_like_a_built_in(
 @pytest.mark.parametrize("model, words", [
     ("sneaky", ["the expression of output 'Y'", "only calls of"]),
     ("unknown_name", ["unknown name 'Z'", "inputs: X"]),
+    ("too_long", ["the expression of output 'Y'", "longer than 4096 characters"]),
+    ("too_deep", ["initialize() of model 'too_deep' failed"]),
     ("nosuch", ["unable to find backend library for backend 'nosuch'", "nosuch/model.py",
                 "'shmserve.backends' entry points", "the backends that exist: broken, echo_facts, "
                 "expression, identity, onnxruntime, python, repeat, scale, square, tensorrt"]),
