@@ -91,6 +91,7 @@ async def run(settings: ServerSettings, frontend_id: int, incarnation: int = 0) 
         mark = None
     if mark is not None:
         service.stopping = mark.is_set
+        service.draining = mark.draining
     servers, ports = [], {}
     grpc_server = sampler_task = None
     # one budget of connections (file descriptors) for all of this process's ports

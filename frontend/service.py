@@ -58,6 +58,8 @@ class FrontendService:
         # request, so requests sent after the signal are refused before this frontend's own
         # SIGTERM has been handled
         self.stopping: Callable[[], bool] = lambda: False
+        # a stop signal came (--exit-grace-secs): not ready, while requests are still taken
+        self.draining: Callable[[], bool] = lambda: False
         self.logging = LogControl(client)   # the logging extension (frontend/observability/log_settings.py)
         # the trace extension (frontend/observability/trace.py); ``tracer.active`` is all a request checks
         self.tracer = trace or TraceCore(TraceConfig())
@@ -78,7 +80,8 @@ class FrontendService:
         return {"name": self.server_id, "version": self.server_version, "extensions": EXTENSIONS}
 
     def server_ready(self) -> bool:
-        return self.accepting and self.catalog.server_ready(self.strict_readiness)
+        return self.accepting and not self.draining() and \
+            self.catalog.server_ready(self.strict_readiness)
 
     def model_ready(self, name: str, version: str) -> bool:
         """Whether the model (or one version of it) serves. An unknown model and a malformed

@@ -48,6 +48,22 @@ def context() -> zmq.Context:
     return _context
 
 
+# Every socket lives in the run directory, under a name of at most SOCKET_NAME_MAX characters
+# ("frontend-3.pkt", "w123456.pkt"); a Unix socket's path holds at most UNIX_PATH_MAX.
+SOCKET_NAME_MAX = 24
+UNIX_PATH_MAX = 107
+
+
+def run_dir_too_long(run_dir: str) -> str:
+    """Why sockets cannot live in ``run_dir`` ("" when they can)."""
+    room = UNIX_PATH_MAX - SOCKET_NAME_MAX - 1
+    if len(run_dir) <= room:
+        return ""
+    return (f"the run directory '{run_dir}' is {len(run_dir)} characters long, and Unix socket "
+            f"paths hold {UNIX_PATH_MAX}: its sockets need it to be at most {room}; set TMPDIR "
+            f"to a shorter directory")
+
+
 def address(run_dir: str, name: str) -> str:
     return f"ipc://{os.path.join(run_dir, name)}"
 

@@ -67,9 +67,14 @@ class StoppingMark:
     handler, the moment a stop signal arrives; each frontend reads it before taking a request.
     A frontend learns of the stop a hop and a turn of its loop later (the launcher's SIGTERM),
     and would take meanwhile the requests a client sent after its signal; Triton, one process,
-    refuses those (its gRPC state-cleanup test sends 15 within 2 ms of its SIGINT)."""
+    refuses those (its gRPC state-cleanup test sends 15 within 2 ms of its SIGINT).
+
+    With ``--exit-grace-secs`` the stop has a step before that: draining, when the server
+    answers "not ready" but still takes requests, so that a load balancer's health check moves
+    traffic away before any request is refused."""
 
     NAME = "stopping"
+    STOPPING, DRAINING = 1, 2
 
     def __init__(self, run_dir: str, create: bool = False):
         path = os.path.join(run_dir, self.NAME)
@@ -82,9 +87,19 @@ class StoppingMark:
             os.close(fd)
 
     def set(self) -> None:
-        self._map[0] = 1
+        """New requests are refused from now on."""
+        self._map[0] = self.STOPPING
+
+    def drain(self) -> None:
+        """Not ready from now on; requests are still taken (until ``set``)."""
+        if self._map[0] == 0:
+            self._map[0] = self.DRAINING
 
     def is_set(self) -> bool:
+        return self._map[0] == self.STOPPING
+
+    def draining(self) -> bool:
+        """Draining or stopping: the server is not ready."""
         return self._map[0] != 0
 
     def close(self) -> None:

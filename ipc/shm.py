@@ -144,11 +144,20 @@ def _launcher_alive(name: str) -> bool:
     pid_text = name[len(PREFIX):].split("_", 1)[0]
     if not (pid_text.isascii() and pid_text.isdigit()):
         return True                 # not a name we made: leave it alone
-    return pid_alive(int(pid_text))
+    return launcher_alive(int(pid_text))
+
+
+def launcher_alive(pid: int) -> bool:
+    """Whether the launcher that named something after ``pid`` still runs. Asked by a launcher
+    that is starting, before it names anything: what carries its own pid was left by an earlier
+    one with the same pid, as in a container, where every launcher is pid 1 and /dev/shm and
+    /tmp may outlive a restart."""
+    return pid != os.getpid() and pid_alive(pid)
 
 
 def remove_stale_segments() -> int:
-    """Unlink segments of shmserve servers whose launcher process no longer exists."""
+    """Unlink segments of shmserve servers whose launcher process no longer exists (called by a
+    launcher at its start, before it makes any)."""
     stale = [n for n in _names(PREFIX) if not _launcher_alive(n)]
     for name in stale:
         unlink_segment(name)

@@ -58,6 +58,7 @@ class ServerSettings(msgspec.Struct):
     http_restricted_api: list[str] = []    # "<api>[,<api>]:<header>=<value>" (frontend/restricted.py)
     grpc_restricted_protocol: list[str] = []
     exit_timeout_secs: float = 30.0
+    exit_grace_secs: float = 0.0           # after a stop signal: not ready, still serving
     strict_readiness: bool = True
     exit_on_error: bool = False
     model_control_mode: str = "none"       # none | poll | explicit | on_demand

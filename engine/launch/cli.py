@@ -175,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(what models print still goes to stdout/stderr)")
     p.add_argument("--exit-timeout-secs", type=float, default=D["exit_timeout_secs"],
                    help="how long shutdown waits for in-flight requests")
+    p.add_argument("--exit-grace-secs", type=float, default=D["exit_grace_secs"],
+                   help="after a stop signal, answer 'not ready' but keep serving this long "
+                        "before refusing new requests: at least a load balancer's health-check "
+                        "interval times its failure count (0: refuse at once, as Triton)")
     p.add_argument("--strict-readiness", type=triton_bool, default=D["strict_readiness"],
                    help="ready only when every model is ready")
     p.add_argument("--exit-on-error", type=triton_bool, default=D["exit_on_error"],
@@ -277,6 +281,8 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         for flag in ("model_memory_budget", "model_idle_unload_secs", "model_load_wait_secs"):
             if getattr(a, flag) != D[flag]:
                 parser.error(f"--{flag.replace('_', '-')} needs --model-control-mode=on_demand")
+    if not 0 <= a.exit_grace_secs <= 3600:
+        parser.error("--exit-grace-secs must be between 0 and 3600")
     if a.model_idle_unload_secs < 0:
         parser.error("--model-idle-unload-secs must be >= 0")
     if a.model_load_wait_secs <= 0:
@@ -335,6 +341,7 @@ def parse_settings(argv: list[str]) -> tuple[ServerSettings, argparse.Namespace]
         client_shm_from=a.client_shm_from, http_restricted_api=a.http_restricted_api,
         grpc_restricted_protocol=a.grpc_restricted_protocol,
         exit_timeout_secs=a.exit_timeout_secs,
+        exit_grace_secs=a.exit_grace_secs,
         strict_readiness=a.strict_readiness, exit_on_error=a.exit_on_error,
         log_verbose=a.log_verbose, log_info=a.log_info, log_warning=a.log_warning,
         log_error=a.log_error, log_format=LogFormat(a.log_format), log_file=a.log_file,

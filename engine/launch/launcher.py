@@ -92,14 +92,15 @@ def reserve_ports(settings: ServerSettings) -> list[socket.socket]:
 
 def remove_stale_run_dirs() -> int:
     """Remove the run directories (sockets, worker argument files) of servers whose launcher
-    was killed: their names carry the launcher's pid."""
+    was killed: their names carry the launcher's pid (called before this launcher makes its
+    own, so one named after its pid is an earlier launcher's: shm.launcher_alive)."""
     removed = 0
     tmp = tempfile.gettempdir()
     for name in os.listdir(tmp):
         if not name.startswith(RUN_DIR_PREFIX):
             continue
         pid_text = name[len(RUN_DIR_PREFIX):].split("-", 1)[0]
-        if not (pid_text.isascii() and pid_text.isdigit()) or shm.pid_alive(int(pid_text)):
+        if not (pid_text.isascii() and pid_text.isdigit()) or shm.launcher_alive(int(pid_text)):
             continue
         path = os.path.join(tmp, name)
         if os.path.isdir(path) and not os.path.islink(path):
@@ -182,6 +183,26 @@ def _kill_now(children: dict[str, subprocess.Popen]) -> None:
                 pass
 
 
+def _drain_notice(grace_s: float, wake_r: int, forced: list) -> None:
+    """The server answers "not ready" and still serves for ``grace_s``, so that a load
+    balancer's health check takes it out of rotation before any request is refused; a second
+    signal ends the wait (it has killed the children already)."""
+    log.info("not ready; still serving for %.1f s (--exit-grace-secs), then refusing new "
+             "requests", grace_s)
+    poller = select.poll()
+    poller.register(wake_r, select.POLLIN)
+    deadline = time.monotonic() + grace_s
+    while not forced:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        if poller.poll(left * 1000):
+            try:
+                os.read(wake_r, 64)
+            except BlockingIOError:
+                pass
+
+
 def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
     """``notes``: lines to log at the start (tritonserver flags that have no effect here)."""
     logs.setup("launcher", settings=logs.from_server(settings), path=settings.log_file)
@@ -205,6 +226,11 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
     if stale:
         log.info("removed %d run director(ies) left by a server that was killed", stale)
     settings.run_dir = tempfile.mkdtemp(prefix=f"{RUN_DIR_PREFIX}{os.getpid()}-")
+    too_long = channel.run_dir_too_long(settings.run_dir)
+    if too_long:
+        log.error("%s", too_long)
+        os.rmdir(settings.run_dir)
+        return 1
     # models uploaded through the load API live here (engine/lifecycle/upload_files.py), so they go with
     # the run directory: at exit, and at the next start after a kill
     settings.model_upload_dir = os.path.join(settings.run_dir, "uploads")
@@ -226,7 +252,12 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
     stopping = StoppingMark(settings.run_dir, create=True)
 
     def wake(signum: int) -> None:
-        stopping.set()          # frontends refuse new requests from now on (ipc/proc.py)
+        # frontends refuse new requests from now on (ipc/proc.py); with a grace period, they
+        # answer "not ready" first and still serve until it ends (drain_notice)
+        if settings.exit_grace_secs > 0:
+            stopping.drain()
+        else:
+            stopping.set()
         try:
             os.write(wake_w, b"\0")
         except OSError:                     # full: the loop has a wake-up waiting already
@@ -238,6 +269,10 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
                         signal.Signals(signum).name)
         forced.append(signum)
         _kill_now(children)
+        try:
+            os.write(wake_w, b"\0")         # ends a grace period's wait (_drain_notice)
+        except OSError:
+            pass
 
     stop = StopFlag(on_signal=wake, on_repeat=force)
     code = 0
@@ -294,6 +329,9 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
         if stop.set:
             log.info("%s received: stopping the server (a second signal kills it at once)",
                      signal.Signals(stop.signum).name)
+            if settings.exit_grace_secs > 0 and not forced:
+                _drain_notice(settings.exit_grace_secs, wake_r, forced)
+            stopping.set()
         for fd in fds:
             os.close(fd)
     finally:

@@ -1,6 +1,8 @@
 """Start-up with bad models, command-line errors, and shutdown that leaves nothing behind."""
 import glob
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -130,6 +132,67 @@ def test_stale_segments_of_a_killed_server_are_removed(example_repo):
         srv.stop()
 
 
+def test_leftovers_named_after_the_launchers_own_pid_are_removed(example_repo):
+    """In a container every launcher is pid 1, and /dev/shm and /tmp may outlive a restart: a
+    launcher that starts finds what an earlier pid 1 left under its own pid, and removes it (it
+    has made nothing yet). The launcher runs as pid 1 of a pid namespace of its own."""
+    if subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"],
+                      capture_output=True, timeout=30).returncode != 0:
+        pytest.skip("cannot make a pid namespace here (unshare -p needs root)")
+    token = os.urandom(6).hex()
+    stale_segment = f"/dev/shm/shmserve_1_{token}_f0_0"
+    with open(stale_segment, "wb") as f:
+        f.write(b"\0" * 4096)
+    # a temp dir of its own, short (its sockets' paths must fit 107 characters)
+    tmp_path = pathlib.Path(tempfile.mkdtemp(prefix="pid1-"))
+    stale_dir = tmp_path / "shmserve-1-leftover"
+    stale_dir.mkdir()
+    (stale_dir / "scheduler.sock").write_bytes(b"")
+    port_file = tmp_path / "ports.json"
+    proc = subprocess.Popen(
+        ["unshare", "-p", "-f", "--mount-proc", "--kill-child", sys.executable, "-m",
+         "shmserve.engine.launch.cli", "--model-repository", example_repo, "--http-port", "0",
+         "--grpc-port", "0", "--metrics-port", "0", "--host", "127.0.0.1",
+         "--port-file", str(port_file)],
+        env={**os.environ, "TMPDIR": str(tmp_path)}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: port_file.exists() or proc.poll() is not None, 90,
+                 "the pid-1 launcher to listen")
+        assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+        assert not os.path.exists(stale_segment)
+        assert not stale_dir.exists()
+        # its own run directory, named after pid 1 too, is there
+        assert [p.name.split("-")[1] for p in tmp_path.glob("shmserve-*")] == ["1"]
+        [launcher] = descendants(proc.pid)[:1]
+        os.kill(launcher, signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+        if os.path.exists(stale_segment):
+            os.unlink(stale_segment)
+        left = list(tmp_path.glob("shmserve-*"))
+        shutil.rmtree(tmp_path, ignore_errors=True)
+    out = proc.stdout.read().decode(errors="replace")
+    assert "removed 1 shared-memory segment(s) left by a server that was killed" in out, out
+    assert not left
+
+
+def test_a_temp_dir_too_long_for_unix_sockets_is_one_clear_line(example_repo, tmp_path):
+    deep = tmp_path / ("d" * 90)
+    deep.mkdir()
+    r = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli", "--model-repository",
+                        example_repo, "--http-port", "0", "--grpc-port", "0", "--metrics-port",
+                        "0"], env={**os.environ, "TMPDIR": str(deep)}, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 1
+    assert "set TMPDIR to a shorter directory" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    assert list(deep.iterdir()) == []
+
+
 def test_run_dir_of_a_killed_server_is_removed(example_repo):
     """A launcher killed with SIGKILL leaves its run directory (sockets, worker argument files)
     in the temp dir; the next start removes it, and only such directories. Both servers use a
@@ -216,6 +279,54 @@ def test_sigterm_answers_every_request_in_flight(test_repo):
     srv.stop()
     print(f"shutdown with 8 requests in flight took {time.monotonic() - t:.2f} s")
     assert segments_of(srv.proc.pid) == []
+
+
+def _infer_status(srv: Server, model: str = "pid_slow") -> tuple[int, str]:
+    body = {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1, 4],
+                        "data": [0, 0, 0, 0]}]}
+    try:
+        r = requests.post(f"{srv.base}/v2/models/{model}/infer", json=body, timeout=10)
+    except requests.ConnectionError as e:
+        return 0, str(e)
+    return r.status_code, r.text
+
+
+def test_exit_grace_serves_while_not_ready_then_refuses(test_repo):
+    """--exit-grace-secs: after SIGTERM the server answers "not ready" at once, as a load
+    balancer's health check needs, yet still serves requests until the grace period ends; then
+    it refuses them as without the flag, and exits 0."""
+    srv = Server(test_repo, "--exit-grace-secs", "3")
+    try:
+        assert _infer_status(srv)[0] == 200
+        t = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        wait_for(lambda: not srv.ready(), 10, "readiness to turn off")
+        served = 0
+        while time.monotonic() - t < 1.5:   # well inside the grace period: every one served
+            code, text = _infer_status(srv)
+            assert code == 200, text
+            served += 1
+        assert srv.proc.poll() is None
+        # then refused with Triton's words, while in-flight work would still be answered
+        code, text = wait_for(lambda: (r := _infer_status(srv))[0] != 200 and r, 20,
+                              "requests to be refused after the grace period")
+        assert code in (0, 503), text
+        assert code == 0 or "the server is shutting down" in text
+        assert srv.proc.wait(timeout=60) == 0
+        assert time.monotonic() - t >= 3
+        print(f"{served} requests served during the first 1.5 s of a 3 s grace period")
+    finally:
+        srv.stop()
+    assert segments_of(srv.proc.pid) == []
+
+
+def test_exit_grace_is_bounded():
+    for bad in ("-1", "3601", "nan"):
+        r = subprocess.run([sys.executable, "-m", "shmserve.engine.launch.cli",
+                            "--model-repository", "/nonexistent", "--exit-grace-secs", bad],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (bad, r.stderr)
+        assert "--exit-grace-secs" in r.stderr
 
 
 def test_overload_is_refused_at_once(test_repo):

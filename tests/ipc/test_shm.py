@@ -251,19 +251,25 @@ def test_create_segment_refuses_an_existing_name(prefix):
         shm.unlink_segment(name)
 
 
-def test_remove_stale_segments(prefix):
-    dead = f"{shm.PREFIX}{DEAD_PID}_{secrets.token_hex(6)}_x_0"
-    live = f"{prefix}x_0"
-    maps = [shm.create_segment(dead, 64), shm.create_segment(live, 64)]
+def test_remove_stale_segments():
+    token = secrets.token_hex(6)
+    dead = f"{shm.PREFIX}{DEAD_PID}_{token}_x_0"
+    # a launcher that runs (this test's parent stands for one)
+    live = f"{shm.PREFIX}{os.getppid()}_{token}_x_0"
+    # one named after the caller, a launcher that is starting: an earlier launcher's with the
+    # same pid (a container's pid 1 restarted), stale
+    own = f"{shm.PREFIX}{os.getpid()}_{token}_x_0"
+    maps = [shm.create_segment(n, 64) for n in (dead, live, own)]
     try:
-        assert shm.remove_stale_segments() >= 1
+        assert shm.remove_stale_segments() >= 2
         assert not os.path.exists(os.path.join(shm.SHM_DIR, dead))
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, own))
         assert os.path.exists(os.path.join(shm.SHM_DIR, live))
     finally:
         for m in maps:
             m.close()
-        shm.unlink_segment(dead)
-        shm.unlink_segment(live)
+        for n in (dead, live, own):
+            shm.unlink_segment(n)
 
 
 def test_remove_stale_segments_survives_odd_pids():
