@@ -9,10 +9,13 @@ import sys
 import tempfile
 import time
 
+import grpc
 import numpy as np
 import pytest
 import requests
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from repo_builder import build_bad_repository, write_model
 from serverproc import Server, alive, descendants, segments_of, send_sleeping, wait_for
 
@@ -301,6 +304,12 @@ def test_exit_grace_serves_while_not_ready_then_refuses(test_repo):
         t = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: not srv.ready(), 10, "readiness to turn off")
+        # gRPC says so too: ServerReady, and the standard health service
+        with grpc.insecure_channel(srv.grpc_url) as ch:
+            health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert not grpcclient.InferenceServerClient(srv.grpc_url).is_server_ready()
         served = 0
         while time.monotonic() - t < 1.5:   # well inside the grace period: every one served
             code, text = _infer_status(srv)
