@@ -300,7 +300,7 @@ class LeaseBook:
         self._forget(lease)
         return lease
 
-    def worker_exited(self, spawn_id: int, reason: str, retry: bool) -> None:
+    def worker_exited(self, spawn_id: int, reason: str, retry: bool, clean: bool = False) -> None:
         """The worker ``spawn_id`` ended (crash, kill, stop): the frontends that held a lease on
         it resubmit what they sent it and got no answer for."""
         lease = self.by_spawn.get(spawn_id)
@@ -311,7 +311,7 @@ class LeaseBook:
                 # the model's other sequences back in its hands
                 self.revoke(lease.version)
         for frontend in self.holders.pop(spawn_id, ()):
-            self.port.send_frontend(frontend, LeaseLost(spawn_id, reason, retry))
+            self.port.send_frontend(frontend, LeaseLost(spawn_id, reason, retry, clean))
 
     def due(self) -> tuple[float, list[Lease]]:
         """Renew leases past their term; returns the seconds until the next check and the

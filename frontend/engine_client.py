@@ -584,8 +584,9 @@ class EngineClient:
     def _resolve_lost(self) -> None:
         lost, self.lost = self.lost, []
         for msg in lost:
-            # sent under a lease on it, or worker to worker through it
-            for rid in self.leases.lost(msg.spawn_id):
+            # sent under a lease on it, or worker to worker through it (unless it stopped
+            # cleanly: then such a request is answered by a later step's worker, or bounced)
+            for rid in self.leases.lost(msg.spawn_id, chained=not msg.clean):
                 sent = self.sent.get(rid)
                 if sent is None or rid not in self.pending:
                     continue

@@ -124,11 +124,11 @@ class LeaseTable:
             return {lease.box}
         return {lease.box for lease in self.chained.get(req_id, ())}
 
-    def lost(self, spawn_id: int) -> list[int]:
-        """The requests that went under a lease on the worker ``spawn_id``, or through it
-        worker to worker: no longer under any lease."""
+    def lost(self, spawn_id: int, chained: bool = True) -> list[int]:
+        """The requests that went under a lease on the worker ``spawn_id``, or (``chained``)
+        through it worker to worker: no longer under any lease."""
         rids = [rid for rid, leases in self.chained.items()
-                if any(lease.spawn_id == spawn_id for lease in leases)]
+                if any(lease.spawn_id == spawn_id for lease in leases)] if chained else []
         rids += [rid for rid, lease in self.direct.items() if lease.spawn_id == spawn_id]
         for rid in rids:
             self.done(rid)

@@ -259,6 +259,28 @@ class PacketInbox:
                 pass
             conn.close()
 
+    def refuse_new(self) -> None:
+        """From now on every peer's send fails (PeerGone, so the sender knows this inbox took
+        nothing more), while what was sent before stays to be read. A process that stops reads
+        its inbox empty after this and loses nothing in between: no connection is refused
+        once accepted, and a packet cannot arrive after the last read. (Unix sockets: a
+        listener shut down refuses connect() and keeps the pending ones; a connection shut
+        down for reading fails its peer's sends with EPIPE and keeps its queue.)"""
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._accept()
+        try:        # a shut-down listener reads as ready for ever
+            self.epoll.unregister(self.listener.fileno())
+        except (OSError, ValueError):
+            pass
+        for conn in self.conns.values():
+            try:
+                conn.shutdown(socket.SHUT_RD)
+            except OSError:
+                pass
+
     def close(self) -> None:
         for fd in list(self.conns):
             self._drop(fd)

@@ -38,6 +38,19 @@ def _pause(seconds: float) -> None:
         time.sleep(seconds)
 
 
+def infer_ones(server: "Server", n: int, model: str = "identity_fp32") -> None:
+    """``n`` requests of a [1, 16] FP32 tensor of ones (the example repository's identity_fp32),
+    so that the model's per-model series exist."""
+    import numpy as np
+    import tritonclient.http as httpclient
+    client = httpclient.InferenceServerClient(server.url)
+    x = np.ones((1, 16), dtype=np.float32)
+    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+    inp.set_data_from_numpy(x)
+    for _ in range(n):
+        client.infer(model, [inp])
+
+
 def descendants(pid: int) -> list[int]:
     """Every live process below ``pid`` (read from /proc, so no extra dependency)."""
     children: dict[int, list[int]] = {}

@@ -323,8 +323,7 @@ class Worker:
                 waiting.hint(msg.cpu)
                 self.chains.run(msg, frames)
             elif kind is Shutdown:
-                self.bounce_leased()
-                return
+                break
             else:
                 handler = self.handlers.get(kind)
                 if handler is None:
@@ -333,6 +332,8 @@ class Worker:
                     handler(msg)
             if registry.dirty:
                 self.send_metrics()
+        # told to stop, or a stop signal: what the inbox holds goes back, nothing comes after
+        self.bounce_leased()
 
     def leased(self, msg: LeasedExecute, frames) -> None:
         """A request its frontend sent straight to us under a lease; after the lease was
@@ -370,8 +371,11 @@ class Worker:
             self.sequence_lease.lend(msg)
 
     def bounce_leased(self) -> None:
-        """Stopping: leased requests already in the inbox go back to their frontends (the
-        scheduler tells them the lease is lost once we have exited, for any that come later)."""
+        """Stopping: leased requests already in the inbox go back to their frontends, and those
+        that come later fail at their sender (the inbox refuses them), which sends them to the
+        scheduler: each request this worker was sent was run, or handed back, or never taken,
+        so a frontend need not guess after it exits (LeaseLost.clean)."""
+        self.inbox.refuse_new()
         self.revoked_upto = STOPPING
         if self.sequence_lease is not None:
             self.sequence_lease.end()

@@ -76,7 +76,8 @@ class WorkerDeaths:
             self.culprits[death.culprit] = reason_of(death) + CULPRIT_NOTE
             while len(self.culprits) > CULPRITS_KEPT:
                 self.culprits.popitem(last=False)
-        core.leases.worker_exited(spawn_id, reason_of(death), death.kill_reason.retries)
+        core.leases.worker_exited(spawn_id, reason_of(death), death.kill_reason.retries,
+                                  death.clean)
         bls = BLS_FRONTEND_BASE + spawn_id
         if bls in core.lease_takers:        # its BLS client's leases end with it
             core.lease_takers.discard(bls)

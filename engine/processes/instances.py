@@ -56,6 +56,9 @@ class Death:
     # the one request it was executing, when it ended by itself while running that alone:
     # (frontend, request id), the likely poison (``culprit_of``); None otherwise
     culprit: tuple[int, int] | None = None
+    # it was told to stop and exited 0: it ran or handed back everything it was sent, and
+    # refused what came later (workers/main.py bounce_leased)
+    clean: bool = False
 
 
 # Signals that come from outside the worker (the OOM killer, an operator, a container runtime):
@@ -188,6 +191,8 @@ class InstanceSupervisor:
         how = detail or f"exited unexpectedly ({describe_exit(rc)})"
         batch, inst.batch = inst.batch, None
         death = Death(ver, inst, Outcome.STOPPED, how, reason, batch)
+        death.clean = rc == 0 and reason == KillReason.NONE and \
+            (inst.state == InstanceState.STOPPED or self.stopping)
         # a leased worker's requests are known only to it and their frontend: its record
         executing = bool(batch) or count > 0
         if batch is not None and len(batch) == 1:

@@ -219,7 +219,11 @@ class LeaseRevoked(msgspec.Struct, array_like=True, tag=15):
 
 class LeaseLost(msgspec.Struct, array_like=True, tag=16):
     """The worker ``spawn_id`` ended; leased requests sent to it and not answered are lost:
-    the frontend submits them to the scheduler with ``reason`` (SubmitRequest.lost)."""
+    the frontend submits them to the scheduler with ``reason`` (SubmitRequest.lost).
+    ``clean``: it was told to stop and exited 0, having run or handed back all it was sent:
+    requests that went through it worker to worker are not lost (their answer comes from a
+    later step's worker, or a bounce)."""
     spawn_id: int
     reason: str
     retry: bool = True
+    clean: bool = False

@@ -14,11 +14,9 @@ import re
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 import requests
-import tritonclient.http as httpclient
-from serverproc import REPO_ROOT, Server, wait_for
+from serverproc import REPO_ROOT, Server, infer_ones, wait_for
 
 DASHBOARD = os.path.join(REPO_ROOT, "configs", "grafana", "shmserve.json")
 EXAMPLE_REPO = os.path.join(REPO_ROOT, "configs", "models")
@@ -226,15 +224,6 @@ def test_every_query_is_valid_promql(dashboard, tmp_path):
     assert f"SUCCESS: {len(rules)} rules found" in r.stdout + r.stderr
 
 
-def _infer(srv: Server, n: int) -> None:
-    client = httpclient.InferenceServerClient(srv.url)
-    x = np.ones((1, 16), dtype=np.float32)
-    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
-    inp.set_data_from_numpy(x)
-    for _ in range(n):
-        client.infer("identity_fp32", [inp])
-
-
 def _scrape(srv: Server) -> dict[str, tuple[str, list[set[str]]]]:
     """sample name -> (type of its family, the label names of each of its samples)."""
     text = requests.get(f"http://127.0.0.1:{srv.metrics_port}/metrics", timeout=10).text
@@ -309,7 +298,7 @@ def test_every_queried_metric_is_exported(dashboard):
     try:
         for flags in (full, cached):
             servers.append(Server(EXAMPLE_REPO, *flags))
-            _infer(servers[-1], 5)      # per-model series of a model that has served requests
+            infer_ones(servers[-1], 5)      # per-model series of a model that has served requests
 
         def complete():
             # series that come a moment after the requests (the scheduler counts a request

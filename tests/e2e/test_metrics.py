@@ -2,12 +2,10 @@
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import requests
-import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import Server, wait_for
+from serverproc import Server, infer_ones, wait_for
 
 
 def _families(srv) -> dict:
@@ -15,21 +13,12 @@ def _families(srv) -> dict:
     return {f.name: f for f in text_string_to_metric_families(text)}
 
 
-def _infer(srv, n):
-    c = httpclient.InferenceServerClient(srv.url)
-    x = np.ones((1, 16), dtype=np.float32)
-    i = httpclient.InferInput("INPUT0", x.shape, "FP32")
-    i.set_data_from_numpy(x)
-    for _ in range(n):
-        c.infer("identity_fp32", [i])
-
-
 def test_histogram_and_summaries(example_repo):
     srv = Server(example_repo, "--metrics-config", "histogram_latencies=true",
                  "--metrics-config", "summary_latencies=true",
                  "--metrics-config", "counter_latencies=false")
     try:
-        _infer(srv, 25)
+        infer_ones(srv, 25)
         labels = {"model": "identity_fp32", "version": "1"}
 
         def histogram(fams):

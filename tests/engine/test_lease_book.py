@@ -172,6 +172,7 @@ def test_worker_death_while_leased_resubmits_alone_then_fails(repo):
     h.die(sid)                                   # while running a leased request
     [lost] = sent(h, LeaseLost, FRONTEND)
     assert lost.spawn_id == sid and lost.retry and "exited unexpectedly" in lost.reason
+    assert not lost.clean                        # what went through it worker to worker too
     assert instance(h, "plain").state is not InstanceState.LEASED
     h.tick(0)                                    # restarting
     # the frontend submits what it had sent the dead worker: it runs again, alone
@@ -330,9 +331,22 @@ def test_unload_takes_the_lease_back_and_stops_after_it_ended(repo):
     assert h.states("plain")[1][0] is ModelState.UNAVAILABLE
     h.die(sid, rc=0)
     [lost] = sent(h, LeaseLost, FRONTEND)        # anything sent after it stopped comes back
+    # told to stop and exited 0: it handed back or ran all it was sent, so a request that went
+    # through it worker to worker is answered by a later step (frontend/engine_client.py)
+    assert lost.clean
     h.core.handle(SubmitRequest(79, FRONTEND, "plain", 1, 1, h.clock(), lost=lost.reason),
                   [b"p"])
     assert h.results()[79].code is ErrorCode.UNAVAILABLE
+
+
+def test_a_worker_told_to_stop_that_did_not_exit_0_is_not_a_clean_stop(repo):
+    h = leased_harness(repo, model_control_mode="explicit", load_models=["plain"])
+    sid, grant = first_request_leases(h)
+    h.core.handle(ControlRequest(FRONTEND, 9, ControlAction.UNLOAD, "plain"))
+    h.core.handle(LeaseEnded(sid, grant.lease_id))
+    h.die(sid, rc=-9)                            # killed while it stopped: it may have lost some
+    [lost] = sent(h, LeaseLost, FRONTEND)
+    assert not lost.clean
 
 
 def test_no_lease_while_the_server_stops(repo):

@@ -260,3 +260,31 @@ def test_take_returns_what_has_arrived_and_none_without_an_exception(addr):
         inbox.recv(zmq.NOBLOCK)
     out.close()
     inbox.close()
+
+
+def test_an_inbox_that_refuses_new_keeps_what_came_and_fails_every_later_send(addr):
+    """A worker that stops (workers/main.py bounce_leased): what peers sent before is read,
+    accepted or not yet; every send after fails at its sender, so nothing is lost unseen."""
+    inbox = packets.PacketInbox(addr)
+    early = packets.PacketOutbox(addr)
+    early.send(Ping(1))
+    inbox.has_message()                 # accepts ``early``
+    late = packets.PacketOutbox(addr)   # connected, not accepted yet
+    late.send(Ping(2))
+    inbox.refuse_new()
+    with pytest.raises(packets.PeerGone):
+        early.send(Ping(3))
+    with pytest.raises(packets.PeerGone):
+        late.send(Ping(4))
+    with pytest.raises(packets.PeerGone):
+        packets.PacketOutbox(addr)      # no new connection
+    got = []
+    while inbox.has_message():
+        got.append(inbox.recv(zmq.NOBLOCK)[0])
+    assert sorted(m.seq for m in got) == [1, 2]
+    inbox.set_timeout(50)
+    with pytest.raises(zmq.Again):      # and it does not spin: nothing more, a quiet wait
+        inbox.recv()
+    for box in (early, late):
+        box.close()
+    inbox.close()
