@@ -14,6 +14,20 @@ output [ { name: "OUTPUT0", data_type: TYPE_FP32, dims: [ 256 ] } ]
 '''
 
 
+def ort_cuda_missing() -> str:
+    """Why onnxruntime cannot run a model on the GPU here ("" when it can): the GPU machine
+    lent to the project has onnxruntime's CPU build only (onnxruntime-gpu's wheel is too large
+    to carry there, bench/gpu_wheelhouse.sh)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return "onnxruntime is not installed"
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return (f"onnxruntime {ort.__version__} has no CUDAExecutionProvider "
+                f"(install onnxruntime-gpu: shmserve[gpu])")
+    return ""
+
+
 def build_engine(onnx_path: str, plan_path: str, input_name: str, min_shape, opt_shape,
                  max_shape) -> None:
     """An FP32 engine (TF32 off, so results match onnxruntime's closely) with one optimisation
