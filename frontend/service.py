@@ -79,9 +79,12 @@ class FrontendService:
     def metadata(self) -> dict:
         return {"name": self.server_id, "version": self.server_version, "extensions": EXTENSIONS}
 
+    def serving(self) -> bool:
+        """No stop has begun (its grace period counts as begun: --exit-grace-secs)."""
+        return self.accepting and not self.draining()
+
     def server_ready(self) -> bool:
-        return self.accepting and not self.draining() and \
-            self.catalog.server_ready(self.strict_readiness)
+        return self.serving() and self.catalog.server_ready(self.strict_readiness)
 
     def model_ready(self, name: str, version: str) -> bool:
         """Whether the model (or one version of it) serves. An unknown model and a malformed

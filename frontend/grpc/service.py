@@ -358,11 +358,9 @@ class HealthService(health_pb2_grpc.HealthServicer):
         self.service = service
 
     async def Check(self, request, context):
-        # not serving once a stop began, its grace period too (--exit-grace-secs): a balancer
-        # that checks gRPC health moves away while requests are still taken
-        serving = self.service.accepting and not self.service.draining()
+        # a balancer that checks gRPC health moves away during the grace period too
         return health_pb2.HealthCheckResponse(
-            status=health_pb2.HealthCheckResponse.SERVING if serving
+            status=health_pb2.HealthCheckResponse.SERVING if self.service.serving()
             else health_pb2.HealthCheckResponse.NOT_SERVING)
 
 

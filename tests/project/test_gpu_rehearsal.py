@@ -158,14 +158,21 @@ def test_the_pins_satisfy_pyproject():
     carried, present = pins(), {norm(n) for n in lines_of("--present")}
     wrong = []
     for dep in deps:
-        req = Requirement(dep)
-        name = norm(req.name)
-        if name in carried:
-            if not req.specifier.contains(carried[name], prereleases=True):
-                wrong.append(f"{name}=={carried[name]} is outside {dep}")
-        elif name not in present:
-            wrong.append(f"{dep}: neither carried nor on the GPU machine")
+        problem = unmet(Requirement(dep), carried, present)
+        if problem:
+            wrong.append(f"{dep}: {problem}")
     assert not wrong, "; ".join(wrong)
+
+
+def unmet(req, carried: dict[str, str], present: set[str]) -> str:
+    """Why the GPU run would not satisfy ``req`` ("" when it would): carried in a version
+    outside it, or neither carried nor on the GPU machine."""
+    name = norm(req.name)
+    if name in carried:
+        if not req.specifier.contains(carried[name], prereleases=True):
+            return f"carried {name}=={carried[name]}"
+        return ""
+    return "" if name in present else "neither carried nor on the GPU machine"
 
 
 def python312() -> str | None:
@@ -241,12 +248,9 @@ def test_wheelhouse_builds_fits_and_installs_offline_for_python_312(wheelhouse, 
                                                for e in ("",) + extras.get(name, ()))
             if not wanted:
                 continue
-            dep = norm(req.name)
-            if dep in got:
-                if not req.specifier.contains(got[dep], prereleases=True):
-                    missing.append(f"{name} needs {line}, carried {dep}=={got[dep]}")
-            elif dep not in present:
-                missing.append(f"{name} needs {line}: neither carried nor on the GPU machine")
+            problem = unmet(req, got, present)
+            if problem:
+                missing.append(f"{name} needs {line}: {problem}")
     assert not missing, "; ".join(missing)
 
     # pip resolves the offline install for Python 3.12 (what gpu_check.sh runs there)
