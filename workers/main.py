@@ -92,6 +92,7 @@ _METRICS_WAIT_MS = 100
 # How long the loop blocks when nothing is due. Signals and messages end the wait at once; the
 # timeout only lets metrics changed by a model's own threads reach /metrics within a second.
 IDLE_TIMEOUT_MS = 1000
+_NONE: frozenset = frozenset()           # no output stays on the GPU
 
 
 def _ignore(msg) -> None:
@@ -545,11 +546,17 @@ class Worker:
                     traced.append(i)
                 if p.chain:
                     chains.extend(m for m in p.chain if m not in chains)
-                target = {o.name: o.shm or o.cuda for o in p.outputs
-                          if o.shm is not None or o.cuda is not None}
-                top = {o.name: (o.classification, o.labels) for o in p.outputs if o.classification}
-                device = frozenset(o.name for o in p.outputs if o.device)
-                wanted = [o.name for o in p.outputs]
+                # (one pass over the outputs: most requests have one, wanted as it is)
+                target, top, wanted = {}, {}, []
+                device: frozenset = _NONE
+                for o in p.outputs:
+                    wanted.append(o.name)
+                    if o.shm is not None or o.cuda is not None:
+                        target[o.name] = o.shm or o.cuda
+                    if o.classification:
+                        top[o.name] = (o.classification, o.labels)
+                    if o.device:
+                        device = device | {o.name}
                 if self.sequence is not None:   # control inputs, implicit state
                     wanted = self.sequence.prepare(p.correlation_id, p.flags, inputs, types, wanted)
                 emit = None

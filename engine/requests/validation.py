@@ -43,12 +43,13 @@ def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = ""
             raise invalid(f"{request_tag(request_id)}input '{t.name}' already exists in request")
         seen.add(t.name)
     required = model.required_inputs
-    if len(inputs) > len(model.inputs) or len(inputs) < len(required):
+    specs = model.inputs
+    if len(inputs) > len(specs) or len(inputs) < len(required):
         _count_error(model, request_id, seen)
     mbs = model.max_batch_size
     batch = None
     for t in inputs:
-        spec = model.inputs.get(t.name)
+        spec = specs.get(t.name)
         if spec is None:
             raise invalid(f"unexpected inference input '{t.name}' for model '{model.name}'")
         if t.datatype != spec.datatype:
@@ -69,10 +70,12 @@ def validate_inputs(model: ModelView, inputs: list[Tensor], request_id: str = ""
             if b > mbs:
                 raise invalid(f"{request_tag(request_id)}inference request batch-size must be "
                               f"<= {mbs} for '{model.name}'")
-            check_shape(model, t.name, spec.dims, shape[1:], shape, request_id)
-        else:
+            if shape[1:] != spec.dims:      # (equal: the usual case, no dim to compare)
+                check_shape(model, t.name, spec.dims, shape[1:], shape, request_id)
+        elif shape != spec.dims:
             check_shape(model, t.name, spec.dims, shape, None, request_id)
-    if any(n not in seen for n in required):
+    # every input is one of the model's (checked above): all of them there, none missing
+    if len(seen) < len(specs) and any(n not in seen for n in required):
         _count_error(model, request_id, seen)
     return batch if batch is not None else 1
 

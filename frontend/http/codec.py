@@ -8,7 +8,7 @@ socket into shared memory.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, TypeGuard
 
 import msgspec
 import numpy as np
@@ -149,6 +149,16 @@ def _shape(name: str, value: Any) -> list[int]:
     return value
 
 
+def _plain_dims(value: Any) -> TypeGuard[list[int]]:
+    """A list of non-negative ints (JSON's, not bools): the shape every request sends."""
+    if type(value) is not list:
+        return False
+    for d in value:
+        if type(d) is not int or d < 0:
+            return False
+    return True
+
+
 def _sequence_types(params: dict) -> None:
     """The sequence parameters' JSON types, in the words of Triton's reader (request.prepare
     checks their values for every protocol)."""
@@ -229,11 +239,18 @@ def _parse(model: ModelView, mv: memoryview, header_len: int, body_ref: ShmRef |
                 ("shared_memory_region", "shared_memory_region" in tparams)) if there)
             problem = f"But set {given}" if given else "But no field is set"
             raise invalid(f"{ONE_SOURCE}. {problem} (input '{item.get('name')}')")
-        name = _member(item, "name", str, NOT_STRING, "an entry of 'inputs'")
-        datatype = _member(item, "datatype", str, NOT_STRING, f"input '{name}'")
+        # (the checks of every input of every request: the usual case first, inline; what
+        # fails it goes through the full check, which says what is wrong)
+        got = item.get("name")
+        name: str = got if type(got) is str else \
+            _member(item, "name", str, NOT_STRING, "an entry of 'inputs'")
+        got = item.get("datatype")
+        datatype: str = got if type(got) is str else \
+            _member(item, "datatype", str, NOT_STRING, f"input '{name}'")
         if datatype not in dtypes.ELEMENT_SIZE:
             raise invalid(f"invalid datatype for input {name} (got '{datatype}')")
-        shape = _shape(name, item.get("shape"))
+        got = item.get("shape")
+        shape = got if _plain_dims(got) else _shape(name, got)
         t = Tensor(name, datatype, shape)
         count = budget.declare(t)
         if "shared_memory_region" in tparams:

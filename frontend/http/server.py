@@ -19,6 +19,16 @@ import httptools
 from shmserve.frontend.connections import Budget
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+def _status_line(status: int) -> bytes:
+    return f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n".encode("latin-1")
+
+
+# the head lines every answer has, made once
+_STATUS_LINES = {code: _status_line(code) for code in _REASONS}
+_CONTENT_TYPES = {t: f"Content-Type: {t}\r\n".encode("latin-1")
+                  for t in ("application/json", "application/octet-stream", "text/plain")}
 # Responses up to this size are joined into one buffer and one write; a copy this small costs
 # less than the extra send() syscall.
 SMALL_RESPONSE = 64 * 1024
@@ -77,7 +87,7 @@ class HttpApp:
 
 class HttpRequest:
     __slots__ = ("method", "path", "query", "headers", "body", "body_slot", "keep_alive",
-                 "http10", "chunked", "started", "raw_headers")
+                 "http10", "chunked", "started", "raw_headers", "sized")
 
     def __init__(self, method: str, url: bytes, headers: dict[str, str]):
         self.method = method
@@ -92,6 +102,7 @@ class HttpRequest:
         self.chunked = False        # its streamed answer is being written chunk by chunk
         self.started = 0.0          # time.monotonic() at its first byte
         self.raw_headers: list[tuple[str, str]] = []    # as sent, when the app asks for them
+        self.sized = False          # its Content-Length was checked against the limits
 
 
 class HttpConnection(asyncio.Protocol):
@@ -211,14 +222,20 @@ class HttpConnection(asyncio.Protocol):
         self._count_header_bytes(len(url))
 
     def on_header(self, name: bytes, value: bytes):
+        # (called for every header of every request: the byte count is kept inline)
+        limits = self.limits
         self.header_count += 1
-        if self.header_count > self.limits.max_headers:
-            raise _BodyError(431, f"request has more than {self.limits.max_headers} header "
+        if self.header_count > limits.max_headers:
+            raise _BodyError(431, f"request has more than {limits.max_headers} header "
                                   f"fields")
-        self._count_header_bytes(len(name) + len(value))
-        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self.header_bytes += len(name) + len(value)
+        if self.header_bytes > limits.max_header_bytes:
+            raise _BodyError(431, self._head_too_large())
+        key = name.decode("latin-1")
+        text = value.decode("latin-1")
+        self.headers[key.lower()] = text
         if self.raw is not None:
-            self.raw.append((name.decode("latin-1"), value.decode("latin-1")))
+            self.raw.append((key, text))
 
     def _count_header_bytes(self, n: int) -> None:
         self.header_bytes += n
@@ -249,6 +266,7 @@ class HttpConnection(asyncio.Protocol):
             err = self.app.check_body_size(req, n)
             if err:
                 raise _BodyError(413, err)
+            req.sized = True
             req.body_slot = self.app.body_buffer(req, n)
         if self.headers.get("expect", "").lower() == "100-continue" and not self.closed:
             # the client (curl for bodies over 1 KiB) waits for this before sending its body;
@@ -276,9 +294,12 @@ class HttpConnection(asyncio.Protocol):
             self.received += n
         else:
             self.received += len(body)
-            err = self.app.check_body_size(req, self.received)
-            if err:
-                raise _BodyError(413, err)
+            if not req.sized:
+                # chunked: its length is known only now (a Content-Length was checked before
+                # its body, which the parser never lets run past it)
+                err = self.app.check_body_size(req, self.received)
+                if err:
+                    raise _BodyError(413, err)
             self.chunks.append(body)
 
     def on_message_complete(self):
@@ -332,18 +353,20 @@ class HttpConnection(asyncio.Protocol):
                 parts: tuple = ()) -> None:
         """Write one response; ``parts`` are extra body buffers written after ``body``."""
         if not self.closed:
-            length = len(body) + sum(len(p) for p in parts)
-            head = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"
-                    f"Content-Length: {length}\r\n"]
+            length = len(body)
+            if parts:
+                length += sum(map(len, parts))
+            head = _STATUS_LINES.get(status) or _status_line(status)
+            head += b"Content-Length: %d\r\n" % length
             if content_type:
-                head.append(f"Content-Type: {content_type}\r\n")
+                head += _CONTENT_TYPES.get(content_type) or \
+                    f"Content-Type: {content_type}\r\n".encode("latin-1")
             for k, v in headers:
-                head.append(f"{k}: {v}\r\n")
+                head += f"{k}: {v}\r\n".encode("latin-1")
             if not req.keep_alive:
-                head.append("Connection: close\r\n")
-            head.append("\r\n")
+                head += b"Connection: close\r\n"
             t = self.transport
-            first = "".join(head).encode("latin-1") + body
+            first = head + b"\r\n" + body
             if length <= SMALL_RESPONSE:
                 # one write, one syscall; big parts (shared memory) are written as they are
                 t.write(first + b"".join(parts) if parts else first)
