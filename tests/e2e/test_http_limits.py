@@ -210,3 +210,36 @@ def test_a_body_of_too_many_chunks_is_refused_with_triton_s_words(server):
         answer = _chunked(server, chunks)
         assert answer.startswith(b"HTTP/1.1 400 ") and words in answer, answer[:300]
     _serves(server)
+
+
+def test_a_chunked_body_is_held_to_the_input_size_as_it_arrives(example_repo):
+    """A chunked body's length is known only as it comes: each piece counts (a Content-Length
+    was checked before its body, which is not counted again piece by piece)."""
+    s = Server(example_repo, "--http-max-input-size", "65536")
+    try:
+        sock = _connect(s)
+        sock.sendall(b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n"
+                     b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+        try:
+            for _ in range(40):         # 160 KiB in all, past the limit after 16 pieces
+                sock.sendall(b"1000\r\n" + b"x" * 4096 + b"\r\n")
+            sock.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        try:
+            answer = _read_all(sock)
+        except ConnectionResetError:
+            answer = b""
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 413 "), answer[:300]
+        assert b"exceeds the maximum allowed input size of 65536 bytes" in answer
+        # a Content-Length past it: refused from its head, before any of the body
+        big = requests.post(f"{s.base}/v2/repository/index", data=b"x" * 70000, timeout=30)
+        assert big.status_code == 413 and "request JSON size of 70000 bytes" in big.text
+        # within it, both ways: answered (an empty index request)
+        assert requests.post(f"{s.base}/v2/repository/index", data=b"{}",
+                             timeout=30).status_code == 200
+        assert requests.post(f"{s.base}/v2/repository/index", data=iter([b"{", b"}"]),
+                             timeout=30).status_code == 200
+    finally:
+        assert s.stop() == 0
