@@ -28,6 +28,7 @@ from shmserve.engine.batching.rate_limiter import RateLimiter
 from shmserve.engine.batching.sequences import SEQUENCE_START, SequenceBatcher, SequenceError
 from shmserve.engine.ensemble.chain_lending import ChainLending
 from shmserve.engine.ensemble.runner import EnsembleRunner
+from shmserve.engine.ensemble.step_costs import EnsembleCosts
 from shmserve.engine.leases import LeaseBook, submitted, unlimited
 from shmserve.engine.lifecycle.loading import ModelLifecycle, Waiter
 from shmserve.engine.lifecycle.on_demand import OnDemand
@@ -109,6 +110,9 @@ class SchedulerCore:
             channel.scheduler_worker_address(settings.run_dir),
             lambda ver, frontend: self.chains.lend(ver, frontend))
         self.chains = ChainLending(self)        # pipelines lent to run worker to worker
+        # ensembles whose steps could run side by side: which run worker to worker now
+        self.ensemble_costs = EnsembleCosts()
+        self.ensemble_review_at = 0
         self.worker_addresses: dict[str, int] = {}      # inbox address -> spawn id
         self.frontends: set[int] = set()
         self.lease_takers: set[int] = set()     # frontends (and BLS clients) that take leases
@@ -711,12 +715,33 @@ class SchedulerCore:
         wait = min(sup.restart_due(), self.poll_due(), sup.hang_due(live),
                    self.on_demand.due() if self.on_demand is not None else 1.0,
                    sup.ping_due(self.versions.values()), self.leases_due(),
-                   self.lifecycle.slow_loads_due())
+                   self.lifecycle.slow_loads_due(), self.ensemble_routes_due())
         self.housekeeping_at = self.clock() / 1e9 + wait
         if self.rate_limiter is not None and self.rate_limiter.blocked:
             self.dispatch_waiting()     # an instance that died busy held resources
         if self.table_dirty:
             self.flush_table()
+
+    def ensemble_routes_due(self) -> float:
+        """Ensembles whose steps could run side by side: worker to worker or here, by what
+        their steps cost now (engine/ensemble/step_costs.py); seconds until the next look."""
+        now = self.clock()
+        if now < self.ensemble_review_at:
+            return (self.ensemble_review_at - now) / 1e9
+        self.ensemble_review_at = now + 1_000_000_000
+        plans = [v.ensemble for v in self.versions.values()
+                 if v.ensemble is not None and v.ensemble.side_by_side]
+        if plans and self.ensemble_costs.review(plans, self._compute_so_far,
+                                                self.lifecycle.ready_version):
+            self.publish()
+        return 1.0
+
+    def _compute_so_far(self, model: str, version: int) -> tuple[int, int] | None:
+        ver = self.versions.get((model, version))
+        if ver is None:
+            return None
+        infer = ver.stats.record.compute_infer
+        return infer.count, infer.ns
 
     def leases_due(self) -> float:
         wait, hung = self.leases.due()

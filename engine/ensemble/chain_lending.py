@@ -1,7 +1,7 @@
 """Pipelines lent to run worker to worker (workers/leases/chain.py has the workers' part).
 
-An ensemble whose steps can only run one after the other (engine/ensemble/plan.py ``chain``)
-runs without the scheduler once its frontend holds leases on every step's version. This is the
+An ensemble whose steps run one after the other (engine/ensemble/plan.py ``chained``) runs
+without the scheduler once its frontend holds leases on every step's version. This is the
 scheduler's part: when to lend those steps, and to whom. Not after each step of a run here (the
 run's next step would take the lease back at once), but when a run ends and the steps are idle;
 and under load, a request that comes while runs are under way is held until they end, then
@@ -32,9 +32,13 @@ class ChainLending:
         self.held: dict[ModelVersion, list[tuple[SubmitRequest, bytes]]] = {}
 
     def steps(self, plan: EnsemblePlan) -> list[ModelVersion] | None:
-        """The versions serving an ensemble's chained steps now; None if one has none."""
+        """The versions serving an ensemble's chained steps now; None if one has none, or if
+        the scheduler runs its steps now (EnsemblePlan.chained)."""
+        chained = plan.chained()
+        if not chained:
+            return None
         steps = []
-        for step in plan.chain:
+        for step in chained:
             v = self.core.lifecycle.ready_version(step.model, step.version)
             if v is None:
                 return None
@@ -68,7 +72,7 @@ class ChainLending:
         handed over with its lease."""
         plan = ver.ensemble
         frontend = msg.frontend
-        if plan is None or not plan.chain or msg.lost or msg.no_lease or msg.trace or \
+        if plan is None or not plan.chained() or msg.lost or msg.no_lease or msg.trace or \
                 frontend not in self.core.lease_takers or frontend > ENSEMBLE_FRONTEND or \
                 self.core.stopping:
             return False        # (a BLS client never runs an ensemble worker to worker)

@@ -51,9 +51,19 @@ class EnsemblePlan:
     # tensors a step makes that only steps taking device inputs read (filled by bind()): the
     # producer may leave them on its GPU and hand them over as CUDA IPC handles
     device_tensors: frozenset = frozenset()
-    # the steps in order when each needs the one before and nothing else can run beside it
-    # (filled by bind()): such an ensemble may run worker to worker (workers/leases/chain.py)
+    # the steps in an order they can run in, one after the other, when the last makes every
+    # output (filled by bind()): such an ensemble may run worker to worker
+    # (workers/leases/chain.py)
     chain: list[Step] = field(default_factory=list)
+    # some of those steps could run at once (the scheduler runs them so): worker to worker
+    # they run one after the other, which it does only while that costs less than the hops it
+    # saves (``serial_ok``, set from the steps' statistics: engine/ensemble/step_costs.py)
+    side_by_side: bool = False
+    serial_ok: bool = False
+
+    def chained(self) -> list[Step]:
+        """The steps to run worker to worker now, in order; [] when the scheduler runs them."""
+        return self.chain if not self.side_by_side or self.serial_ok else []
 
     def composing(self) -> list[str]:
         seen: list[str] = []
@@ -199,12 +209,13 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
 
 
 def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
-    """The steps in the one order they can run in, when there is one and the last step makes
-    every ensemble output; [] otherwise. Such an ensemble loses nothing when its steps run one
-    after the other, each worker handing the request to the next step's, and its answer comes
-    from one worker. Left to the scheduler: streaming steps, tensors kept on a GPU, optional
-    inputs (what a step gets depends on what the client sent), stateful steps (the sequence
-    batcher orders their requests)."""
+    """The steps in an order they can run in one after the other (of those ready together,
+    the first in the config first), when the last step makes every ensemble output; [] otherwise.
+    Its answer then comes from one worker, each worker handing the request to the next step's.
+    Sets ``side_by_side`` when two steps could run at once. Left to the scheduler: streaming
+    steps, tensors kept on a GPU, optional inputs (what a step gets depends on what the client
+    sent), stateful steps (the sequence batcher orders their requests)."""
+    p.side_by_side = False
     if p.decoupled or p.device_tensors or any(t.optional for t in cfg.input) or \
             any(s.optional_inputs or s.stateful for s in p.steps):
         return []
@@ -213,15 +224,28 @@ def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
     order: list[Step] = []
     while left:
         ready = [s for s in left if all(t in have for t in s.inputs.values())]
-        if len(ready) != 1:
-            return []           # two steps could run at once (none: plan() refused a cycle)
+        if not ready:
+            return []           # (plan() refused a cycle)
+        p.side_by_side |= len(ready) > 1
         order.append(ready[0])
         have.update(ready[0].outputs.values())
         left.remove(ready[0])
     last = order[-1].index
     if any(p.producer[t] != last for t in p.outputs):
+        p.side_by_side = False
         return []
     return order
+
+
+def serial_cost_ns(p: EnsemblePlan, cost_ns: dict[int, float]) -> float:
+    """What running the chain's steps one after the other adds to a request's time over
+    running side by side those that can: the steps' costs (by step index) summed, less the
+    longest path through them."""
+    finish: dict[int, float] = {}
+    for s in p.chain:
+        before = [finish[p.producer[t]] for t in s.inputs.values() if t in p.producer]
+        finish[s.index] = cost_ns[s.index] + max(before, default=0.0)
+    return sum(cost_ns[s.index] for s in p.chain) - max(finish.values(), default=0.0)
 
 
 def takes_device_inputs(sub: ModelConfig) -> bool:

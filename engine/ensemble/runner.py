@@ -424,7 +424,7 @@ class EnsembleRunner:
         run.slots = {}
         held, run.held = run.held, []
         self.book.give_back(self.book.drop(held))
-        if run.plan.chain:
+        if run.plan.chained():
             self.ended(run.version, run.head.frontend)
 
     # ---- the client --------------------------------------------------------------------------

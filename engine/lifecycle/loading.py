@@ -587,10 +587,11 @@ class ModelLifecycle:
         """A serving ensemble whose steps run one after the other: its steps, on the versions
         that serve them now ([] for any other model, or while a step has no ready version)."""
         plan = ver.ensemble
-        if plan is None or not plan.chain or ver.state != ModelState.READY:
+        steps = plan.chained() if plan is not None else []
+        if not steps or ver.state != ModelState.READY:
             return []
         hops = []
-        for s in plan.chain:
+        for s in steps:
             version = self.ready_version(s.model, s.version)
             if version is None:
                 return []

@@ -5,7 +5,7 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.engine.ensemble.plan import bind, plan
+from shmserve.engine.ensemble.plan import bind, plan, serial_cost_ns
 from shmserve.engine.lifecycle.repository import ModelRepository
 from shmserve.ipc.model_config import ConfigError, normalize
 
@@ -355,13 +355,36 @@ def test_steps_that_can_only_run_one_after_the_other_form_a_chain_in_that_order(
                    model("a"), model("b"), model("c")) == [0, 1, 2]
 
 
-def test_steps_that_could_run_side_by_side_are_left_to_the_scheduler():
-    # a and b both read IN: they run in parallel there; c joins them
-    steps = [step("a", {"INPUT0": "IN"}, {"OUTPUT0": "p"}),
-             step("b", {"INPUT0": "IN"}, {"OUTPUT0": "q"}),
-             step("c", {"X": "p", "Y": "q"}, {"OUTPUT0": "OUT"})]
-    c = model("c", inputs=(("X", FP32), ("Y", FP32)))
-    assert chained(steps, model("a"), model("b"), c) == []
+DIAMOND = [step("c", {"X": "p", "Y": "q"}, {"OUTPUT0": "OUT"}),     # written first: runs last
+           step("a", {"INPUT0": "IN"}, {"OUTPUT0": "p"}),
+           step("b", {"INPUT0": "IN"}, {"OUTPUT0": "q"})]
+
+
+def diamond_plan():
+    cfg = ensemble(DIAMOND)
+    p = plan(cfg)
+    bind(p, cfg, configs(model("a"), model("b"), model("c", inputs=(("X", FP32), ("Y", FP32)))))
+    return p
+
+
+def test_steps_that_could_run_side_by_side_chain_only_while_that_costs_less_than_it_saves():
+    # a and b both read IN (the scheduler runs them side by side); c joins them
+    p = diamond_plan()
+    assert [s.index for s in p.chain] == [1, 2, 0] and p.side_by_side
+    assert p.chained() == []                    # until their costs say otherwise
+    p.serial_ok = True
+    assert [s.index for s in p.chained()] == [1, 2, 0]
+    # one after the other, a and b cost the shorter of the two more than side by side
+    assert serial_cost_ns(p, {0: 10.0, 1: 30.0, 2: 50.0}) == 30.0
+    assert serial_cost_ns(p, {0: 10.0, 1: 0.0, 2: 50.0}) == 0.0
+
+
+def test_a_chain_loses_nothing_when_its_steps_run_one_after_the_other():
+    cfg = ensemble(CHAIN)
+    p = plan(cfg)
+    bind(p, cfg, configs(model("a"), model("b")))
+    assert not p.side_by_side and p.chained() == p.chain and len(p.chain) == 2
+    assert serial_cost_ns(p, {0: 40.0, 1: 70.0}) == 0.0
 
 
 def test_an_output_made_before_the_last_step_is_left_to_the_scheduler():

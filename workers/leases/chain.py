@@ -1,7 +1,8 @@
 """Ensembles run worker to worker: a step's worker hands the request to the next step's.
 
-An ensemble whose steps can only run one after the other, and whose last step makes every
-output (engine/ensemble/plan.py ``chain``), needs no scheduler between its steps. A frontend
+An ensemble whose last step makes every output needs no scheduler between its steps once they
+run one after the other (engine/ensemble/plan.py ``chain``: in an order they can run in; steps
+that could run side by side only while that costs less than the hops save). A frontend
 that holds leases on the instances of all its steps (engine/leases.py) sends the request to the
 first step's worker (ChainExecute, with the ensemble tensors in its payload frame); each worker
 runs its step as a leased request of its own model, adds the step's outputs to the tensors and
