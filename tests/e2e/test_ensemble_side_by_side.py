@@ -4,7 +4,6 @@ that running them one after the other loses less than the hops save; heavy branc
 the scheduler, which runs them at once. Every answer is right on either path, and a step's
 worker that dies on the worker-to-worker path fails that request by its step only."""
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ from serverproc import Server, descendants, leased_requests, left_nothing, wait_
 from tritonclient.utils import InferenceServerException
 
 # Y = X * SCALE + SHIFT, after sleeping SLEEP_MS (config parameters); Z = X + Y for the join.
-# A request parameter "die" naming the model makes that model's process exit.
+# Request parameters: "die" naming the model makes that model's process exit; "branch_ms" makes
+# every step but the join sleep that long.
 STEP = textwrap.dedent('''
     import json, os, time
     import numpy as np
@@ -34,8 +34,10 @@ STEP = textwrap.dedent('''
             for r in requests:
                 if json.loads(r.parameters()).get("die") == self.name:
                     os._exit(1)
-                if self.sleep_s:
-                    time.sleep(self.sleep_s)
+                sleep_s = self.sleep_s + json.loads(r.parameters()).get("branch_ms", 0) / 1000.0 \
+                    * (not self.join)
+                if sleep_s:
+                    time.sleep(sleep_s)
                 x = pb_utils.get_input_tensor_by_name(r, "X").as_numpy()
                 if self.join:
                     z = x + pb_utils.get_input_tensor_by_name(r, "Y").as_numpy()
@@ -120,11 +122,9 @@ def test_light_steps_run_worker_to_worker_heavy_branches_side_by_side(srv):
     assert before >= 19
     # the heavy one was costed at the same looks: one after the other its branches would
     # take 80 ms for 40, so the scheduler goes on running them at once
-    started = time.monotonic()
     for i in range(10):
         assert (infer(srv, "heavy", float(i)) == 4 * i).all()
     assert leased_requests(srv, "heavy") == 0
-    assert time.monotonic() - started < 10 * 0.075      # side by side: ~40 ms a request
 
 
 def test_a_dying_branch_fails_its_request_by_its_step_and_the_diamond_serves_on(srv):
@@ -138,6 +138,25 @@ def test_a_dying_branch_fails_its_request_by_its_step_and_the_diamond_serves_on(
     wait_for(lambda: (infer(srv, "light", 2.0) == 7).all() and
              leased_requests(srv, "light") > lent, 60,
              "the diamond to run worker to worker again")
+
+
+def test_branches_that_turn_heavy_go_back_to_the_scheduler_and_return_when_light(srv):
+    wait_for(lambda: (infer(srv, "light", 1.0) == 4).all() and
+             leased_requests(srv, "light") > 0, 30, "the light diamond worker to worker")
+
+    def settled_on_scheduler() -> bool:
+        # each request's branches sleep 30 ms: one after the other they would cost 30 ms more
+        before = leased_requests(srv, "light")
+        for _ in range(3):
+            assert (infer(srv, "light", 2.0, branch_ms=30) == 7).all()
+        return leased_requests(srv, "light") == before
+    wait_for(settled_on_scheduler, 30, "the heavy diamond to run on the scheduler again")
+
+    def back() -> bool:
+        before = leased_requests(srv, "light")
+        assert (infer(srv, "light", 4.0) == 13).all()
+        return leased_requests(srv, "light") > before
+    wait_for(back, 30, "the light diamond to run worker to worker again")
 
 
 def test_nothing_is_left_behind(tmp_path):
