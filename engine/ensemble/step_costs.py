@@ -60,12 +60,15 @@ class EnsembleCosts:
         changed. ``serving(model, version)``: the version serving a step (None: none);
         ``stats(model, version)``: its (requests, compute ns) so far."""
         changed = False
+        looked: set[tuple[str, int]] = set()
         for p in plans:
             if not p.side_by_side or not p.chain:
                 continue
             costs: dict[int, float] = {}
             for s in p.chain:
                 v = serving(s.model, s.version)
+                if v is not None:
+                    looked.add((s.model, v))
                 got = stats(s.model, v) if v is not None else None
                 cost = self.cost((s.model, v), *got) if got is not None and v is not None \
                     else None
@@ -77,4 +80,7 @@ class EnsembleCosts:
             if ok != p.serial_ok:
                 p.serial_ok = ok
                 changed = True
+        for key in [k for k in self.seen if k not in looked]:   # versions no longer a step's
+            del self.seen[key]
+            self.mean_ns.pop(key, None)
         return changed

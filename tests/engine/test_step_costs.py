@@ -50,3 +50,14 @@ def test_light_steps_run_worker_to_worker_heavy_branches_side_by_side():
     # a step with no version serving: nothing is known, it stays with the scheduler
     assert not c.review([p], _stats({"a": 1e3, "b": 1e3, "c": 1e3}, 300), lambda m, v: None)
     assert p.chained() == []
+
+
+def test_it_forgets_the_versions_no_ensemble_runs_on():
+    p = diamond_plan()
+    c = EnsembleCosts()
+    c.review([p], _stats({"a": 60e3, "b": 60e3, "c": 60e3}), lambda m, v: 1)
+    assert set(c.seen) == {("a", 1), ("b", 1), ("c", 1)}
+    c.review([p], _stats({"a": 60e3, "b": 60e3, "c": 60e3}, 100), lambda m, v: 2)   # reloaded
+    assert set(c.seen) == {("a", 2), ("b", 2), ("c", 2)} and set(c.mean_ns) <= set(c.seen)
+    c.review([], _stats({}), lambda m, v: 2)                    # the ensemble is gone
+    assert not c.seen and not c.mean_ns
