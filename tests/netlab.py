@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 import requests
-from serverproc import REPO_ROOT, descendants, segments_of, wait_for
+from serverproc import REPO_ROOT, answers_ready, descendants, segments_of, wait_for
 
 HAPROXY_CFG = os.path.join(REPO_ROOT, "configs", "haproxy", "haproxy.cfg")
 HTTP_PORT, GRPC_PORT = 18000, 18001         # HAProxy's, inside the lab
@@ -115,10 +115,7 @@ class Host:
         return False
 
     def ready(self) -> bool:
-        try:
-            return requests.get(f"{self.base}/v2/health/ready", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        return answers_ready(self.base)
 
     def log_text(self) -> str:
         with open(self.log_path, "rb") as f:

@@ -170,6 +170,15 @@ def segments_of(pid: int) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"shmserve_{pid}_")]
 
 
+def answers_ready(base: str) -> bool:
+    """Whether the server at ``base`` (http://host:port) says it is ready; False while it
+    cannot be reached."""
+    try:
+        return requests.get(f"{base}/v2/health/ready", timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
 class Server:
     def __init__(self, repositories, *extra_args: str, wait_ready: bool = True, timeout: float = 90,
                  prefix: tuple[str, ...] = (), wait_ports: bool = True,
@@ -221,10 +230,7 @@ class Server:
             return None
 
     def ready(self) -> bool:
-        try:
-            return requests.get(f"{self.base}/v2/health/ready", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        return answers_ready(self.base)
 
     def model_ready(self, name: str) -> bool:
         try:

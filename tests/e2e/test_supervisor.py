@@ -6,8 +6,7 @@ import subprocess
 import sys
 import textwrap
 
-import requests
-from serverproc import REPO_ROOT, alive, descendants, wait_for
+from serverproc import REPO_ROOT, alive, answers_ready, descendants, wait_for
 
 
 def _ports(path):
@@ -19,10 +18,7 @@ def _ports(path):
 
 
 def _ready(port) -> bool:
-    try:
-        return requests.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
+    return answers_ready(f"http://127.0.0.1:{port}")
 
 
 def test_supervisor_restarts_a_killed_server(tmp_path):
