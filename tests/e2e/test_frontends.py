@@ -196,6 +196,7 @@ def test_two_frontends_racing_for_one_instance_lose_nothing(srv):
         c.close()
 
 
+@pytest.mark.xdist_group("perf_analyzer_system_shm")     # see tests/e2e/test_perf_analyzer.py
 def test_perf_analyzer_with_system_shared_memory_over_two_frontends(srv, perf_analyzer,  # noqa: F811
                                                                     tmp_path):
     cmd = [perf_analyzer, "-m", "double", "-u", f"127.0.0.1:{srv.http_port}", "-i", "http",

@@ -19,7 +19,14 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# perf_analyzer names its system shared-memory regions after the tensors (INPUT0_0_0, OUTPUT0),
+# not after itself: two runs at once on one host unlink each other's segments. Every test that
+# runs it with --shared-memory system is in this group, which pytest-xdist runs in one process.
+SYSTEM_SHM = pytest.mark.xdist_group("perf_analyzer_system_shm")
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=SYSTEM_SHM) if "system-shm" in c else c
+                                  for c in CASES])
 def test_perf_analyzer_reports_throughput(server, perf_analyzer, tmp_path, case):
     port = server.grpc_port if "grpc" in case else server.http_port
     report = tmp_path / "report.csv"
