@@ -130,3 +130,117 @@ def test_off_pins_nothing(repo):
             assert allowed(fe) == EVERYWHERE and allowed(wk) == EVERYWHERE
     finally:
         srv.stop()
+
+
+# A BLS caller and its callee, each reporting CPU masks: the callee its own, a thread's it
+# starts, and the caller's main thread's as it is while the caller waits for this answer.
+CALLEE = '''
+import os, threading
+import numpy as np
+import triton_python_backend_utils as pb_utils
+def mask(path):
+    with open(path) as f:
+        line = next(l for l in f if l.startswith("Cpus_allowed_list:"))
+    cpus = set()
+    for part in line.split(":", 1)[1].strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return np.array(sorted(cpus), dtype=np.int32)
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            caller = int(pb_utils.get_input_tensor_by_name(r, "PID").as_numpy()[0])
+            seen = {}
+            t = threading.Thread(target=lambda: seen.update(mask=os.sched_getaffinity(0)))
+            t.start()
+            t.join()
+            out.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("MINE", np.array(sorted(os.sched_getaffinity(0)), np.int32)),
+                pb_utils.Tensor("CHILD", np.array(sorted(seen["mask"]), np.int32)),
+                pb_utils.Tensor("CALLER", mask(f"/proc/{caller}/task/{caller}/status"))]))
+        return out
+'''
+
+CALLER = '''
+import os, time
+import numpy as np
+import triton_python_backend_utils as pb_utils
+class TritonPythonModel:
+    def execute(self, requests):
+        out = []
+        for r in requests:
+            if pb_utils.get_input_tensor_by_name(r, "INPUT0").as_numpy()[0] > 0:
+                time.sleep(0.05)        # long enough for requests sent together to overlap
+            res = pb_utils.InferenceRequest(
+                model_name="callee", requested_output_names=["MINE", "CHILD", "CALLER"],
+                inputs=[pb_utils.Tensor("PID", np.array([os.getpid()], np.int32))]).exec()
+            if res.has_error():
+                raise pb_utils.TritonModelException(res.error().message())
+            got = [pb_utils.get_output_tensor_by_name(res, n).as_numpy()
+                   for n in ("MINE", "CHILD", "CALLER")]
+            mine = np.array(sorted(os.sched_getaffinity(0)), np.int32)
+            out.append(pb_utils.InferenceResponse(
+                [pb_utils.Tensor(n, a) for n, a in zip(("CALLEE", "CHILD", "CALLER"), got)]
+                + [pb_utils.Tensor("MINE", mine)]))
+        return out
+'''
+
+
+@pytest.fixture(scope="module")
+def bls_repo(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("colocate_bls"))
+    write_model(root, "callee", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "PID", data_type: TYPE_INT32, dims: [ 1 ] } ]
+        output [ { name: "MINE", data_type: TYPE_INT32, dims: [ -1 ] },
+                 { name: "CHILD", data_type: TYPE_INT32, dims: [ -1 ] },
+                 { name: "CALLER", data_type: TYPE_INT32, dims: [ -1 ] } ]
+        instance_group [ { count: 1, kind: KIND_CPU } ]
+    ''', CALLEE)
+    write_model(root, "caller", '''
+        backend: "python"
+        max_batch_size: 0
+        input [ { name: "INPUT0", data_type: TYPE_FP32, dims: [ 1 ] } ]
+        output [ { name: "MINE", data_type: TYPE_INT32, dims: [ -1 ] },
+                 { name: "CALLEE", data_type: TYPE_INT32, dims: [ -1 ] },
+                 { name: "CHILD", data_type: TYPE_INT32, dims: [ -1 ] },
+                 { name: "CALLER", data_type: TYPE_INT32, dims: [ -1 ] } ]
+        instance_group [ { count: 1, kind: KIND_CPU } ]
+    ''', CALLER)
+    return root
+
+
+def test_a_bls_call_of_a_paired_request_waits_on_the_frontends_cpu(bls_repo):
+    """Requests one at a time to a model that makes a BLS call: once paired, the call's hops
+    are switches on the frontend's CPU too. The callee waits for its next call there, and the
+    caller waits for the call's answer there (seen by the callee while it runs); both models
+    still run, and start threads, with every CPU."""
+    srv = Server(bls_repo, "--colocate-max-gap-us", "1000000")
+    try:
+        (fe,) = frontend_pids(srv)
+        callee = worker_pid(srv, "callee")
+        assert callee, "no worker for callee"
+        client = httpclient.InferenceServerClient(srv.url)
+        inp = _input(httpclient)
+
+        def paired():
+            res = client.infer("caller", inp)
+            full = {n: set(res.as_numpy(n).tolist()) for n in ("MINE", "CALLEE", "CHILD")}
+            assert full == dict.fromkeys(full, EVERYWHERE), full
+            cpus = allowed(fe)
+            return len(cpus) == 1 and set(res.as_numpy("CALLER").tolist()) == cpus \
+                and allowed(callee) == cpus
+
+        wait_for(paired, 30, "the caller waiting for its BLS answer on the frontend's CPU, "
+                             "and the callee waiting for its next call there")
+        # four at once (each 50 ms before its call): the callee is told with the calls
+        client4 = httpclient.InferenceServerClient(srv.url, concurrency=4)
+        sent = [client4.async_infer("caller", _input(httpclient, slow=True)) for _ in range(4)]
+        for p in sent:
+            p.get_result(timeout=60)
+        assert allowed(fe) == EVERYWHERE
+        wait_for(lambda: allowed(callee) == EVERYWHERE, 10, "the callee waiting anywhere")
+    finally:
+        srv.stop()

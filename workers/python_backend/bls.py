@@ -184,14 +184,15 @@ class BlsClient:
             box = self.boxes[address] = packets.PacketOutbox(address)
         return box
 
-    def send(self, req_id: int, lease) -> None:
+    def send(self, req_id: int, lease, cpu: int = -1) -> None:
         """Send a request (held under ``lock``): under ``lease``, or to the scheduler when it
-        is None or its worker cannot take it."""
+        is None or its worker cannot take it. ``cpu``: where the callee waits next (see
+        ``paired_cpu``)."""
         head, payload = self.sent[req_id]
         if lease is not None and not lease.full:
             self.leases.sent(lease, req_id)
             try:
-                lease.box.send(LeasedExecute(lease.lease_id, head), (payload,),
+                lease.box.send(LeasedExecute(lease.lease_id, head, cpu), (payload,),
                                flags=channel.NOBLOCK)
                 return
             except (packets.PeerGone, packets.PeerStalled, zmq.Again):
@@ -283,8 +284,16 @@ class BlsClient:
             self.sent[req_id] = (head, encode_message(prepared.payload))
             # never under a lease on a model whose execution waits for this answer
             self.send(req_id, self.leases.pick(view.name, v)
-                      if self.leases and view.name not in chain else None)
+                      if self.leases and view.name not in chain else None, self.paired_cpu())
         return req_id, answers, slots
+
+    def paired_cpu(self) -> int:
+        """The CPU the running request's frontend waits on while requests come one at a time
+        (frontend/colocation.py), for a call made by execute(); -1 otherwise. The callee then
+        waits for its next call there and this thread waits for the answer there: each hop of
+        the call is a switch on one CPU, as each hop of a chain is, not a wake-up of another."""
+        w = self.worker
+        return w.waiting.cpu if threading.get_ident() == w.main_thread else -1
 
     def answers(self, req, decoupled: bool):
         """Send ``req`` now; its answers as pb_utils.InferenceResponse objects (the last one of
@@ -324,7 +333,7 @@ class BlsClient:
             final = False
             while not final:
                 try:
-                    result = self.shared.wait(answers, deadline if timeout_s else None)
+                    result = self.wait(answers, deadline if timeout_s else None)
                 except queue.Empty:
                     self.give_up(req_id, slots)
                     slots = []
@@ -346,6 +355,16 @@ class BlsClient:
                 self.pending.pop(req_id, None)
                 self.streams.pop(req_id, None)
             self.free(slots)
+
+    def wait(self, answers, deadline: float | None) -> InferResult:
+        if self.paired_cpu() < 0:
+            return self.shared.wait(answers, deadline)
+        waiting = self.worker.waiting
+        waiting.before_wait()
+        try:
+            return self.shared.wait(answers, deadline)
+        finally:
+            waiting.after_wait()
 
     def response(self, result: InferResult):
         if result.error:
