@@ -49,8 +49,15 @@ like any request that queues; one from the lease holder is forwarded to the work
 sequence instead. The frontend keeps each sequence's requests on one path at a time
 (frontend/sequence_paths.py), so none overtakes another.
 
-Not leased: iterative sequences, decoupled models, dynamic batching with priorities or queue
-policies (the scheduler's queue applies those), and any version while the server stops.
+A dynamic batcher with priority levels or queue policies (timeouts, a size bound) and no
+max_queue_delay is leased one instance at a time, one request in flight (depth 1): a request
+under the lease never queues, so those rules have nothing to act on; the first that would
+queue goes to the scheduler, whose queue applies them, and takes the lease back. With a delay
+it is not leased: a request waiting out the delay is queued, and a later one must find it
+there (a queue bound of one refuses the second, as Triton's does).
+
+Not leased: iterative sequences, decoupled models, any version whose instances the rate
+limiter holds back, and any version while the server stops.
 
 Pure: no sockets; it acts through the port and reads the injected clock.
 """
@@ -78,20 +85,28 @@ COOLDOWN_NS = 200_000_000
 TERM_NS = 2_000_000_000
 
 
+def queue_rules(ver: ModelVersion) -> bool:
+    """Whether ``ver``'s dynamic batcher has rules only a queue applies: priority levels, queue
+    timeouts, a queue size bound. A worker's inbox cannot stand in for that queue."""
+    q = ver.queue
+    return isinstance(q, DynamicBatcher) and (
+        q.cfg.priority_levels > 1 or q.cfg.default_policy != QueuePolicy()
+        or bool(q.cfg.level_policies))
+
+
 def worker_batches(ver: ModelVersion) -> bool:
     """Whether a dynamic-batching version's requests can batch in its workers' inboxes under
-    leases (workers/leases/batch.py): its batcher has nothing an inbox cannot do (priority
-    levels, queue timeouts, a queue size bound, which the scheduler's queue applies)."""
-    q = ver.queue
-    return (isinstance(q, DynamicBatcher) and q.cfg.priority_levels <= 1
-            and q.cfg.default_policy == QueuePolicy() and not q.cfg.level_policies)
+    leases (workers/leases/batch.py): its batcher has nothing an inbox cannot do."""
+    return isinstance(ver.queue, DynamicBatcher) and not queue_rules(ver)
 
 
 def unlimited(ver: ModelVersion) -> bool:
     """Whether ``ver``'s workers may take any number of leased requests in flight, run in
-    arrival order: a single instance, requests that batch in the worker anyway, or a sequence
-    model's (each sequence lives on one worker, whose batcher orders them)."""
-    return len(ver.instances) == 1 or worker_batches(ver) or isinstance(ver.queue, SequenceBatcher)
+    arrival order: a single instance (with no queue rules: requests would wait in its inbox
+    unordered by priority and untimed), requests that batch in the worker anyway, or a
+    sequence model's (each sequence lives on one worker, whose batcher orders them)."""
+    return (len(ver.instances) == 1 and not queue_rules(ver)) or worker_batches(ver) \
+        or isinstance(ver.queue, SequenceBatcher)
 
 
 def submitted(ver: ModelVersion, r: QueuedRequest) -> SubmitRequest:
@@ -146,12 +161,16 @@ class LeaseBook:
         # a decoupled model answers past its execution (the lease's completion records ride
         # with one answer): never lent. A sequence model is: each instance's live sequences go
         # with its lease (below). An iterative sequence (one request, rescheduled in its
-        # worker: no SequenceBatcher) is not
+        # worker: no SequenceBatcher) is not; nor is a batcher with queue rules and a delay
+        # (see above)
+        q = ver.queue
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
                 and not ver.config.model_transaction_policy.decoupled
                 and (not ver.config.HasField("sequence_batching")
                      or isinstance(ver.queue, SequenceBatcher))
-                and (not ver.config.HasField("dynamic_batching") or worker_batches(ver)))
+                and (not ver.config.HasField("dynamic_batching")
+                     or (isinstance(q, DynamicBatcher)
+                         and (not q.delay_ns or not queue_rules(ver)))))
 
     def note_request(self, ver: ModelVersion, frontend: int | None) -> None:
         """The frontend the version's latest request came from; None: not a lease taker."""

@@ -7,7 +7,7 @@ import pytest
 import requests
 import tritonclient.http as httpclient
 from prometheus_client.parser import text_string_to_metric_families
-from serverproc import model_sleeping, wait_for
+from serverproc import leased_requests, model_sleeping, wait_for
 from tritonclient.utils import InferenceServerException
 
 
@@ -73,7 +73,19 @@ def test_lone_request_waits_for_the_queue_delay(server):
     assert time.monotonic() - t >= 0.25
 
 
+def _leased(server, model):
+    """Send requests one at a time until they go under a lease: a batcher with queue rules and
+    no delay is lent one request at a time (engine/leases.py), and its rules must hold for the
+    requests that then queue behind a leased one."""
+    c = httpclient.InferenceServerClient(server.url)
+    before = leased_requests(server, model)
+    wait_for(lambda: c.infer(model, [_input(0)]) and leased_requests(server, model) > before,
+             20, f"requests of '{model}' to go under a lease")
+    c.close()
+
+
 def test_queue_timeout_rejects_with_503(server, aclient):
+    _leased(server, "timeout_reject")
     first = aclient.async_infer("timeout_reject", [_input(1)], parameters={"delay_ms": 600})
     _wait_executing(server, "timeout_reject")
     second = aclient.async_infer("timeout_reject", [_input(2)])
@@ -86,6 +98,7 @@ def test_queue_timeout_rejects_with_503(server, aclient):
 
 
 def test_full_queue_rejects_with_503(server, aclient):
+    _leased(server, "bounded")
     running = aclient.async_infer("bounded", [_input(1)], parameters={"delay_ms": 800})
     _wait_executing(server, "bounded")
     queued = aclient.async_infer("bounded", [_input(2)])
@@ -99,6 +112,7 @@ def test_full_queue_rejects_with_503(server, aclient):
 
 
 def test_higher_priority_runs_first(server, aclient):
+    _leased(server, "prio")
     running = aclient.async_infer("prio", [_input(0)], parameters={"delay_ms": 600})
     _wait_executing(server, "prio")
     low = aclient.async_infer("prio", [_input(1)], priority=2)

@@ -44,6 +44,9 @@ def repo(tmp_path):
     write_model(r, "batched_policy", f"max_batch_size: 8\n{IO}\n{ONE}\n"
                                      f"dynamic_batching {{ default_queue_policy {{ "
                                      f"default_timeout_microseconds: 1000 }} }}")
+    write_model(r, "policy_delayed", f"max_batch_size: 8\n{IO}\n{ONE}\n"
+                                     f"dynamic_batching {{ max_queue_delay_microseconds: 100 "
+                                     f"default_queue_policy {{ max_queue_size: 1 }} }}")
     return r
 
 
@@ -244,13 +247,51 @@ def test_a_single_instance_plain_dynamic_batcher_is_leased_and_batches_count_onc
 
 
 @pytest.mark.parametrize("model", ["batched_levels", "batched_policy"])
-def test_dynamic_batchers_the_worker_cannot_stand_in_for_are_not_leased(repo, model):
+def test_a_batcher_with_queue_rules_lends_one_request_at_a_time(repo, model):
+    """Priority levels and queue policies are rules of a queue: the one instance is lent with
+    depth 1 (a leased request never queues, so they have nothing to act on), and the first
+    request that would queue goes to the scheduler's queue and takes the lease back."""
     h = leased_harness(repo)
     sid = sid_of(h, model)
     h.submit(model)
     h.tick(0.01)
     h.finish(sid)
+    [grant] = grants(h)
+    assert (grant.spawn_id, grant.depth) == (sid, 1)
+    assert instance(h, model).state is InstanceState.LEASED
+    h.core.handle(SubmitRequest(600, FRONTEND, model, 1, 1, h.clock()), [b"p"])
+    assert h.to_worker(RevokeLease) == [(sid, RevokeLease(grant.lease_id))]
+    assert grants(h) == [grant]                 # not returned under the lease: it queues
+
+
+def test_a_batcher_with_queue_rules_and_a_delay_is_not_leased(repo):
+    """A request waiting out the delay is queued, and the queue's rules must see it (a bound
+    of one refuses the next request)."""
+    h = leased_harness(repo)
+    sid = sid_of(h, "policy_delayed")
+    h.submit("policy_delayed")
+    h.tick(0.01)
+    h.finish(sid)
     assert grants(h) == []
+
+
+def test_under_a_revoked_lease_queued_requests_run_by_priority(repo):
+    h = leased_harness(repo)
+    sid = sid_of(h, "batched_levels")
+    h.submit("batched_levels")
+    h.tick(0.01)
+    h.finish(sid)
+    [grant] = grants(h)
+    # while a leased request runs, a low and then a high priority request queue
+    h.core.handle(SubmitRequest(700, OTHER, "batched_levels", 1, 1, h.clock(), priority=2),
+                  [b"p"])
+    h.core.handle(SubmitRequest(701, OTHER, "batched_levels", 1, 1, h.clock(), priority=1),
+                  [b"p"])
+    assert len(h.to_worker(RevokeLease)) == 1
+    n = len(h.batches(sid))
+    h.core.handle(LeaseEnded(sid, grant.lease_id))
+    h.tick(0.01)
+    assert h.sent_to(sid)[n:] == [[701, 700]]       # one batch, the higher priority first
 
 
 # ---- several instances with a plain dynamic batcher: each idle one lent, no depth limit ---------
