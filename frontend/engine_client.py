@@ -34,7 +34,9 @@ from shmserve.frontend.deadlines import Deadlines
 from shmserve.frontend.priority import DrainPriority
 from shmserve.frontend.sequence_paths import HOLD, SequencePaths
 from shmserve.ipc import channel, logs, packets
+from shmserve.ipc.chain_route import route_serves
 from shmserve.ipc.lease_table import Lease, LeaseTable
+from shmserve.ipc.messages import decode_payload
 from shmserve.ipc.messages import encode as encode_message
 from shmserve.ipc.messages.common import (
     CacheRecord,
@@ -179,6 +181,8 @@ class EngineClient:
             chain = leases.route(route) if route and leases else None
             # leases on every step but none with room: the scheduler must not hold it for them
             head.no_lease = route is not None and chain is None and leases.holds_all(route)
+            if chain is not None and route and not route_serves(route, p.outputs):
+                chain, head.no_lease = None, True       # (ipc/chain_route.py)
         if lease is not None and (ordered or lease.full):
             # a lease we hold but cannot use: the scheduler must not hand it back to us
             head.no_lease = not lease.depth
@@ -522,7 +526,8 @@ class EngineClient:
                 # hold_for_chain): worker to worker now, or back to the scheduler for good
                 route = self.routes.get((head.model, head.version))
                 chain = self.leases.route(route) if route else None
-                if route and chain is not None:
+                if route and chain is not None and \
+                        route_serves(route, decode_payload(payload).outputs):
                     self._send_chain(chain, route, head, payload)
                 else:
                     head.no_lease = True

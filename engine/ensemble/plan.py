@@ -210,8 +210,8 @@ def bind(p: EnsemblePlan, cfg: ModelConfig, configs: Callable[[str, int], ModelC
 
 def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
     """The steps in an order they can run in one after the other (of those ready together,
-    the first in the config first), when the last step makes every ensemble output; [] otherwise.
-    Its answer then comes from one worker, each worker handing the request to the next step's.
+    the first in the config first); [] when they must not. Each worker hands the request to the
+    next step's, and the last answers with the ensemble's outputs, whichever steps made them.
     Sets ``side_by_side`` when two steps could run at once. Left to the scheduler: streaming
     steps, tensors kept on a GPU, optional inputs (what a step gets depends on what the client
     sent), stateful steps (the sequence batcher orders their requests)."""
@@ -230,10 +230,6 @@ def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
         order.append(ready[0])
         have.update(ready[0].outputs.values())
         left.remove(ready[0])
-    last = order[-1].index
-    if any(p.producer[t] != last for t in p.outputs):
-        p.side_by_side = False
-        return []
     return order
 
 

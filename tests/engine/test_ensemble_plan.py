@@ -387,11 +387,20 @@ def test_a_chain_loses_nothing_when_its_steps_run_one_after_the_other():
     assert serial_cost_ns(p, {0: 40.0, 1: 70.0}) == 0.0
 
 
-def test_an_output_made_before_the_last_step_is_left_to_the_scheduler():
+def test_outputs_made_before_the_last_step_chain_too():
+    # an output a later step also reads (the last worker answers with it)
     steps = [step("a", {"INPUT0": "IN"}, {"OUTPUT0": "mid"}),
              step("b", {"INPUT0": "mid"}, {"OUTPUT0": "OUT2"})]
     assert chained(steps, model("a"), model("b"),
-                   outputs=(("mid", FP32), ("OUT2", FP32))) == []
+                   outputs=(("mid", FP32), ("OUT2", FP32))) == [0, 1]
+    # fan out: two steps read IN, each makes an output, nothing joins them
+    cfg = ensemble([step("a", {"INPUT0": "IN"}, {"OUTPUT0": "OUT_A"}),
+                    step("b", {"INPUT0": "IN"}, {"OUTPUT0": "OUT_B"})],
+                   outputs=(("OUT_A", FP32), ("OUT_B", FP32)))
+    p = plan(cfg)
+    bind(p, cfg, configs(model("a"), model("b")))
+    assert [s.index for s in p.chain] == [0, 1] and p.side_by_side
+    assert p.chained() == []                    # side by side: only once light (step_costs)
 
 
 def test_optional_inputs_and_streaming_steps_are_left_to_the_scheduler():

@@ -1,13 +1,18 @@
 """Ensembles run worker to worker: a step's worker hands the request to the next step's.
 
-An ensemble whose last step makes every output needs no scheduler between its steps once they
-run one after the other (engine/ensemble/plan.py ``chain``: in an order they can run in; steps
-that could run side by side only while that costs less than the hops save). A frontend
+An ensemble needs no scheduler between its steps once they run one after the other
+(engine/ensemble/plan.py ``chain``: in an order they can run in; steps that could run side by
+side only while that costs less than the hops save). A frontend
 that holds leases on the instances of all its steps (engine/leases.py) sends the request to the
 first step's worker (ChainExecute, with the ensemble tensors in its payload frame); each worker
 runs its step as a leased request of its own model, adds the step's outputs to the tensors and
 sends the request on to the next step's worker, or, for itself, to the front of its own queue.
-The last one answers the frontend with the ensemble's outputs. So an ensemble of N steps
+The last one answers the frontend with the ensemble's outputs. An output that no later step
+reads is made as the client asked for it (into its region, as classes) by the step that makes
+it; one that a later step reads is made plainly (ipc/chain_route.py: a request that wants it
+otherwise is the scheduler's). The last worker answers
+for slots of earlier workers' outputs too: the frontend gives them back to it, and it passes
+them on to their owners (``adopted``). So an ensemble of N steps
 crosses N + 1 sockets (one when every step is on one worker) instead of 2N + 2 through the
 scheduler, and the scheduler runs no code for it; it hears of it from the completion records
 (one per step and one for the ensemble) that ride with the answer, as for any leased request.
@@ -30,6 +35,7 @@ from collections import OrderedDict
 import zmq
 
 from shmserve.ipc import channel, packets
+from shmserve.ipc.chain_route import read_after
 from shmserve.ipc.input_shapes import input_shape_problem
 from shmserve.ipc.messages import decode_payload, encode
 from shmserve.ipc.messages.common import ErrorCode, InferPayload, LeasedRecord, OutputSpec, ShmRef, Tensor
@@ -43,6 +49,9 @@ STOPPING = 1 << 62      # the worker's revoked_upto once it stops (workers/main.
 # Cancels for requests of a chain this worker has not seen yet (the cancel reached every worker
 # of the route at once); the oldest are forgotten first.
 CANCELS_KEPT = 1024
+# Slots of other workers this worker answered with and the frontend has not given back yet (a
+# frontend that dies keeps them, as it keeps this worker's own); the oldest are forgotten first.
+ADOPTED_KEPT = 65536
 
 
 class Chains:
@@ -51,6 +60,8 @@ class Chains:
         # hops executing now: (frontend, req_id) -> (the message, its decoded payload)
         self.live: dict[tuple[int, int], tuple[ChainExecute, InferPayload]] = {}
         self.cancelled: OrderedDict[tuple[int, int], None] = OrderedDict()
+        # slots of other workers' outputs this worker answered with: (segment, offset) -> owner
+        self.adopted: OrderedDict[tuple[str, int], str] = OrderedDict()
         self.peers: dict[str, packets.PacketOutbox] = {}    # other workers, by address
         self.lock = threading.Lock()    # peers: a response sender answers from any thread
 
@@ -78,6 +89,7 @@ class Chains:
         except Exception as e:
             self.end(msg, ErrorCode.INVALID_ARG, f"invalid request tensors: {e}")
             return
+        later = read_after(msg.hops, k)
         known = {t.name: t for t in p.inputs}
         inputs = []
         for own, tensor in hop.inputs.items():
@@ -91,11 +103,16 @@ class Chains:
         if problem:
             self.fail(msg, ErrorCode.INVALID_ARG, problem)
             return
-        if k == len(msg.hops) - 1:      # the client's outputs, as the client asked for them
-            own_of = {tensor: own for own, tensor in hop.outputs.items()}
-            outputs = [OutputSpec(own_of[o.name], o.shm, o.classification, o.cuda, labels=o.labels)
-                       for o in p.outputs if o.name in own_of]
-        else:
+        # what later steps read, plainly; the client's outputs that none reads, as it asked
+        wanted = {o.name: o for o in p.outputs}
+        outputs = []
+        for own, tensor in hop.outputs.items():
+            o = wanted.get(tensor)
+            if o is not None and tensor not in later:
+                outputs.append(OutputSpec(own, o.shm, o.classification, o.cuda, labels=o.labels))
+            elif tensor in later or o is not None:
+                outputs.append(OutputSpec(own))
+        if not outputs:         # (none asked means all: those come back, and are let go)
             outputs = [OutputSpec(own) for own in hop.outputs]
         batch = inputs[0].shape[0] if hop.max_batch_size > 0 and inputs and inputs[0].shape \
             else 1
@@ -130,18 +147,21 @@ class Chains:
             return True
         renamed = [Tensor(hop.outputs.get(t.name, t.name), t.datatype, t.shape, t.data, t.shm,
                           t.cuda) for t in res.outputs]
-        if k == len(msg.hops) - 1:
-            self.release_held(msg.held)
-            w.answer(head.frontend, InferResult(
-                head.req_id, head.model, head.version, renamed, worker=res.worker,
-                parameters=res.parameters, done=self.record(msg, False), steps=records))
-            return True
+        wanted = {o.name: o for o in p.outputs}
         known = {t.name: t for t in p.inputs}
         held = list(msg.held)
         for t in renamed:
             known[t.name] = t
-            if t.shm is not None and res.worker:
+            o = wanted.get(t.name)
+            # (one written into the client's region is the client's)
+            if t.shm is not None and res.worker and (o is None or o.shm is None):
                 held.append((res.worker, t.shm))
+        if k == len(msg.hops) - 1:
+            final = [known[o.name] for o in p.outputs if o.name in known]
+            w.answer(head.frontend, InferResult(
+                head.req_id, head.model, head.version, final, worker=self.adopt(held, final),
+                parameters=res.parameters, done=self.record(msg, False), steps=records))
+            return True
         nxt = ChainExecute(head, msg.hops, msg.leases, msg.workers, k + 1, held, records,
                            msg.cpu)
         self.forward(nxt, InferPayload(p.request_id, list(known.values()), p.outputs,
@@ -197,6 +217,45 @@ class Chains:
         co = sum(r.compute_output_ns for r in msg.records)
         return LeasedRecord(0, head.model, head.version, head.batch_size, head.received_ns,
                             time.monotonic_ns(), ci, cinf, co, failed)
+
+    def adopt(self, held: list[tuple[str, ShmRef]], final: list[Tensor]) -> str:
+        """The request is answered with ``final``: the slots it holds that are not answered
+        with go back; those that are stay until the frontend gives them back to this worker,
+        which passes on the other workers' (``release``). Returns the address the frontend
+        gives them back to ("" when none)."""
+        answered = {(t.shm.segment, t.shm.offset) for t in final if t.shm is not None}
+        own = self.worker.inbox.address
+        rest = []
+        adopted = False
+        for owner, ref in held:
+            key = (ref.segment, ref.offset)
+            if key not in answered:
+                rest.append((owner, ref))
+                continue
+            adopted = True
+            if owner != own:
+                self.adopted[key] = owner
+        while len(self.adopted) > ADOPTED_KEPT:
+            self.adopted.popitem(last=False)
+        self.release_held(rest)
+        return own if adopted else ""
+
+    def release(self, refs: list[ShmRef]) -> list[ShmRef]:
+        """The frontend gives back slots this worker answered with: other workers' go on to
+        them; returns this worker's own."""
+        if not self.adopted:
+            return refs
+        mine: list[ShmRef] = []
+        theirs: dict[str, list[ShmRef]] = {}
+        for ref in refs:
+            owner = self.adopted.pop((ref.segment, ref.offset), None)
+            if owner is None:
+                mine.append(ref)
+            else:
+                theirs.setdefault(owner, []).append(ref)
+        for owner, owned in theirs.items():
+            self.send(owner, ReleaseOutputs(owned))
+        return mine
 
     def release_held(self, held: list[tuple[str, ShmRef]]) -> None:
         """Give the slots of intermediate tensors back to the workers that own them."""

@@ -1,0 +1,182 @@
+"""Ensembles whose outputs come from steps before the last run worker to worker too: the last
+step's worker answers with every output, whichever step made it. An output no later step reads
+is written as the client asked (into its shared-memory region) by the step that makes it; one
+that a later step reads, wanted in a region, takes the scheduler's path. Large outputs of
+earlier steps live in their workers' slots until the frontend has read them, and then go back
+to them (the last worker passes them on): none is left behind."""
+import os
+import uuid
+from unittest import mock
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+import tritonclient.utils.shared_memory as shm
+from repo_builder import write_model
+from serverproc import Server, leased_requests, segments_of, wait_for
+from test_ensemble_side_by_side import STEP
+
+from shmserve.ipc.channel import INLINE_LIMIT
+from shmserve.ipc.shm import IDLE_RELEASE_ENV
+
+OUTPUTS = ["P", "Q", "OUT"]
+
+
+def step_config(inputs: tuple[str, ...], **params: float) -> str:
+    ins = ", ".join(f'{{ name: "{n}", data_type: TYPE_FP32, dims: [ -1 ] }}' for n in inputs)
+    extra = "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
+                    for k, v in params.items())
+    return f'''
+        backend: "python"
+        max_batch_size: 8
+        input [ {ins} ]
+        output [ {{ name: "Z", data_type: TYPE_FP32, dims: [ -1 ] }} ]
+        {extra}'''
+
+
+# P = IN + 1 (an output, and read by the join); Q = 2 * IN (an output nothing reads);
+# OUT = P + IN. The steps that read IN could run side by side: light, they go worker to worker.
+FAN = '''
+    platform: "ensemble"
+    max_batch_size: 8
+    input [ { name: "IN", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    output [ { name: "P", data_type: TYPE_FP32, dims: [ -1 ] },
+             { name: "Q", data_type: TYPE_FP32, dims: [ -1 ] },
+             { name: "OUT", data_type: TYPE_FP32, dims: [ -1 ] } ]
+    ensemble_scheduling { step [
+      { model_name: "f_inc" model_version: -1 input_map { key: "X" value: "IN" }
+        output_map { key: "Z" value: "P" } },
+      { model_name: "f_dbl" model_version: -1 input_map { key: "X" value: "IN" }
+        output_map { key: "Z" value: "Q" } },
+      { model_name: "f_add" model_version: -1 input_map { key: "X" value: "P" }
+        input_map { key: "Y" value: "IN" } output_map { key: "Z" value: "OUT" } } ] }
+'''
+
+
+def expected(x: np.ndarray) -> dict:
+    return {"P": x + 1, "Q": 2 * x, "OUT": 2 * x + 1}
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    repo = str(tmp_path_factory.mktemp("fan"))
+    write_model(repo, "f_inc", step_config(("X",), SHIFT=1), STEP)
+    write_model(repo, "f_dbl", step_config(("X",), SCALE=2), STEP)
+    write_model(repo, "f_add", step_config(("X", "Y")), STEP)
+    write_model(repo, "fan", FAN, None)
+    # arena chunks nothing uses go back after 0.3 s: a slot never given back keeps its segment
+    with mock.patch.dict(os.environ, {IDLE_RELEASE_ENV: "0.3"}):
+        s = Server(repo)
+    yield s
+    assert s.stop() == 0, s.log_text()
+
+
+def infer(mod, c, x: np.ndarray, outputs=None):
+    i = mod.InferInput("IN", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    outs = None if outputs is None else [mod.InferRequestedOutput(n) for n in outputs]
+    return c.infer("fan", [i], outputs=outs)
+
+
+def check(res, x: np.ndarray, names=OUTPUTS) -> None:
+    want = expected(x)
+    for name in names:
+        np.testing.assert_array_equal(res.as_numpy(name), want[name], err_msg=name)
+
+
+def worker_to_worker(srv, c) -> None:
+    """Requests one at a time until they run worker to worker (the steps' costs are looked at
+    every second)."""
+    x = np.arange(4, dtype=np.float32).reshape(1, 4)
+    before = leased_requests(srv, "fan")
+
+    def lent() -> bool:
+        check(infer(httpclient, c, x), x)
+        return leased_requests(srv, "fan") > before
+    wait_for(lent, 30, "the ensemble to run worker to worker")
+
+
+def shm_usage(srv) -> int:
+    """How many segments the server holds in /dev/shm."""
+    return len(segments_of(srv.proc.pid))
+
+
+@pytest.fixture
+def http(srv):
+    c = httpclient.InferenceServerClient(srv.url, network_timeout=60)
+    yield c
+    c.close()
+
+
+def test_every_output_and_any_subset_worker_to_worker(srv, http):
+    worker_to_worker(srv, http)
+    g = grpcclient.InferenceServerClient(srv.grpc_url)
+    try:
+        before = leased_requests(srv, "fan")
+        for i, wanted in enumerate([None, ["Q"], ["P"], ["OUT"], ["Q", "P"], ["OUT", "Q"]] * 2):
+            x = np.full((1 + i % 3, 5), float(i), dtype=np.float32)
+            mod, c = (httpclient, http) if i % 2 == 0 else (grpcclient, g)
+            res = infer(mod, c, x, wanted)
+            check(res, x, wanted or OUTPUTS)
+            for other in set(OUTPUTS) - set(wanted or OUTPUTS):
+                assert res.as_numpy(other) is None, f"{other} was not asked for"
+        # (a lease is renewed every 2 s: a request may take the scheduler now and then)
+        assert leased_requests(srv, "fan") - before >= 9
+    finally:
+        g.close()
+
+
+def test_large_outputs_of_earlier_steps_go_back_to_their_workers(srv, http):
+    worker_to_worker(srv, http)
+    wait_for(lambda: shm_usage(srv) == 0, 30, "the server's segments to go before the test")
+    before = leased_requests(srv, "fan")
+    most = 0
+    for i in range(40):
+        x = np.full((1, INLINE_LIMIT // 4 + 1000), float(i), dtype=np.float32)   # > inline
+        check(infer(httpclient, http, x, None if i % 2 == 0 else ["Q", "OUT"]), x,
+              OUTPUTS if i % 2 == 0 else ["Q", "OUT"])
+        most = max(most, shm_usage(srv))
+    assert most > 0, "the outputs should have gone through the workers' slots"
+    assert leased_requests(srv, "fan") - before >= 30
+    wait_for(lambda: shm_usage(srv) == 0, 30,
+             "the server's segments to go after the requests: a slot not given back keeps its "
+             "chunk")
+
+
+class Region:
+    def __init__(self, client, nbytes: int):
+        self.name = f"fan{uuid.uuid4().hex[:10]}"
+        self.handle = shm.create_shared_memory_region(self.name, f"/{self.name}", nbytes)
+        self.client, self.nbytes = client, nbytes
+        client.register_system_shared_memory(self.name, f"/{self.name}", nbytes)
+
+    def close(self):
+        self.client.unregister_system_shared_memory(self.name)
+        shm.destroy_shared_memory_region(self.handle)
+
+
+@pytest.mark.parametrize("name, lent", [("Q", True), ("P", False)])
+def test_an_output_in_a_client_region(srv, http, name, lent):
+    """Q, which nothing reads after its step, is written into the region by its own step,
+    worker to worker; P, which the join reads, takes the scheduler's path, which writes it
+    there at the end."""
+    worker_to_worker(srv, http)
+    x = np.arange(8, dtype=np.float32).reshape(1, 8)
+    region = Region(http, x.nbytes)
+    try:
+        before = leased_requests(srv, "fan")
+        for k in range(6):
+            x = x + k
+            i = httpclient.InferInput("IN", list(x.shape), "FP32")
+            i.set_data_from_numpy(x)
+            out = httpclient.InferRequestedOutput(name, binary_data=True)
+            out.set_shared_memory(region.name, x.nbytes)
+            res = http.infer("fan", [i], outputs=[out, httpclient.InferRequestedOutput("OUT")])
+            got = shm.get_contents_as_numpy(region.handle, np.float32, list(x.shape))
+            np.testing.assert_array_equal(got, expected(x)[name])
+            check(res, x, ["OUT"])
+        went = leased_requests(srv, "fan") - before
+        assert went >= 4 if lent else went == 0, went
+    finally:
+        region.close()
