@@ -16,6 +16,7 @@ import tritonclient.utils.shared_memory as shm
 from repo_builder import write_model
 from serverproc import Server, leased_requests, segments_of, wait_for
 from test_ensemble_side_by_side import STEP
+from tritonclient.utils import InferenceServerException
 
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.shm import IDLE_RELEASE_ENV
@@ -180,3 +181,31 @@ def test_an_output_in_a_client_region(srv, http, name, lent):
         assert went >= 4 if lent else went == 0, went
     finally:
         region.close()
+
+
+def classes_request(x: np.ndarray, name: str) -> dict:
+    i = httpclient.InferInput("IN", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    return {"inputs": [i], "outputs": [httpclient.InferRequestedOutput(name, class_count=2),
+                                       httpclient.InferRequestedOutput("OUT")]}
+
+
+def test_an_output_as_classes(srv, http):
+    """The classification extension on Q, an output of an earlier step that nothing reads
+    after it: its own step ranks it, worker to worker. P, which the join reads, is refused as
+    classes, as on the scheduler's path, and the ensemble serves on."""
+    worker_to_worker(srv, http)
+    before = leased_requests(srv, "fan")
+    for k in range(6):
+        x = np.array([[3.0, 1.0, 4.0, 1.5 + k]], dtype=np.float32)
+        res = http.infer("fan", **classes_request(x, "Q"))
+        want = expected(x)["Q"][0]
+        top = np.argsort(-want, kind="stable")[:2]
+        assert [c.decode().split(":")[:2] for c in res.as_numpy("Q")[0]] == \
+            [[f"{want[j]:f}", str(j)] for j in top]
+        check(res, x, ["OUT"])
+    assert leased_requests(srv, "fan") - before >= 4
+    with pytest.raises(InferenceServerException) as e:
+        http.infer("fan", **classes_request(x, "P"))
+    assert "'P' feeds another step" in e.value.message()
+    check(infer(httpclient, http, x), x)
