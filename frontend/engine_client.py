@@ -34,7 +34,7 @@ from shmserve.frontend.deadlines import Deadlines
 from shmserve.frontend.priority import DrainPriority
 from shmserve.frontend.sequence_paths import HOLD, SequencePaths
 from shmserve.ipc import channel, logs, packets
-from shmserve.ipc.chain_route import route_serves
+from shmserve.ipc.chain_route import Route
 from shmserve.ipc.lease_table import Lease, LeaseTable
 from shmserve.ipc.messages import decode_payload
 from shmserve.ipc.messages import encode as encode_message
@@ -126,7 +126,7 @@ class EngineClient:
         # (model, version, correlation id) of sequences lost with a leased worker (in order)
         self.lost_sequences: OrderedDict[tuple, bool] = OrderedDict()
         # ensembles whose steps may run worker to worker (workers/leases/chain.py): their steps
-        self.routes: dict[tuple[str, int], list[ChainHop]] = {}
+        self.routes: dict[tuple[str, int], Route] = {}
         # leased requests of this turn of the event loop, per worker, sent when it ends
         self.corked: dict[packets.PacketOutbox, list[tuple[Lease, SubmitRequest, bytes]]] = {}
         self.lost: list[LeaseLost] = []         # handled once the inbox is drained
@@ -178,10 +178,10 @@ class EngineClient:
         chain = None
         if self.routes and not head.trace:
             route = self.routes.get((model, version))
-            chain = leases.route(route) if route and leases else None
+            chain = leases.route(route.hops) if route and leases else None
             # leases on every step but none with room: the scheduler must not hold it for them
-            head.no_lease = route is not None and chain is None and leases.holds_all(route)
-            if chain is not None and route and not route_serves(route, p.outputs):
+            head.no_lease = route is not None and chain is None and leases.holds_all(route.hops)
+            if chain is not None and route and not route.serves(p):
                 chain, head.no_lease = None, True       # (ipc/chain_route.py)
         if lease is not None and (ordered or lease.full):
             # a lease we hold but cannot use: the scheduler must not hand it back to us
@@ -209,7 +209,7 @@ class EngineClient:
                 self.sequences.hold(req_id)
                 return req_id
         if chain is not None:
-            self._send_chain(chain, self.routes[(model, version)], head, payload)
+            self._send_chain(chain, self.routes[(model, version)].hops, head, payload)
         elif lease is not None:
             self._send_leased(lease, head, payload)
         else:
@@ -525,10 +525,9 @@ class EngineClient:
                 # an ensemble's, held while its steps' leases came (engine/core.py
                 # hold_for_chain): worker to worker now, or back to the scheduler for good
                 route = self.routes.get((head.model, head.version))
-                chain = self.leases.route(route) if route else None
-                if route and chain is not None and \
-                        route_serves(route, decode_payload(payload).outputs):
-                    self._send_chain(chain, route, head, payload)
+                chain = self.leases.route(route.hops) if route else None
+                if route and chain is not None and route.serves(decode_payload(payload)):
+                    self._send_chain(chain, route.hops, head, payload)
                 else:
                     head.no_lease = True
                     self._resubmit(head, payload)
@@ -733,8 +732,8 @@ class EngineClient:
 
     def _update_table(self, msg: ModelTable) -> None:
         self.catalog.update(msg)
-        self.routes = {(m.name, v.version): v.route for m in msg.models for v in m.versions
-                       if v.route}
+        self.routes = {(m.name, v.version): Route(v.route) for m in msg.models
+                       for v in m.versions if v.route}
         self.table_event.set()
         if self.on_table is not None:
             self.on_table()

@@ -213,11 +213,10 @@ def chain(p: EnsemblePlan, cfg: ModelConfig) -> list[Step]:
     the first in the config first); [] when they must not. Each worker hands the request to the
     next step's, and the last answers with the ensemble's outputs, whichever steps made them.
     Sets ``side_by_side`` when two steps could run at once. Left to the scheduler: streaming
-    steps, tensors kept on a GPU, optional inputs (what a step gets depends on what the client
-    sent), stateful steps (the sequence batcher orders their requests)."""
+    steps, tensors kept on a GPU, stateful steps (the sequence batcher orders their requests),
+    and a request that leaves out an optional input (ipc/chain_route.py)."""
     p.side_by_side = False
-    if p.decoupled or p.device_tensors or any(t.optional for t in cfg.input) or \
-            any(s.optional_inputs or s.stateful for s in p.steps):
+    if p.decoupled or p.device_tensors or any(s.stateful for s in p.steps):
         return []
     have = set(p.inputs)
     left = list(p.steps)

@@ -403,8 +403,9 @@ def test_outputs_made_before_the_last_step_chain_too():
     assert p.chained() == []                    # side by side: only once light (step_costs)
 
 
-def test_optional_inputs_and_streaming_steps_are_left_to_the_scheduler():
+def test_steps_with_optional_inputs_chain_streaming_steps_are_left_to_the_scheduler():
+    # (a request that leaves an optional input out goes to the scheduler: ipc/chain_route.py)
     optional = model("b", inputs=(("INPUT0", FP32), ("EXTRA", FP32, "optional")))
-    assert chained(CHAIN, model("a"), optional) == []
+    assert chained(CHAIN, model("a"), optional) == [0, 1]
     streaming = model("b", extra="max_batch_size: 8\nmodel_transaction_policy { decoupled: true }")
     assert chained(CHAIN, model("a"), streaming) == []
