@@ -35,7 +35,7 @@ from collections import OrderedDict
 import zmq
 
 from shmserve.ipc import channel, packets
-from shmserve.ipc.chain_route import read_after
+from shmserve.ipc.chain_route import as_asked, read_after
 from shmserve.ipc.input_shapes import input_shape_problem
 from shmserve.ipc.messages import decode_payload, encode
 from shmserve.ipc.messages.common import ErrorCode, InferPayload, LeasedRecord, OutputSpec, ShmRef, Tensor
@@ -89,7 +89,6 @@ class Chains:
         except Exception as e:
             self.end(msg, ErrorCode.INVALID_ARG, f"invalid request tensors: {e}")
             return
-        later = read_after(msg.hops, k)
         known = {t.name: t for t in p.inputs}
         inputs = []
         for own, tensor in hop.inputs.items():
@@ -103,14 +102,16 @@ class Chains:
         if problem:
             self.fail(msg, ErrorCode.INVALID_ARG, problem)
             return
-        # what later steps read, plainly; the client's outputs that none reads, as it asked
+        # the client's outputs as it asked for them, unless a later step reads one
+        # (ipc/chain_route.py); before the last step, every output plainly
+        last = k == len(msg.hops) - 1
         wanted = {o.name: o for o in p.outputs}
         outputs = []
         for own, tensor in hop.outputs.items():
             o = wanted.get(tensor)
-            if o is not None and tensor not in later:
+            if o is not None and (not as_asked(o) or tensor not in read_after(msg.hops, k)):
                 outputs.append(OutputSpec(own, o.shm, o.classification, o.cuda, labels=o.labels))
-            elif tensor in later or o is not None:
+            elif not last or o is not None:
                 outputs.append(OutputSpec(own))
         if not outputs:         # (none asked means all: those come back, and are let go)
             outputs = [OutputSpec(own) for own in hop.outputs]
@@ -153,8 +154,9 @@ class Chains:
         for t in renamed:
             known[t.name] = t
             o = wanted.get(t.name)
-            # (one written into the client's region is the client's)
-            if t.shm is not None and res.worker and (o is None or o.shm is None):
+            # (one written into the client's region, as asked in run(), is the client's)
+            if t.shm is not None and res.worker and (
+                    o is None or o.shm is None or t.name in read_after(msg.hops, k)):
                 held.append((res.worker, t.shm))
         if k == len(msg.hops) - 1:
             final = [known[o.name] for o in p.outputs if o.name in known]
