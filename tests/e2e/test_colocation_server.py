@@ -40,16 +40,21 @@ class TritonPythonModel:
 '''
 
 
+def cpu_list(text: str) -> set[int]:
+    """The CPUs of a list as /proc writes it ("0-1,4")."""
+    cpus = set()
+    for part in text.strip().split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def allowed(pid: int) -> set[int]:
     """The CPUs the main thread of ``pid`` may run on."""
     with open(f"/proc/{pid}/task/{pid}/status") as f:
         for line in f:
             if line.startswith("Cpus_allowed_list:"):
-                cpus = set()
-                for part in line.split(":", 1)[1].strip().split(","):
-                    lo, _, hi = part.partition("-")
-                    cpus.update(range(int(lo), int(hi or lo) + 1))
-                return cpus
+                return cpu_list(line.split(":", 1)[1])
     raise AssertionError(f"no Cpus_allowed_list for {pid}")
 
 
@@ -133,7 +138,8 @@ def test_off_pins_nothing(repo):
 
 
 # A BLS caller and its callee, each reporting CPU masks: the callee its own, a thread's it
-# starts, and the caller's main thread's as it is while the caller waits for this answer.
+# starts, and the caller's main thread's as it is while the caller waits for this answer (the
+# list as /proc writes it).
 CALLEE = '''
 import os, threading
 import numpy as np
@@ -141,11 +147,7 @@ import triton_python_backend_utils as pb_utils
 def mask(path):
     with open(path) as f:
         line = next(l for l in f if l.startswith("Cpus_allowed_list:"))
-    cpus = set()
-    for part in line.split(":", 1)[1].strip().split(","):
-        lo, _, hi = part.partition("-")
-        cpus.update(range(int(lo), int(hi or lo) + 1))
-    return np.array(sorted(cpus), dtype=np.int32)
+    return np.array([line.split(":", 1)[1].strip().encode()], dtype=np.object_)
 class TritonPythonModel:
     def execute(self, requests):
         out = []
@@ -196,7 +198,7 @@ def bls_repo(tmp_path_factory):
         input [ { name: "PID", data_type: TYPE_INT32, dims: [ 1 ] } ]
         output [ { name: "MINE", data_type: TYPE_INT32, dims: [ -1 ] },
                  { name: "CHILD", data_type: TYPE_INT32, dims: [ -1 ] },
-                 { name: "CALLER", data_type: TYPE_INT32, dims: [ -1 ] } ]
+                 { name: "CALLER", data_type: TYPE_STRING, dims: [ 1 ] } ]
         instance_group [ { count: 1, kind: KIND_CPU } ]
     ''', CALLEE)
     write_model(root, "caller", '''
@@ -206,7 +208,7 @@ def bls_repo(tmp_path_factory):
         output [ { name: "MINE", data_type: TYPE_INT32, dims: [ -1 ] },
                  { name: "CALLEE", data_type: TYPE_INT32, dims: [ -1 ] },
                  { name: "CHILD", data_type: TYPE_INT32, dims: [ -1 ] },
-                 { name: "CALLER", data_type: TYPE_INT32, dims: [ -1 ] } ]
+                 { name: "CALLER", data_type: TYPE_STRING, dims: [ 1 ] } ]
         instance_group [ { count: 1, kind: KIND_CPU } ]
     ''', CALLER)
     return root
@@ -230,7 +232,7 @@ def test_a_bls_call_of_a_paired_request_waits_on_the_frontends_cpu(bls_repo):
             full = {n: set(res.as_numpy(n).tolist()) for n in ("MINE", "CALLEE", "CHILD")}
             assert full == dict.fromkeys(full, EVERYWHERE), full
             cpus = allowed(fe)
-            return len(cpus) == 1 and set(res.as_numpy("CALLER").tolist()) == cpus \
+            return len(cpus) == 1 and cpu_list(res.as_numpy("CALLER")[0].decode()) == cpus \
                 and allowed(callee) == cpus
 
         wait_for(paired, 30, "the caller waiting for its BLS answer on the frontend's CPU, "

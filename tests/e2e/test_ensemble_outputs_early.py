@@ -15,25 +15,13 @@ import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from repo_builder import write_model
 from serverproc import Server, leased_requests, segments_of, wait_for
-from test_ensemble_side_by_side import STEP
+from test_ensemble_side_by_side import STEP, step_config
 from tritonclient.utils import InferenceServerException
 
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.shm import IDLE_RELEASE_ENV
 
 OUTPUTS = ["P", "Q", "OUT"]
-
-
-def step_config(inputs: tuple[str, ...], **params: float) -> str:
-    ins = ", ".join(f'{{ name: "{n}", data_type: TYPE_FP32, dims: [ -1 ] }}' for n in inputs)
-    extra = "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-                    for k, v in params.items())
-    return f'''
-        backend: "python"
-        max_batch_size: 8
-        input [ {ins} ]
-        output [ {{ name: "Z", data_type: TYPE_FP32, dims: [ -1 ] }} ]
-        {extra}'''
 
 
 # P = IN + 1 (an output, and read by the join); Q = 2 * IN (an output nothing reads);
@@ -62,9 +50,9 @@ def expected(x: np.ndarray) -> dict:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     repo = str(tmp_path_factory.mktemp("fan"))
-    write_model(repo, "f_inc", step_config(("X",), SHIFT=1), STEP)
-    write_model(repo, "f_dbl", step_config(("X",), SCALE=2), STEP)
-    write_model(repo, "f_add", step_config(("X", "Y")), STEP)
+    write_model(repo, "f_inc", step_config(("X",), "-1", SHIFT=1), STEP)
+    write_model(repo, "f_dbl", step_config(("X",), "-1", SCALE=2), STEP)
+    write_model(repo, "f_add", step_config(("X", "Y"), "-1"), STEP)
     write_model(repo, "fan", FAN, None)
     # arena chunks nothing uses go back after 0.3 s: a slot never given back keeps its segment
     with mock.patch.dict(os.environ, {IDLE_RELEASE_ENV: "0.3"}):

@@ -48,15 +48,15 @@ STEP = textwrap.dedent('''
 ''')
 
 
-def step_config(inputs: tuple[str, ...], **params: float) -> str:
-    ins = ", ".join(f'{{ name: "{n}", data_type: TYPE_FP32, dims: [ 4 ] }}' for n in inputs)
+def step_config(inputs: tuple[str, ...], dims: str = "4", **params: float) -> str:
+    ins = ", ".join(f'{{ name: "{n}", data_type: TYPE_FP32, dims: [ {dims} ] }}' for n in inputs)
     extra = "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
                     for k, v in params.items())
     return f'''
         backend: "python"
         max_batch_size: 8
         input [ {ins} ]
-        output [ {{ name: "Z", data_type: TYPE_FP32, dims: [ 4 ] }} ]
+        output [ {{ name: "Z", data_type: TYPE_FP32, dims: [ {dims} ] }} ]
         {extra}'''
 
 
