@@ -167,7 +167,7 @@ class LeaseBook:
         return (self.enabled and not self.stopping and ver.state == ModelState.READY
                 and not ver.config.model_transaction_policy.decoupled
                 and (not ver.config.HasField("sequence_batching")
-                     or isinstance(ver.queue, SequenceBatcher))
+                     or isinstance(q, SequenceBatcher))
                 and (not ver.config.HasField("dynamic_batching")
                      or (isinstance(q, DynamicBatcher)
                          and (not q.delay_ns or not queue_rules(ver)))))

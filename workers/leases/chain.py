@@ -57,8 +57,9 @@ ADOPTED_KEPT = 65536
 class Chains:
     def __init__(self, worker) -> None:
         self.worker = worker
-        # hops executing now: (frontend, req_id) -> (the message, its decoded payload)
-        self.live: dict[tuple[int, int], tuple[ChainExecute, InferPayload]] = {}
+        # hops executing now: (frontend, req_id) -> (the message, its decoded payload, the
+        # ensemble outputs its step writes into the client's regions)
+        self.live: dict[tuple[int, int], tuple[ChainExecute, InferPayload, frozenset]] = {}
         self.cancelled: OrderedDict[tuple[int, int], None] = OrderedDict()
         # slots of other workers' outputs this worker answered with: (segment, offset) -> owner
         self.adopted: OrderedDict[tuple[str, int], str] = OrderedDict()
@@ -107,10 +108,13 @@ class Chains:
         last = k == len(msg.hops) - 1
         wanted = {o.name: o for o in p.outputs}
         outputs = []
+        regions = []
         for own, tensor in hop.outputs.items():
             o = wanted.get(tensor)
             if o is not None and (not as_asked(o) or tensor not in read_after(msg.hops, k)):
                 outputs.append(OutputSpec(own, o.shm, o.classification, o.cuda, labels=o.labels))
+                if o.shm is not None:
+                    regions.append(tensor)
             elif not last or o is not None:
                 outputs.append(OutputSpec(own))
         if not outputs:         # (none asked means all: those come back, and are let go)
@@ -124,7 +128,7 @@ class Chains:
                                   head.received_ns if k == 0 else time.monotonic_ns())
         # its answer continues it (answered): from execute(), or later from a model's thread
         # through the request's response sender
-        self.live[key] = (msg, p)
+        self.live[key] = (msg, p, frozenset(regions))
         w.execute(ExecuteBatch(0, [RequestRoute(head.req_id, head.frontend)]), [step],
                   [step_head])
 
@@ -135,7 +139,7 @@ class Chains:
         found = self.live.pop(key, None)
         if found is None:
             return False
-        msg, p = found
+        msg, p, regions = found
         w = self.worker
         head, k = msg.head, msg.at
         hop = msg.hops[k]
@@ -148,15 +152,12 @@ class Chains:
             return True
         renamed = [Tensor(hop.outputs.get(t.name, t.name), t.datatype, t.shape, t.data, t.shm,
                           t.cuda) for t in res.outputs]
-        wanted = {o.name: o for o in p.outputs}
         known = {t.name: t for t in p.inputs}
         held = list(msg.held)
         for t in renamed:
             known[t.name] = t
-            o = wanted.get(t.name)
-            # (one written into the client's region, as asked in run(), is the client's)
-            if t.shm is not None and res.worker and (
-                    o is None or o.shm is None or t.name in read_after(msg.hops, k)):
+            # (one written into the client's region is the client's)
+            if t.shm is not None and res.worker and t.name not in regions:
                 held.append((res.worker, t.shm))
         if k == len(msg.hops) - 1:
             final = [known[o.name] for o in p.outputs if o.name in known]
