@@ -197,3 +197,31 @@ def test_an_output_as_classes(srv, http):
         http.infer("fan", **classes_request(x, "P"))
     assert "'P' feeds another step" in e.value.message()
     check(infer(httpclient, http, x), x)
+
+
+def test_a_region_too_small_for_an_earlier_steps_output_fails_that_request_only(srv, http):
+    """Q asked into a region too small for it, worker to worker: its step refuses to write it,
+    the request fails naming the step and the size, the slots the request held go back, and
+    the ensemble serves on."""
+    worker_to_worker(srv, http)
+    x = np.full((1, INLINE_LIMIT // 4 + 1000), 2.0, dtype=np.float32)     # P's slot is held
+    region = Region(http, 64)
+    try:
+        before = leased_requests(srv, "fan")
+        for _ in range(3):
+            i = httpclient.InferInput("IN", list(x.shape), "FP32")
+            i.set_data_from_numpy(x)
+            out = httpclient.InferRequestedOutput("Q", binary_data=True)
+            out.set_shared_memory(region.name, 64)
+            with pytest.raises(InferenceServerException) as e:
+                http.infer("fan", [i], outputs=[out, httpclient.InferRequestedOutput("OUT")])
+            assert e.value.status() == "400", e.value
+            # (named as the scheduler's path names it: the step, and its model's output)
+            assert "step 1 (model 'f_dbl')" in e.value.message() and \
+                "(64 bytes) should be at least" in e.value.message(), e.value
+        check(infer(httpclient, http, x), x)
+        wait_for(lambda: leased_requests(srv, "fan") > before, 10, "worker to worker all along")
+    finally:
+        region.close()
+    wait_for(lambda: shm_usage(srv) == 0, 30,
+             "the server's segments to go: a failed request keeps no slot")
