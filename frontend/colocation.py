@@ -12,24 +12,34 @@ virtual machine (docs/performance.md, ninth round): identity over HTTP at concur
 2,308-2,373 infer/s against 1,993-2,035.
 
 It only pays while nothing runs in parallel: with two requests in flight the frontend and the
-worker have work at the same time, and one CPU would serialise them. And it only matters while
+worker have work at the same time, and one CPU would serialise them. It only matters while
 requests are short: a hop costs tens of microseconds, nothing beside a request of milliseconds
-(4 MiB over HTTP), whose frontend is better left free to move. So ``Colocation`` watches how
-many requests are in flight when each new one arrives, and how often they come:
+(4 MiB over HTTP), whose frontend is better left free to move. And whether it pays at all
+depends on the machine: where waking an idle CPU is cheap (measured on a 2-CPU AMD EPYC virtual
+machine: identity over HTTP at concurrency 1, p50 120 µs spread against 141 paired; the
+3-step ensemble 184 against 212), the two processes serialised on one CPU, each starting with
+the other's data in its cache, cost more than the wake-ups they save. So ``Colocation`` watches
+how many requests are in flight when each new one arrives and how often they come, and tries
+both ways before it keeps one:
 
 - SPREAD (the start): nothing pinned. After ``ENTER`` requests in a row that each found no
   other in flight and came at most ``MAX_GAP_NS`` apart on average, the frontend's loop thread
-  is pinned to the CPU it is on, and the state is PAIRED.
+  is pinned to the CPU it is on, and the state is PAIRED, on trial.
 - PAIRED: each request sent straight to a worker (under a lease) names that CPU, and the worker
   waits for its next request pinned there (workers/main.py pins only its own thread, only while
   it waits, and gives its full mask back before it runs the model, so threads a model starts
-  are never confined). The first request that finds another in flight unpins the frontend and
-  goes back to SPREAD; so does the passing of ``REPICK_NS``, so that a CPU that another
-  program has since taken is not kept.
+  are never confined).
+- The trial: the time from each request's arrival to its answer (``on_answer``) is kept for
+  the requests that came alone before the pairing and for ``ENTER`` after it. If the paired ones'
+  median is not the lower, the frontend is unpinned and stays SPREAD, without trying again,
+  until ``REPICK_NS`` has passed.
+- The first request that finds another in flight unpins the frontend, ends any trial and starts
+  the count again; so does the passing of ``REPICK_NS``, so that a CPU that another program has
+  since taken is not kept, and a choice made under other traffic is made again.
 
 The core decides; the system calls (which CPU the thread is on, pinning and unpinning it) are
-injected, so tests drive it without moving their own threads. Where the calls fail (a CPU
-taken away by a cgroup) it says so once and stays SPREAD.
+injected and the time comes with each call, so tests drive it without moving their own threads.
+Where the calls fail (a CPU taken away by a cgroup) it says so once and stays SPREAD.
 """
 from __future__ import annotations
 
@@ -89,6 +99,11 @@ class Colocation:
         self.first_ns = 0           # when the first of them came
         self.since_ns = 0
         self.pairings = 0
+        self.trial = False          # PAIRED, but not yet shown to be the faster way
+        self.spread_until_ns = 0    # the trial chose SPREAD: no other until then
+        # the way the request now in flight alone went, while its answer is wanted
+        self.measuring: Pairing | None = None
+        self.times: dict[Pairing, list[int]] = {Pairing.SPREAD: [], Pairing.PAIRED: []}
 
     def on_request(self, in_flight: int, now_ns: int) -> int:
         """A new request arrives at ``now_ns`` (monotonic) with ``in_flight`` others still
@@ -96,23 +111,49 @@ class Colocation:
         if self.mode is ColocateMode.OFF:
             return NO_CPU
         if in_flight:
-            self.alone = 0
+            self.alone, self.measuring = 0, None
             if self.state is Pairing.PAIRED:
                 self._spread()
             return NO_CPU
         if self.state is Pairing.PAIRED:
             if now_ns - self.since_ns < self.repick_ns:
+                if self.trial:
+                    self.measuring = Pairing.PAIRED
                 return self.paired_cpu
             self._spread()
+        elif now_ns < self.spread_until_ns:
+            return NO_CPU
         if not self.alone:
             self.first_ns = now_ns
+            self.times[Pairing.SPREAD].clear()
         self.alone += 1
+        self.measuring = Pairing.SPREAD
         if self.alone >= self.enter:
             if now_ns - self.first_ns <= (self.enter - 1) * self.max_gap_ns:
                 self._pair(now_ns)
             else:                   # alone, but far apart: start counting from this one
                 self.alone, self.first_ns = 1, now_ns
+                self.times[Pairing.SPREAD].clear()
         return self.paired_cpu
+
+    def on_answer(self, arrived_ns: int, now_ns: int) -> None:
+        """The answer of the request that came alone at ``arrived_ns`` (wanted while
+        ``measuring`` is set): a time for the trial."""
+        way, self.measuring = self.measuring, None
+        if way is None:
+            return
+        times = self.times[way]
+        times.append(now_ns - arrived_ns)
+        if way is Pairing.SPREAD or len(times) < self.enter:
+            return
+        self.trial = False
+        spread = self.times[Pairing.SPREAD]
+        paired_ns, spread_ns = _median(times), _median(spread) if spread else 0
+        log.debug("colocation trial: median %d µs paired, %d µs spread", paired_ns // 1000,
+                  spread_ns // 1000)
+        if spread and paired_ns >= spread_ns:
+            self._spread()
+            self.spread_until_ns = now_ns + self.repick_ns
 
     def _pair(self, now_ns: int) -> None:
         try:
@@ -124,9 +165,12 @@ class Colocation:
             return
         self.state, self.paired_cpu, self.since_ns = Pairing.PAIRED, cpu, now_ns
         self.pairings += 1
+        self.trial, self.measuring = True, Pairing.PAIRED
+        self.times[Pairing.PAIRED].clear()
 
     def _spread(self) -> None:
         self.state, self.paired_cpu, self.alone = Pairing.SPREAD, NO_CPU, 0
+        self.trial = False
         try:
             self.pin(None)
         except OSError as e:
@@ -136,3 +180,7 @@ class Colocation:
     def close(self) -> None:
         if self.state is Pairing.PAIRED:
             self._spread()
+
+
+def _median(times: list[int]) -> int:
+    return sorted(times)[len(times) // 2]

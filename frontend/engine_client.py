@@ -256,6 +256,9 @@ class EngineClient:
         if self.streaming:
             self.streaming.pop(msg.req_id, None)
         sent = self.sent.pop(msg.req_id, None)
+        if self.colocation is not None and self.colocation.measuring is not None \
+                and sent is not None:
+            self.colocation.on_answer(sent[0].received_ns, time.monotonic_ns())
         if self.leases.busy():
             self.leases.done(msg.req_id)
         if self.sequences:

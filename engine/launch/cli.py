@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocate", default=D["colocate"], type=str.lower, choices=["auto", "off"],
                    help="auto: while requests come one at a time, a frontend and the worker "
                         "it sends them to wait on one CPU (its own), so that each hop between "
-                        "them is a switch on that CPU, not a wake-up of another; from the "
+                        "them is a switch on that CPU, not a wake-up of another, kept only "
+                        "where a trial shows their answers come sooner; from the "
                         "first request that finds another in flight, both may run anywhere "
                         "again. Only the frontend's loop thread is pinned, and a worker's "
                         "thread only while it waits; off: never")

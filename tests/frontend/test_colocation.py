@@ -34,9 +34,13 @@ class Feed:
     def __init__(self, c: Colocation, step: int = STEP):
         self.c, self.step, self.now = c, step, 0
 
-    def __call__(self, in_flight: int = 0) -> int:
+    def __call__(self, in_flight: int = 0, took: int | None = None) -> int:
+        """One request; with ``took``, its answer comes that many ns after it."""
         self.now += self.step
-        return self.c.on_request(in_flight, self.now)
+        hint = self.c.on_request(in_flight, self.now)
+        if took is not None:
+            self.c.on_answer(self.now, self.now + took)
+        return hint
 
 
 def make(mode=ColocateMode.AUTO, cpu=3, pins=None, **kw):
@@ -156,3 +160,52 @@ def test_the_real_calls_pin_and_unpin_the_calling_thread_only():
     assert mask == {cpu} and cpu in everywhere
     assert seen["spread"] == everywhere
     assert os.sched_getaffinity(0) == everywhere        # this thread was never moved
+
+
+def test_a_trial_keeps_the_pairing_whose_answers_come_sooner():
+    c, pins, feed = make(enter=4, repick_ns=100 * STEP)
+    hints = [feed(took=150 * US) for _ in range(3)]      # spread: 150 µs each
+    assert hints == [NO_CPU] * 3
+    hints = [feed(took=120 * US) for _ in range(4)]      # the trial: paired, 120 µs each
+    assert hints == [3] * 4 and c.state is Pairing.PAIRED and not c.trial
+    assert [feed(took=500 * US) for _ in range(50)] == [3] * 50   # kept: no more trial
+    assert pins.calls == [3] and c.measuring is None
+
+
+def test_a_trial_whose_paired_answers_are_slower_spreads_until_repick_ns():
+    c, pins, feed = make(enter=4, repick_ns=20 * STEP)
+    assert [feed(took=120 * US) for _ in range(3)] == [NO_CPU] * 3
+    assert [feed(took=140 * US) for _ in range(4)] == [3] * 4     # the trial, slower
+    assert c.state is Pairing.SPREAD and pins.calls == [3, None]
+    # alone and quick, but no other trial until repick_ns has passed since its end
+    assert [feed(took=140 * US) for _ in range(19)] == [NO_CPU] * 19
+    assert pins.calls == [3, None]
+    hints = [feed(took=100 * US) for _ in range(5)]       # counted again, then tried again
+    assert hints[-2:] == [NO_CPU, 3] and pins.calls == [3, None, 3]
+
+
+def test_a_request_that_finds_another_in_flight_ends_the_trial_and_its_times():
+    c, pins, feed = make(enter=4)
+    for _ in range(3):
+        feed(took=100 * US)
+    feed(took=90 * US)                                    # paired, on trial
+    assert c.trial
+    feed(1)                                               # crowded: the trial ends unjudged
+    c.on_answer(feed.now, feed.now + 999 * US)           # the answer of a crowded request
+    assert c.state is Pairing.SPREAD and not c.trial and c.times[Pairing.PAIRED] == [90 * US]
+    # a new count, new spread times (the old ones are not mixed in), a new trial
+    assert [feed(took=200 * US) for _ in range(3)] == [NO_CPU] * 3
+    assert c.times[Pairing.SPREAD] == [200 * US] * 3
+    assert [feed(took=150 * US) for _ in range(4)] == [3] * 4
+    assert c.state is Pairing.PAIRED and not c.trial
+
+
+def test_only_the_answer_of_a_request_that_came_alone_is_timed():
+    c, _, feed = make(enter=8)
+    feed()
+    c.on_answer(feed.now, feed.now + 100 * US)
+    c.on_answer(feed.now, feed.now + 999 * US)            # no request waits for it
+    assert c.times[Pairing.SPREAD] == [100 * US]
+    c_off, _, feed_off = make(mode=ColocateMode.OFF)
+    feed_off(took=100 * US)
+    assert c_off.measuring is None and c_off.times[Pairing.SPREAD] == []
