@@ -161,7 +161,7 @@ class SchedulerShell:
         logs.save(settings, self.settings.run_dir)      # for the launcher
 
     def segment_prefix(self, spawn_id: int) -> str:
-        return f"{self.settings.segment_prefix}w{spawn_id}_"
+        return channel.worker_segment_prefix(self.settings.segment_prefix, spawn_id)
 
     # ---- signals ----------------------------------------------------------------------------------
     def install_signals(self) -> StopFlag:

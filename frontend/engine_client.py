@@ -89,6 +89,9 @@ SWEEP_S = 0.5
 # Sequences lost with a leased worker that ended, remembered until their next request.
 LOST_SEQUENCES_KEPT = 4096
 
+# Segments whose owning worker is remembered (arenas reuse a few segments; forgotten all at once)
+SLOT_OWNERS_KEPT = 4096
+
 # How long a model's own is_ready() may take before the version reads not ready (Triton's).
 READINESS_TIMEOUT_S = 5.0
 
@@ -97,7 +100,7 @@ class EngineClient:
     def __init__(self, run_dir: str, frontend_id: int, loop: asyncio.AbstractEventLoop,
                  max_inflight: int = 0, request_deadline_secs: float = 3600.0,
                  priority: DrainPriority | None = None, colocation: Colocation | None = None,
-                 first_id: int = 1):
+                 first_id: int = 1, segment_prefix: str = ""):
         self.max_inflight = max_inflight
         self.priority = priority
         self.colocation = colocation
@@ -106,6 +109,9 @@ class EngineClient:
         self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
         self.run_dir = run_dir
+        self.segment_prefix = segment_prefix    # the server's: workers' arenas are named from it
+        # segment -> the address of the worker whose arena it is (bounded: see release)
+        self.slot_owners: dict[str, str] = {}
         self.loop = loop
         self.inbox = packets.PacketInbox(channel.frontend_address(run_dir, frontend_id))
         self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
@@ -363,6 +369,34 @@ class EngineClient:
             self._resubmit(head, payload)
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
+        """Give output slots back, each to the worker whose arena holds it: the one that
+        answered (``worker``) or, for an ensemble run worker to worker, the worker of the step
+        that made it. So a slot never depends on another worker living on."""
+        owners = self.slot_owners
+        mine: list[ShmRef] = []
+        others: dict[str, list[ShmRef]] | None = None
+        for ref in refs:
+            owner = owners.get(ref.segment)
+            if owner is None:
+                spawn_id = channel.segment_worker(self.segment_prefix, ref.segment)
+                owner = worker if spawn_id is None else \
+                    channel.worker_address(self.run_dir, spawn_id)
+                if len(owners) >= SLOT_OWNERS_KEPT:
+                    owners.clear()
+                owners[ref.segment] = owner
+            if owner == worker:
+                mine.append(ref)
+            else:
+                if others is None:
+                    others = {}
+                others.setdefault(owner, []).append(ref)
+        if mine:
+            self._release_to(worker, mine)
+        if others:
+            for owner, owned in others.items():
+                self._release_to(owner, owned)
+
+    def _release_to(self, worker: str, refs: list[ShmRef]) -> None:
         try:
             box = self._worker_box(worker)
             box.send(ReleaseOutputs(refs), flags=channel.NOBLOCK)

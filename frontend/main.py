@@ -64,7 +64,8 @@ async def run(settings: ServerSettings, frontend_id: int, incarnation: int = 0) 
                             max_gap_ns=settings.colocate_max_gap_us * 1000)
     client = EngineClient(settings.run_dir, frontend_id, loop, settings.max_inflight_requests,
                           settings.request_deadline_secs, priority, colocation,
-                          first_id=(incarnation << channel.FRONTEND_ID_BITS) + 1)
+                          first_id=(incarnation << channel.FRONTEND_ID_BITS) + 1,
+                          segment_prefix=settings.segment_prefix)
     arena = ShmArena(channel.frontend_segment_prefix(settings.segment_prefix, frontend_id,
                                                      incarnation))
     maps = ShmMapCache()

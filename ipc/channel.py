@@ -87,6 +87,21 @@ def frontend_segment_prefix(server_prefix: str, frontend_id: int, incarnation: i
 FRONTEND_ID_BITS = 40
 
 
+def worker_segment_prefix(server_prefix: str, spawn_id: int) -> str:
+    """Names of a worker's shared-memory arena (output slots)."""
+    return f"{server_prefix}w{spawn_id}_"
+
+
+def segment_worker(server_prefix: str, segment: str) -> int | None:
+    """The spawn id of the worker whose arena holds ``segment``; None for any other segment."""
+    if not segment.startswith(server_prefix):
+        return None
+    spawn_id, sep, _ = segment[len(server_prefix):].partition("_")
+    if not sep or spawn_id[:1] != "w" or not spawn_id[1:].isdigit():
+        return None
+    return int(spawn_id[1:])
+
+
 def worker_address(run_dir: str, spawn_id: int) -> str:
     """A worker's inbox (the scheduler's batches and pings, frontends' released outputs), on
     the thread-free transport."""

@@ -392,9 +392,8 @@ class Worker:
                 self.chains.bounce(msg)
 
     def release_outputs(self, msg: ReleaseOutputs) -> None:
-        refs = self.chains.release(msg.refs)    # (a chain's answer: other workers' slots too)
         with self.out_lock:
-            for ref in refs:
+            for ref in msg.refs:
                 self.arena.free(ref)
             for dref in msg.device:
                 self.device_arena.free(dref)

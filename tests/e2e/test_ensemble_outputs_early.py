@@ -5,6 +5,9 @@ that a later step reads, wanted in a region, takes the scheduler's path. Large o
 earlier steps live in their workers' slots until the frontend has read them, and then go back
 to them (the last worker passes them on): none is left behind."""
 import os
+import re
+import signal
+import socket
 import uuid
 from unittest import mock
 
@@ -14,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from repo_builder import write_model
-from serverproc import Server, leased_requests, segments_of, wait_for
+from serverproc import Server, alive, leased_requests, segments_of, wait_for, worker_pid
 from test_ensemble_side_by_side import STEP, step_config
 from tritonclient.utils import InferenceServerException
 
@@ -225,3 +228,47 @@ def test_a_region_too_small_for_an_earlier_steps_output_fails_that_request_only(
         region.close()
     wait_for(lambda: shm_usage(srv) == 0, 30,
              "the server's segments to go: a failed request keeps no slot")
+
+
+def test_slots_of_earlier_steps_go_back_though_the_last_steps_worker_died(srv, http):
+    """The frontend still writes an answer whose outputs lie in three workers' slots (its client
+    reads slowly) when the last step's worker dies. Each slot goes back to the worker that holds
+    it, not through the dead one: the earlier workers keep none, and their chunks go."""
+    worker_to_worker(srv, http)
+    wait_for(lambda: shm_usage(srv) == 0, 30, "the server's segments to go before the test")
+    x = np.full((1, 1 << 20), 3.0, dtype=np.float32)        # 4 MiB: 12 MiB of outputs
+    i = httpclient.InferInput("IN", list(x.shape), "FP32")
+    i.set_data_from_numpy(x)
+    outs = [httpclient.InferRequestedOutput(n, binary_data=True) for n in OUTPUTS]
+    body, json_size = httpclient.InferenceServerClient.generate_request_body([i], outs)
+    head = (f"POST /v2/models/fan/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            f"Inference-Header-Content-Length: {json_size}\r\n\r\n").encode()
+    last = worker_pid(srv, "f_add")
+    before = leased_requests(srv, "fan")
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # the answer waits on us
+        s.settimeout(60)
+        s.connect(("127.0.0.1", srv.http_port))
+        s.sendall(head + body)
+        got = s.recv(4096)
+        assert got.startswith(b"HTTP/1.1 200"), got[:200]
+        os.kill(last, signal.SIGKILL)
+        wait_for(lambda: not alive(last), 10, "the last step's worker to die")
+        header, _, rest = got.partition(b"\r\n\r\n")
+        length = int(re.search(rb"(?i)content-length: *(\d+)", header).group(1))
+        json_len = int(re.search(rb"(?i)inference-header-content-length: *(\d+)",
+                                 header).group(1))
+        chunks = [rest]
+        n = len(rest)
+        while n < length:
+            chunk = s.recv(1 << 20)
+            assert chunk, f"the answer ended after {n} of {length} bytes"
+            chunks.append(chunk)
+            n += len(chunk)
+    res = httpclient.InferResult.from_response_body(b"".join(chunks), header_length=json_len)
+    check(res, x)
+    assert leased_requests(srv, "fan") > before, "it should have run worker to worker"
+    wait_for(lambda: shm_usage(srv) == 0, 30,
+             "the server's segments to go: slots of the earlier steps' workers given back")
+    wait_for(lambda: worker_pid(srv, "f_add") not in (0, last), 30, "f_add's new worker")
+    worker_to_worker(srv, http)

@@ -63,3 +63,15 @@ def test_empty_inbox_raises_again_without_blocking_and_after_its_timeout(pair):
     with pytest.raises(zmq.Again):
         inbox.recv()
     assert time.monotonic() - started >= 0.04   # it waited (about) its timeout, not forever
+
+
+def test_a_workers_arena_segment_names_its_worker_and_no_other_segment_does():
+    prefix = "shmserve_41_ab12_"
+    seg = channel.worker_segment_prefix(prefix, 17) + "3"
+    assert channel.segment_worker(prefix, seg) == 17
+    assert channel.segment_worker(prefix, channel.worker_segment_prefix(prefix, 0) + "0") == 0
+    for other in [channel.frontend_segment_prefix(prefix, 2) + "1",       # a frontend's arena
+                  channel.frontend_segment_prefix(prefix, 2, 1) + "1",
+                  "shmserve_99_ab12_w17_3",                               # another server's
+                  "clientregion", prefix + "w_3", prefix + "wx7_3", prefix + "w17"]:
+        assert channel.segment_worker(prefix, other) is None, other

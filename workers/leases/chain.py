@@ -10,9 +10,10 @@ sends the request on to the next step's worker, or, for itself, to the front of 
 The last one answers the frontend with the ensemble's outputs. An output that no later step
 reads is made as the client asked for it (into its region, as classes) by the step that makes
 it; one that a later step reads is made plainly (ipc/chain_route.py: a request that wants it
-otherwise is the scheduler's). The last worker answers
-for slots of earlier workers' outputs too: the frontend gives them back to it, and it passes
-them on to their owners (``adopted``). So an ensemble of N steps
+otherwise is the scheduler's). An output of an
+earlier step stays in that step's worker's slot until the frontend has written it, and the
+frontend gives each slot back to the worker whose arena holds it (it knows by the segment's
+name), so no slot waits on the last worker living on. So an ensemble of N steps
 crosses N + 1 sockets (one when every step is on one worker) instead of 2N + 2 through the
 scheduler, and the scheduler runs no code for it; it hears of it from the completion records
 (one per step and one for the ensemble) that ride with the answer, as for any leased request.
@@ -49,9 +50,6 @@ STOPPING = 1 << 62      # the worker's revoked_upto once it stops (workers/main.
 # Cancels for requests of a chain this worker has not seen yet (the cancel reached every worker
 # of the route at once); the oldest are forgotten first.
 CANCELS_KEPT = 1024
-# Slots of other workers this worker answered with and the frontend has not given back yet (a
-# frontend that dies keeps them, as it keeps this worker's own); the oldest are forgotten first.
-ADOPTED_KEPT = 65536
 
 
 class Chains:
@@ -61,8 +59,6 @@ class Chains:
         # ensemble outputs its step writes into the client's regions)
         self.live: dict[tuple[int, int], tuple[ChainExecute, InferPayload, frozenset]] = {}
         self.cancelled: OrderedDict[tuple[int, int], None] = OrderedDict()
-        # slots of other workers' outputs this worker answered with: (segment, offset) -> owner
-        self.adopted: OrderedDict[tuple[str, int], str] = OrderedDict()
         self.peers: dict[str, packets.PacketOutbox] = {}    # other workers, by address
         self.lock = threading.Lock()    # peers: a response sender answers from any thread
 
@@ -162,7 +158,8 @@ class Chains:
         if k == len(msg.hops) - 1:
             final = [known[o.name] for o in p.outputs if o.name in known]
             w.answer(head.frontend, InferResult(
-                head.req_id, head.model, head.version, final, worker=self.adopt(held, final),
+                head.req_id, head.model, head.version, final,
+                worker=self.keep_answered(held, final),
                 parameters=res.parameters, done=self.record(msg, False), steps=records))
             return True
         nxt = ChainExecute(head, msg.hops, msg.leases, msg.workers, k + 1, held, records,
@@ -221,44 +218,16 @@ class Chains:
         return LeasedRecord(0, head.model, head.version, head.batch_size, head.received_ns,
                             time.monotonic_ns(), ci, cinf, co, failed)
 
-    def adopt(self, held: list[tuple[str, ShmRef]], final: list[Tensor]) -> str:
+    def keep_answered(self, held: list[tuple[str, ShmRef]], final: list[Tensor]) -> str:
         """The request is answered with ``final``: the slots it holds that are not answered
-        with go back; those that are stay until the frontend gives them back to this worker,
-        which passes on the other workers' (``release``). Returns the address the frontend
-        gives them back to ("" when none)."""
+        with go back now; those that are stay with their workers until the frontend gives them
+        back, each to its own (frontend/engine_client.py ``release``). Returns this worker's
+        address, where the frontend sends a slot it cannot place ("" when none is answered)."""
         answered = {(t.shm.segment, t.shm.offset) for t in final if t.shm is not None}
-        own = self.worker.inbox.address
-        rest = []
-        adopted = False
-        for owner, ref in held:
-            key = (ref.segment, ref.offset)
-            if key not in answered:
-                rest.append((owner, ref))
-                continue
-            adopted = True
-            if owner != own:
-                self.adopted[key] = owner
-        while len(self.adopted) > ADOPTED_KEPT:
-            self.adopted.popitem(last=False)
+        rest = [(owner, ref) for owner, ref in held
+                if (ref.segment, ref.offset) not in answered]
         self.release_held(rest)
-        return own if adopted else ""
-
-    def release(self, refs: list[ShmRef]) -> list[ShmRef]:
-        """The frontend gives back slots this worker answered with: other workers' go on to
-        them; returns this worker's own."""
-        if not self.adopted:
-            return refs
-        mine: list[ShmRef] = []
-        theirs: dict[str, list[ShmRef]] = {}
-        for ref in refs:
-            owner = self.adopted.pop((ref.segment, ref.offset), None)
-            if owner is None:
-                mine.append(ref)
-            else:
-                theirs.setdefault(owner, []).append(ref)
-        for owner, owned in theirs.items():
-            self.send(owner, ReleaseOutputs(owned))
-        return mine
+        return self.worker.inbox.address if len(rest) < len(held) else ""
 
     def release_held(self, held: list[tuple[str, ShmRef]]) -> None:
         """Give the slots of intermediate tensors back to the workers that own them."""
