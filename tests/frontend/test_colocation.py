@@ -172,6 +172,15 @@ def test_a_trial_keeps_the_pairing_whose_answers_come_sooner():
     assert pins.calls == [3] and c.measuring is None
 
 
+def test_a_pairing_not_clearly_faster_is_not_kept():
+    c, pins, feed = make(enter=4)
+    for _ in range(3):
+        feed(took=100 * US)
+    for _ in range(4):
+        feed(took=97 * US)                                # 3% sooner: noise
+    assert c.state is Pairing.SPREAD and pins.calls == [3, None]
+
+
 def test_a_trial_whose_paired_answers_are_slower_spreads_until_repick_ns():
     c, pins, feed = make(enter=4, repick_ns=20 * STEP)
     assert [feed(took=120 * US) for _ in range(3)] == [NO_CPU] * 3
