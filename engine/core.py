@@ -472,9 +472,9 @@ class SchedulerCore:
         queue = ver.queue
         for req in queue.take_expired():
             self.reject(ver, req, "Request timeout expired")
-        # with the rate limiter, its instances run only while they hold their resources:
-        # never lent (a leased execution would not be counted), and only those with
-        # resources take a batch
+        # with the rate limiter, its instances run only while they hold their resources: only
+        # those with resources take a batch, and one is lent only with its resources held for
+        # the lease (lend_limited)
         limiter = self.rate_limiter
         if limiter is not None and not limiter.constrained(ver):
             limiter = None
@@ -493,6 +493,31 @@ class SchedulerCore:
         if limiter is not None:
             limiter.settle(ver, queue.idle, parked, [inst for inst, _ in batches],
                            bool(len(queue)))
+            self.lend_limited(ver, limiter)
+
+    def lend_limited(self, ver: ModelVersion, limiter: RateLimiter,
+                     frontend: int | None = None) -> bool:
+        """A rate-limited version is lent one idle instance at a time (to ``frontend``, or its
+        last) while nothing queues and no version waits for resources; the instance holds its
+        resources for as long as the lease lasts. The first version that must wait for
+        resources takes back every lease that holds some (engine/batching/rate_limiter.py).
+        Whether it was lent."""
+        if limiter.blocked:
+            for other in limiter.lent_versions():
+                self.leases.revoke(other)
+            return False
+        queue = ver.queue
+        if len(queue) or not queue.idle or not self.leases.enabled or ver.state != ModelState.READY:
+            return False
+        inst = limiter.lendable(ver, queue.idle)
+        if inst is None:
+            return False
+        one = [inst]
+        if not self.leases.offer(ver, one, frontend) or one:
+            return False
+        queue.idle.remove(inst)
+        limiter.lend(ver, inst)
+        return True
 
     def send_batches(self, ver: ModelVersion, batches: list) -> None:
         queued_in = self.queued_in
@@ -625,6 +650,8 @@ class SchedulerCore:
             inst.state = InstanceState.IDLE
             ver.queue.instance_idle(inst)
             self.dispatch(ver)
+        if self.rate_limiter is not None and self.rate_limiter.blocked:
+            self.dispatch_waiting()     # the lease held resources another version waits for
         if ver.state != ModelState.READY:
             self.lifecycle.drain_progress(ver)
         if self.on_demand is not None:

@@ -56,8 +56,11 @@ queue goes to the scheduler, whose queue applies them, and takes the lease back.
 it is not leased: a request waiting out the delay is queued, and a later one must find it
 there (a queue bound of one refuses the second, as Triton's does).
 
-Not leased: iterative sequences, decoupled models, any version whose instances the rate
-limiter holds back, and any version while the server stops.
+A rate-limited version is lent one idle instance at a time whose resources are free while no
+version waits for any; the instance holds them until its lease ends, and the first version
+that must wait for them takes the lease back (engine/core.py ``lend_limited``).
+
+Not leased: iterative sequences, decoupled models, and any version while the server stops.
 
 Pure: no sockets; it acts through the port and reads the injected clock.
 """

@@ -8,7 +8,11 @@ can run (just not all at once). An instance that asks for more than an override 
 never run: its model fails to load.
 
 Pure (no sockets, no clock): the core asks ``gate`` which of a version's idle instances may
-take a batch now, and ``started`` records the batches it sent. What is held is worked out from
+take a batch now, and ``settle`` records the batches it sent. While nothing waits for resources,
+an idle instance whose resources are free may be lent to a frontend (``lendable``, ``lend``:
+engine/leases.py), one request in flight at a time; it holds its resources for as long as the
+lease lasts, busy or not, and the first version that must wait for them makes the core take
+the lease back (``lent_versions``). What is held is worked out from
 the instances that are still busy with the batch they were given, so an instance whose worker
 died or whose model unloaded holds nothing, with no event to miss. Versions that had requests
 but no resources wait in ``blocked`` and are dispatched again, lowest ``priority`` first (0
@@ -75,6 +79,8 @@ class RateLimiter:
         self.versions: set[ModelVersion] = set()    # loaded versions whose instances need some
         self.running: dict[Instance, tuple[int, Needs]] = {}    # instance -> (batch id, needs)
         self.blocked: dict[ModelVersion, int] = {}      # version -> its best priority
+        # instances lent under a lease: they hold their resources while it lasts (LEASED)
+        self.lent: dict[Instance, tuple[ModelVersion, Needs]] = {}
         self._tentative: dict[Instance, Needs] = {}     # let through by gate, until settle
 
     # ---- what there is ------------------------------------------------------------------------
@@ -122,7 +128,37 @@ class RateLimiter:
                 continue
             for key, count in needs.resources.items():
                 out[key] = out.get(key, 0) + count
+        for inst, (_, needs) in list(self.lent.items()):
+            if inst.state != InstanceState.LEASED:
+                del self.lent[inst]                     # the lease ended, or the worker died
+                continue
+            for key, count in needs.resources.items():
+                out[key] = out.get(key, 0) + count
         return out
+
+    def lendable(self, ver: ModelVersion, idle: list) -> Instance | None:
+        """An idle instance of ``ver`` that may be lent now: no version waits for resources,
+        and what it needs is free beside what is held (the most recently idle first)."""
+        if self.blocked:
+            return None
+        held = self.held()
+        for inst in reversed(idle):
+            n = needs_of(ver, inst)
+            if n is None or all(held.get(k, 0) + c <= self.capacity(k)
+                                for k, c in n.resources.items()):
+                return inst
+        return None
+
+    def lend(self, ver: ModelVersion, inst: Instance) -> None:
+        """``inst`` was lent: it holds its resources until its lease ends."""
+        n = needs_of(ver, inst)
+        if n is not None:
+            self.lent[inst] = (ver, n)
+
+    def lent_versions(self) -> set[ModelVersion]:
+        """The versions whose lent instances hold resources now."""
+        return {ver for inst, (ver, _) in self.lent.items()
+                if inst.state == InstanceState.LEASED}
 
     # ---- the core's calls ---------------------------------------------------------------------
     def gate(self, ver: ModelVersion, idle: list) -> list:

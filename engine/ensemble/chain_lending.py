@@ -136,8 +136,10 @@ class ChainLending:
                     return False
                 continue
             limiter = self.core.rate_limiter
-            if len(v.queue) or not v.queue.idle or \
-                    (limiter is not None and limiter.constrained(v)) or \
+            if limiter is not None and limiter.constrained(v):
+                if not self.core.lend_limited(v, limiter, frontend):
+                    return False
+            elif len(v.queue) or not v.queue.idle or \
                     not self.core.leases.offer(v, v.queue.idle, frontend):
                 return False
         return True

@@ -240,3 +240,33 @@ def test_reloading_the_next_step_while_a_request_runs_loses_nothing(tmp_path):
     finally:
         s.stop()
     assert segments_of(s.proc.pid) == []
+
+
+def test_steps_that_share_a_rate_limited_resource_run_worker_to_worker(tmp_path):
+    """Both steps need the one resource R (--rate-limit execution_count): each step's instance
+    is lent with R held for it, two units for two leases. Requests one at a time run worker to
+    worker and are right, and so are a step's own requests sent between them (under its
+    lease)."""
+    repo = str(tmp_path)
+    limited = STEP_CONFIG + '''
+    instance_group [ { count: 1 kind: KIND_CPU rate_limiter { resources [ { name: "R" count: 1 } ] } } ]
+    '''
+    for name in ("inc", "dbl"):
+        write_model(repo, name, limited, STEP)
+    write_model(repo, "pipe", PIPE_CONFIG, None)
+    s = Server(repo, "--rate-limit", "execution_count", "--rate-limit-resource", "R:2")
+    try:
+        chained_now(s)
+        x = httpclient.InferInput("X", [1, 4], "FP32")
+        x.set_data_from_numpy(np.ones((1, 4), np.float32))
+        c = httpclient.InferenceServerClient(s.url)
+        try:
+            for k in range(6):
+                np.testing.assert_array_equal(infer(s, float(k)), np.full((1, 4), 2 * (k + 1.0)))
+                np.testing.assert_array_equal(c.infer("dbl", [x]).as_numpy("Y"),
+                                              np.full((1, 4), 2.0))
+        finally:
+            c.close()
+        assert counts(s, "pipe")[1] == counts(s, "pipe")[0]
+    finally:
+        s.stop()

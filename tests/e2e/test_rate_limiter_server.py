@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tritonclient.http as httpclient
 from repo_builder import write_model
-from serverproc import Server
+from serverproc import Server, leased_requests, wait_for
 
 # answers when its execution started and ended (CLOCK_MONOTONIC, one clock for all processes)
 TIMED = """
@@ -65,6 +65,25 @@ def test_instances_that_share_a_resource_never_run_together(repo):
             assert s1 >= e0, f"executions overlapped: {spans}"
         ok = span(s.url, "one")
         assert ok[1] > ok[0]
+    finally:
+        s.stop()
+
+
+def test_a_limited_model_alone_is_lent_and_a_model_sharing_its_resource_takes_it_back(repo):
+    """Requests one at a time to "one": its resource is free, so an instance is lent and they
+    go straight to its worker. Then both models at once: "two" waits for the resource the
+    lease holds, takes the lease back, and no two executions overlap."""
+    s = Server(repo, "--rate-limit", "execution_count", "--rate-limit-resource", "R:1",
+               "--model-control-mode", "explicit", "--load-model", "one", "--load-model", "two")
+    try:
+        before = leased_requests(s, "one")
+        wait_for(lambda: span(s.url, "one") and leased_requests(s, "one") > before + 2, 30,
+                 "one's requests to go under a lease")
+        with cf.ThreadPoolExecutor(4) as pool:
+            spans = list(pool.map(lambda i: span(s.url, ("one", "two")[i % 2]), range(16)))
+        spans.sort()
+        for (_, e0), (s1, _) in zip(spans, spans[1:]):
+            assert s1 >= e0, f"executions overlapped: {spans}"
     finally:
         s.stop()
 

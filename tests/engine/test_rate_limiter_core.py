@@ -1,13 +1,18 @@
 """The rate limiter (--rate-limit execution_count, engine/batching/rate_limiter.py) in SchedulerCore,
 in-process: instances execute only while they hold their resources, across models; per device
 or global; the lowest priority goes first when resources come back; a worker that dies busy
-gives its resources back; an instance that could never run fails its model's load; leases
-stay off for limited models; and with the limiter off nothing changes."""
+gives its resources back; an instance that could never run fails its model's load; a limited
+model is lent while its resources are free and holds them for the lease; and with the limiter
+off nothing changes."""
 import pytest
 from fakes import IO, Harness, write_model
 
 from shmserve.engine.batching.rate_limiter import RateLimiter, parse_override
+from shmserve.engine.states import InstanceState
 from shmserve.ipc.messages.common import ModelState
+from shmserve.ipc.messages.to_frontend import LeaseGranted
+from shmserve.ipc.messages.to_scheduler import LeaseEnded
+from shmserve.ipc.messages.to_worker import RevokeLease
 
 
 def limited(count=1, resource="R", priority=0, kind="KIND_CPU", extra="", glob=False):
@@ -115,16 +120,66 @@ def test_an_instance_that_could_never_run_fails_its_load(repo):
     assert h.states("a")[1][0] is ModelState.READY
 
 
-def test_limited_models_are_never_leased(repo):
-    h = Harness(repo, rate_limit=True, instance_leases=True).start()
+def grants(h, model):
+    return [m for _, m in h.port.to_frontend if isinstance(m, LeaseGranted) and m.model == model]
+
+
+def lent_a(h):
+    """a's request runs, and once its queue is empty and R free, its instance is lent."""
     a = sid_of(h, "a")
     h.submit("a")
-    h.finish(a)                 # idle, queue empty: a plain model would be lent now
-    assert h.core.leases.by_version == {} or \
-        all(v.name != "a" for v in h.core.leases.by_version)
-    h.submit("free")
-    h.finish(sid_of(h, "free"))
-    assert any(v.name == "free" for v in h.core.leases.by_version)
+    h.finish(a)
+    (grant,) = grants(h, "a")
+    assert grant.spawn_id == a and instance_state(h, a) is InstanceState.LEASED
+    return a, grant
+
+
+def instance_state(h, sid):
+    return h.core.supervisor.by_spawn[sid][1].state
+
+
+def test_a_limited_model_is_lent_while_its_resources_are_free_and_they_stay_held(repo):
+    h = Harness(repo, rate_limit=True, instance_leases=True).start()
+    a, grant = lent_a(h)
+    assert grant.depth == 0             # one instance: its worker takes them in order
+    # the lease holds R: b, which needs it, waits, and takes the lease back
+    b = sid_of(h, "b")
+    h.submit("b")
+    assert h.batches(b) == []
+    assert h.to_worker(RevokeLease) == [(a, RevokeLease(grant.lease_id))]
+    assert grants(h, "b") == []         # nothing is lent while a version waits for resources
+    h.core.handle(LeaseEnded(a, grant.lease_id))
+    assert len(h.batches(b)) == 1 and running(h) == ["b"]
+    h.submit("a")                       # scheduler's path now: a waits for b
+    assert len(h.batches(a)) == 1
+    h.finish(b)
+    assert len(h.batches(a)) == 2
+
+
+def test_a_lent_instance_counts_against_what_others_may_hold(repo):
+    # R:2: a's lease holds one, b's execution the other; a third needs must wait
+    write_model(repo, "c", limited())
+    h = Harness(repo, rate_limit=True, instance_leases=True,
+                rate_limit_resources=["R:2"]).start()
+    a, grant = lent_a(h)
+    c = sid_of(h, "c")
+    h.submit("b")
+    assert running(h) == ["b"] and h.to_worker(RevokeLease) == []
+    h.submit("c")
+    assert h.batches(c) == [] and h.to_worker(RevokeLease) == [(a, RevokeLease(grant.lease_id))]
+    h.core.handle(LeaseEnded(a, grant.lease_id))
+    assert len(h.batches(c)) == 1
+
+
+def test_a_worker_that_dies_lent_gives_its_resources_back(repo):
+    h = Harness(repo, rate_limit=True, instance_leases=True).start()
+    a, _ = lent_a(h)
+    b = sid_of(h, "b")
+    h.submit("b")
+    assert h.batches(b) == []
+    h.die(a)
+    h.tick(1.0)
+    assert len(h.batches(b)) == 1
 
 
 def test_unloading_a_model_stops_it_counting(repo):
