@@ -112,6 +112,8 @@ class EngineClient:
         self.segment_prefix = segment_prefix    # the server's: workers' arenas are named from it
         # segment -> the address of the worker whose arena it is (bounded: see release)
         self.slot_owners: dict[str, str] = {}
+        # where the scheduler takes back the slots of an ensemble's answer it made
+        self.scheduler_slots = channel.scheduler_worker_address(run_dir)
         self.loop = loop
         self.inbox = packets.PacketInbox(channel.frontend_address(run_dir, frontend_id))
         self.scheduler = channel.Outbox(channel.address(run_dir, "scheduler"))
@@ -369,9 +371,14 @@ class EngineClient:
             self._resubmit(head, payload)
 
     def release(self, worker: str, refs: list[ShmRef]) -> None:
-        """Give output slots back, each to the worker whose arena holds it: the one that
-        answered (``worker``) or, for an ensemble run worker to worker, the worker of the step
-        that made it. So a slot never depends on another worker living on."""
+        """Give output slots back to where the answer said (``worker``). A worker's answer goes
+        back slot by slot to the workers whose arenas hold them: itself, or for an ensemble run
+        worker to worker the worker of the step that made it, so a slot never depends on
+        another worker living on. The scheduler's answer for an ensemble it ran goes back to
+        it whole: it counts the references to each slot (engine/ensemble/slots.py)."""
+        if worker == self.scheduler_slots:
+            self._release_to(worker, refs)
+            return
         owners = self.slot_owners
         mine: list[ShmRef] = []
         others: dict[str, list[ShmRef]] | None = None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import _posixshmem
 import errno
+import logging
 import mmap
 import os
 import secrets
@@ -29,6 +30,8 @@ from shmserve.ipc.messages.common import ShmRef
 
 # the reader side, and the names both sides share (imported from here as well)
 from shmserve.ipc.shm_maps import PREFIX, SHM_DIR, ShmError, ShmMapCache, attach_segment  # noqa: F401
+
+log = logging.getLogger("shmserve.shm")
 
 _ALIGN = 64
 # Arena chunks reserve pages in steps of this much, so most allocations cost no syscall.
@@ -213,7 +216,10 @@ class _Chunk:
             _reserve(self.fd, self.reserved, exact - self.reserved, nbytes)
             self.reserved = exact
 
-    def release(self, off: int, n: int, now: float) -> None:
+    def release(self, off: int, n: int, now: float) -> bool:
+        """Give [off, off + n) back; False (nothing changes) when any of it is free already: a
+        slot given back twice, or a range that was never handed out, must not make a hole two
+        later slots would share."""
         free = self.free
         lo, hi = 0, len(free)
         while lo < hi:
@@ -222,6 +228,9 @@ class _Chunk:
                 lo = mid + 1
             else:
                 hi = mid
+        if off < 0 or off + n > self.size or (lo > 0 and sum(free[lo - 1]) > off) or \
+                (lo < len(free) and off + n > free[lo][0]):
+            return False
         free.insert(lo, [off, n])
         # merge with the following hole, then with the preceding one
         if lo + 1 < len(free) and free[lo][0] + free[lo][1] == free[lo + 1][0]:
@@ -233,6 +242,7 @@ class _Chunk:
         self.used -= n
         if self.used == 0:
             self.idle_since = now
+        return True
 
     def close(self) -> None:
         unlink_segment(self.name)
@@ -310,7 +320,9 @@ class ShmArena:
             return
         n = max(_ALIGN, (ref.nbytes + _ALIGN - 1) & ~(_ALIGN - 1))
         now = self._clock()
-        chunk.release(ref.offset, n, now)
+        if not chunk.release(ref.offset, n, now):
+            log.warning("ignored the return of a slot that is not in use: %s at %d, %d bytes",
+                        ref.segment, ref.offset, ref.nbytes)
         if now - self._last_trim > 1.0:
             self.trim(now)
 

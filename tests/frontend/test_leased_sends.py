@@ -12,10 +12,10 @@ import zmq
 from shmserve.engine.requests.prepare import PreparedRequest
 from shmserve.frontend.engine_client import EngineClient
 from shmserve.ipc import channel, messages, packets
-from shmserve.ipc.messages.common import ErrorCode, InferPayload
+from shmserve.ipc.messages.common import ErrorCode, InferPayload, ShmRef
 from shmserve.ipc.messages.to_frontend import InferResult, LeaseGranted
 from shmserve.ipc.messages.to_scheduler import SubmitRequest
-from shmserve.ipc.messages.to_worker import LeasedExecute
+from shmserve.ipc.messages.to_worker import LeasedExecute, ReleaseOutputs
 
 SPAWN = 7
 
@@ -198,3 +198,45 @@ def test_what_a_full_worker_inbox_cannot_take_goes_to_the_scheduler(run_dir, mon
         assert asyncio.run(scenario()) > 0
     finally:
         rig.close()
+
+
+def test_output_slots_go_back_to_the_workers_that_hold_them_or_whole_to_the_scheduler(run_dir):
+    """A worker's answer: each slot to the worker whose arena (named from the server's prefix)
+    holds it, one message each; a slot of any other segment to the answering worker. The
+    scheduler's answer (an ensemble it ran): every slot to it, which counts their references."""
+    prefix = "shmserve_1_ab_"
+    boxes = {sid: packets.PacketInbox(channel.worker_address(run_dir, sid)) for sid in (5, 7)}
+    sched = packets.PacketInbox(channel.scheduler_worker_address(run_dir))
+
+    def ref(segment: str, offset: int = 0) -> ShmRef:
+        return ShmRef(segment, offset, 64)
+
+    def taken(box) -> list[ReleaseOutputs]:
+        got = []
+        box.set_timeout(50)
+        while True:
+            try:
+                msg, _ = box.recv()
+            except zmq.Again:
+                return got
+            got.append(msg)
+
+    async def main():
+        client = EngineClient(run_dir, 0, asyncio.get_running_loop(), segment_prefix=prefix)
+        w5, w7 = (channel.worker_segment_prefix(prefix, s) for s in (5, 7))
+        client.release(channel.worker_address(run_dir, 5),
+                       [ref(w5 + "0"), ref(w7 + "1", 128), ref(w5 + "0", 64), ref("other")])
+        assert taken(boxes[5]) == [ReleaseOutputs([ref(w5 + "0"), ref(w5 + "0", 64),
+                                                   ref("other")])]
+        assert taken(boxes[7]) == [ReleaseOutputs([ref(w7 + "1", 128)])]
+        shared = [ref(w5 + "0"), ref(w5 + "0"), ref(w7 + "1")]     # one slot, two outputs
+        client.release(channel.scheduler_worker_address(run_dir), shared)
+        assert taken(sched) == [ReleaseOutputs(shared)]
+        assert taken(boxes[5]) == [] and taken(boxes[7]) == []
+        client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        for box in [*boxes.values(), sched]:
+            box.close()

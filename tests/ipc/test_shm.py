@@ -1,5 +1,6 @@
 """In-process tests of ipc/shm.py: the arena allocator, the reader-side map cache, segment housekeeping."""
 import json
+import logging
 import os
 import re
 import secrets
@@ -656,3 +657,22 @@ def test_a_failed_allocation_does_not_keep_an_idle_chunk_alive():
         print(json.dumps({"names": os.listdir("/dev/shm"), "free": shm.free_bytes()}))
     """)
     assert out == {"names": [], "free": 4 << 20}
+
+
+def test_a_slot_given_back_twice_or_never_handed_out_changes_nothing(make_arena, caplog):
+    """A release message repeated (or hostile) must not make a hole that two later slots would
+    share: the arena ignores a return of space that is free already, and says so."""
+    arena = make_arena()
+    a = arena.alloc(1000)
+    b = arena.alloc(1000)
+    arena.free(a.ref)
+    used = arena.bytes_used
+    with caplog.at_level(logging.WARNING, logger="shmserve.shm"):
+        arena.free(a.ref)                                               # twice
+        arena.free(ShmRef(a.ref.segment, 64, 100))                      # inside a hole
+        arena.free(ShmRef(a.ref.segment, CHUNK - 64, 1000))             # past the end
+    assert arena.bytes_used == used
+    assert len([r for r in caplog.records if "not in use" in r.getMessage()]) == 3
+    c, d = arena.alloc(1000), arena.alloc(1000)                          # the hole, once
+    spans = sorted((s.ref.offset, s.ref.offset + 1024) for s in (b, c, d))
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:])), spans
