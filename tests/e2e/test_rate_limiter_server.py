@@ -69,12 +69,16 @@ def test_instances_that_share_a_resource_never_run_together(repo):
         s.stop()
 
 
-def test_a_limited_model_alone_is_lent_and_a_model_sharing_its_resource_takes_it_back(repo):
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_a_limited_model_alone_is_lent_and_a_model_sharing_its_resource_takes_it_back(
+        repo, frontends):
     """Requests one at a time to "one": its resource is free, so an instance is lent and they
-    go straight to its worker. Then both models at once: "two" waits for the resource the
-    lease holds, takes the lease back, and no two executions overlap."""
+    go straight to its worker. Then both models at once, from clients spread over the
+    frontends: "two" waits for the resource the lease holds, takes the lease back, and no two
+    executions overlap."""
     s = Server(repo, "--rate-limit", "execution_count", "--rate-limit-resource", "R:1",
-               "--model-control-mode", "explicit", "--load-model", "one", "--load-model", "two")
+               "--model-control-mode", "explicit", "--load-model", "one", "--load-model", "two",
+               "--frontends", frontends)
     try:
         before = leased_requests(s, "one")
         wait_for(lambda: span(s.url, "one") and leased_requests(s, "one") > before + 2, 30,
