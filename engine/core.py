@@ -507,13 +507,13 @@ class SchedulerCore:
                 self.leases.revoke(other)
             return False
         queue = ver.queue
-        if len(queue) or not queue.idle or not self.leases.enabled or ver.state != ModelState.READY:
+        if len(queue) or not queue.idle:
             return False
         inst = limiter.lendable(ver, queue.idle)
         if inst is None:
             return False
         one = [inst]
-        if not self.leases.offer(ver, one, frontend) or one:
+        if not self.leases.offer(ver, one, frontend) or one:     # (offer: whether leasable)
             return False
         queue.idle.remove(inst)
         limiter.lend(ver, inst)

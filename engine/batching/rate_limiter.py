@@ -10,11 +10,11 @@ never run: its model fails to load.
 Pure (no sockets, no clock): the core asks ``gate`` which of a version's idle instances may
 take a batch now, and ``settle`` records the batches it sent. While nothing waits for resources,
 an idle instance whose resources are free may be lent to a frontend (``lendable``, ``lend``:
-engine/leases.py), one request in flight at a time; it holds its resources for as long as the
-lease lasts, busy or not, and the first version that must wait for them makes the core take
-the lease back (``lent_versions``). What is held is worked out from
-the instances that are still busy with the batch they were given, so an instance whose worker
-died or whose model unloaded holds nothing, with no event to miss. Versions that had requests
+engine/leases.py); it holds its resources for as long as the lease lasts, busy or not, and
+the first version that must wait for them makes the core take the lease back
+(``lent_versions``). What is held is worked out from the instances that are still busy with
+the batch they were given or still lent, so an instance whose worker died or whose model
+unloaded holds nothing, with no event to miss. Versions that had requests
 but no resources wait in ``blocked`` and are dispatched again, lowest ``priority`` first (0
 counts as 1), whenever an execution ends.
 """
@@ -126,14 +126,12 @@ class RateLimiter:
             if inst.state != InstanceState.BUSY or inst.batch_id != batch_id:
                 del self.running[inst]          # finished, died or unloaded: gives them back
                 continue
-            for key, count in needs.resources.items():
-                out[key] = out.get(key, 0) + count
+            _add(out, needs)
         for inst, (_, needs) in list(self.lent.items()):
             if inst.state != InstanceState.LEASED:
                 del self.lent[inst]                     # the lease ended, or the worker died
                 continue
-            for key, count in needs.resources.items():
-                out[key] = out.get(key, 0) + count
+            _add(out, needs)
         return out
 
     def lendable(self, ver: ModelVersion, idle: list) -> Instance | None:
@@ -204,3 +202,8 @@ class RateLimiter:
         """Versions that wait for resources, the lowest priority first (then the longest
         waiting: dicts keep their order)."""
         return sorted(self.blocked, key=self.blocked.__getitem__)
+
+
+def _add(held: dict[Key, int], needs: Needs) -> None:
+    for key, count in needs.resources.items():
+        held[key] = held.get(key, 0) + count
