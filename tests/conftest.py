@@ -19,6 +19,16 @@ def _nvml_gpu_count() -> int:
         return 0
 
 
+def pytest_sessionstart(session):
+    # an editable install imports a compiled module before its source: tests of an edited
+    # module would run the build from before the edit
+    from shmserve.ipc import compiled
+    stale = compiled.stale()
+    if stale:
+        pytest.exit(f"compiled from an older source: {', '.join(stale)}; run 'pip install -e .' "
+                    f"again (or SHMSERVE_PURE_PYTHON=1 pip install -e . for none)", returncode=4)
+
+
 def pytest_collection_modifyitems(config, items):
     if _nvml_gpu_count():
         return

@@ -18,7 +18,7 @@ from collections import deque
 import msgspec
 
 from shmserve.engine.processes.supervision import become_subreaper, describe_exit, kill_orphans
-from shmserve.ipc import channel, logs, shm
+from shmserve.ipc import channel, compiled, logs, shm
 from shmserve.ipc.proc import StopFlag, StoppingMark
 from shmserve.ipc.spawn_args import ServerSettings
 
@@ -208,6 +208,9 @@ def run(settings: ServerSettings, notes: list[str] | tuple = ()) -> int:
     logs.setup("launcher", settings=logs.from_server(settings), path=settings.log_file)
     for note in notes:
         log.warning("%s", note)
+    for name in compiled.stale():
+        log.warning("%s runs compiled from an older source: 'pip install -e .' builds it again "
+                    "(SHMSERVE_PURE_PYTHON=1 drops the compiled modules)", name)
     # orphans of a scheduler that died (its workers, their children) come to us, not to init
     become_subreaper()
     for path in settings.model_repositories:

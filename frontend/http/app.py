@@ -442,7 +442,7 @@ class KServeHttpApp(HttpApp):
         task.add_done_callback(self.tasks.discard)
 
     def infer_inflated(self, conn: HttpConnection, req: HttpRequest, model: str, version: str,
-                       body: bytes) -> None:
+                       body: bytearray) -> None:
         # the model is looked up again: it may have been unloaded while the body inflated
         view, v = self.service.infer_target(model, version, "HTTP end point")
         self.infer_body(conn, req, view, v, body)

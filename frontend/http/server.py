@@ -18,6 +18,12 @@ import httptools
 
 from shmserve.frontend.connections import Budget
 
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:     # (mypy is a build tool: the decorator only tells mypyc what to allow)
+    def mypyc_attr(*attrs: str, **kwattrs: object) -> Any:  # type: ignore[misc]
+        return lambda cls: cls
+
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 
 
@@ -59,6 +65,7 @@ class Limits:
     budget: Budget | None = None
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HttpApp:
     """What HttpConnection asks of the application behind it. The defaults suit an app that
     takes small bodies in memory; KServeHttpApp overrides them to receive into shared memory."""
@@ -105,6 +112,8 @@ class HttpRequest:
         self.sized = False          # its Content-Length was checked against the limits
 
 
+# (the tests' fakes of a connection are subclasses)
+@mypyc_attr(allow_interpreted_subclasses=True)
 class HttpConnection(asyncio.Protocol):
     """One client connection. Requests are answered strictly in arrival order."""
 

@@ -10,7 +10,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from shmserve.engine.requests.catalog import ModelCatalog
 from shmserve.frontend.grpc.service import InferenceService
 from shmserve.frontend.http.app import KServeHttpApp
-from shmserve.frontend.http.server import HttpRequest
+from shmserve.frontend.http.server import HttpConnection, HttpRequest
 from shmserve.frontend.service import FrontendService
 from shmserve.frontend.shm.registry import ShmRegistry
 from shmserve.ipc.messages.common import ModelState
@@ -110,10 +110,12 @@ class FakeTransport:
         return ("127.0.0.1", 50000) if name == "peername" else default
 
 
-class FakeConn:
-    """An HttpConnection that keeps responses instead of writing them."""
+class FakeConn(HttpConnection):
+    """An HttpConnection that keeps responses instead of writing them (a subclass: the app's
+    module may be compiled, and then checks the type of what it is given)."""
 
     def __init__(self):
+        super().__init__(None)
         self.responses: list[tuple[int, bytes, dict]] = []
         self.inflight = 0
         self.busy = True

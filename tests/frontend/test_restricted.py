@@ -1,5 +1,6 @@
 """Restricted API groups: parsing the flags, which group each endpoint is in, the checks."""
 import pytest
+from frontend_fakes import make_service
 
 from shmserve.engine.launch import restricted
 from shmserve.frontend.grpc.service import RPC_GROUPS, InferenceService
@@ -36,8 +37,7 @@ def test_grpc_errors_say_protocol_as_tritons_do():
 
 
 def test_every_http_endpoint_has_its_group():
-    app = KServeHttpApp.__new__(KServeHttpApp)
-    groups = {p: api_group(p) for _, p, _ in KServeHttpApp.routes(app)}
+    groups = {p: api_group(p) for _, p, _ in KServeHttpApp(make_service(), 1 << 20).routes()}
     assert groups["/v2/health/live"] == groups["/v2/models/{model}/ready"] == "health"
     assert groups["/v2"] == groups["/v2/models/{model}/versions/{version}"] == "metadata"
     assert groups["/v2/models/{model}/infer"] == "inference"

@@ -1,0 +1,58 @@
+"""The modules that run compiled, and whether a compiled one is older than its source.
+
+setup.py compiles the modules in ``SOURCES`` with mypyc (the request path, where a profile shows
+the interpreter's time); the ``.py`` file stays the source and the fallback. In an editable
+install the extension sits next to its source and Python imports the extension first, so an edit
+made after the build would not run: ``stale`` finds such modules, the launcher warns about them,
+and the test suite refuses to run on them.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+
+# paths under the repository (each folder is the package shmserve.<folder>)
+SOURCES = (
+    "frontend/engine_client.py",
+    "frontend/http/app.py",
+    "frontend/http/codec.py",
+    "frontend/http/routes.py",
+    "frontend/http/server.py",
+)
+
+
+def module_name(path: str) -> str:
+    return "shmserve." + path[:-len(".py")].replace("/", ".")
+
+
+def _origin(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    return spec.origin if spec is not None else None
+
+
+def compiled() -> list[str]:
+    """The modules of SOURCES that import as extensions here."""
+    suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
+    out = []
+    for path in SOURCES:
+        origin = _origin(module_name(path))
+        if origin is not None and origin.endswith(suffixes):
+            out.append(module_name(path))
+    return out
+
+
+def stale() -> list[str]:
+    """Compiled modules whose source changed after they were built (``pip install -e .`` again,
+    or ``SHMSERVE_PURE_PYTHON=1 pip install -e .`` to drop them)."""
+    out = []
+    for name in compiled():
+        origin = _origin(name)
+        assert origin is not None
+        source = os.path.join(os.path.dirname(origin), name.rsplit(".", 1)[1] + ".py")
+        try:
+            if os.stat(source).st_mtime > os.stat(origin).st_mtime:
+                out.append(name)
+        except FileNotFoundError:
+            continue    # a wheel without sources: nothing to be older than
+    return out

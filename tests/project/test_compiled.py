@@ -1,0 +1,94 @@
+"""The request path compiled by setup.py (mypyc): built here, found stale when its source is newer,
+and the pure-Python fallback serving the same requests."""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+
+import numpy as np
+import requests
+from serverproc import REPO_ROOT, Server
+
+from shmserve.ipc import compiled
+
+FOLDERS = ("engine", "frontend", "ipc", "workers")
+
+
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _maps_compiled(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return "compiled__mypyc" in f.read()
+    except OSError:
+        return False
+
+
+def _infer(server: Server) -> None:
+    x = np.arange(16, dtype=np.float32)
+    body = {"inputs": [{"name": "INPUT0", "shape": [1, 16], "datatype": "FP32",
+                        "data": x.tolist()}]}
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["outputs"][0]["data"] == x.tolist()
+    # a compressed body is inflated into a bytearray: a compiled module checks that type
+    import json
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer",
+                      data=gzip.compress(json.dumps(body).encode()),
+                      headers={"Content-Encoding": "gzip"}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=b"{not json",
+                      timeout=30)
+    assert r.status_code == 400 and "error" in r.json(), r.text
+
+
+def test_the_build_compiled_every_listed_module():
+    # CI's machine has a C compiler: a build that fell back to pure Python (setup.py warns in
+    # pip's output) would lose the speed without failing anything else
+    assert compiled.compiled() == [compiled.module_name(p) for p in compiled.SOURCES]
+
+
+def test_a_source_newer_than_its_build_is_stale():
+    name = compiled.module_name(compiled.SOURCES[-1])
+    path = next(p for p in os.listdir(os.path.join(REPO_ROOT, os.path.dirname(compiled.SOURCES[-1])))
+                if p.startswith(os.path.basename(compiled.SOURCES[-1])[:-3] + ".") and p.endswith(".so"))
+    so = os.path.join(REPO_ROOT, os.path.dirname(compiled.SOURCES[-1]), path)
+    source = os.path.join(REPO_ROOT, compiled.SOURCES[-1])
+    before = os.stat(so)
+    try:
+        # the build's file made older than its source, as an edit after the build does
+        os.utime(so, ns=(before.st_atime_ns, os.stat(source).st_mtime_ns - 10**9))
+        assert name in compiled.stale()
+    finally:
+        os.utime(so, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert name not in compiled.stale()
+
+
+def test_compiled_and_pure_python_serve_alike(example_repo, tmp_path):
+    # the four folders copied without their builds: Python imports the .py files there
+    pure = tmp_path / "pure" / "shmserve"
+    for folder in FOLDERS:
+        shutil.copytree(os.path.join(REPO_ROOT, folder), pure / folder,
+                        ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    for env, expect_compiled in ((None, True), ({"PYTHONPATH": str(pure.parent)}, False)):
+        server = Server(example_repo, "--model-control-mode", "explicit", "--load-model",
+                        "identity_fp32", env=env)
+        try:
+            _infer(server)
+            pids = _descendants(server.proc.pid)
+            assert any(_maps_compiled(p) for p in pids) == expect_compiled
+        finally:
+            assert server.stop() == 0
