@@ -14,11 +14,18 @@ import os
 
 # paths under the repository (each folder is the package shmserve.<folder>)
 SOURCES = (
+    # HTTP/1.1 and the frontend's link to the workers. Not yet: gRPC's modules (its event-loop
+    # protocol, answers and streams use mixins and async generators, which mypyc does not
+    # compile), the packet transport and the worker's (their tests patch module functions or
+    # build partial workers with __new__, which compiled code does not allow).
+    "frontend/colocation.py",
+    "frontend/deadlines.py",
     "frontend/engine_client.py",
     "frontend/http/app.py",
     "frontend/http/codec.py",
     "frontend/http/routes.py",
     "frontend/http/server.py",
+    "frontend/priority.py",
 )
 
 
