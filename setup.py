@@ -11,6 +11,7 @@ is all or nothing: the compiled modules share one runtime library, so a partial 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import runpy
 import sys
@@ -19,7 +20,8 @@ from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SOURCES = runpy.run_path(os.path.join(HERE, "ipc", "compiled.py"))["SOURCES"]
+_COMPILED = runpy.run_path(os.path.join(HERE, "ipc", "compiled.py"))
+SOURCES = _COMPILED["SOURCES"]
 # the runtime library the compiled modules share, kept in the lowest layer's folder
 GROUP = "shmserve.ipc.compiled"
 
@@ -30,7 +32,8 @@ def _warn(text: str) -> None:
 
 def _built_in_place() -> list[str]:
     stems = [p[:-len(".py")] for p in SOURCES] + ["ipc/compiled__mypyc"]
-    return [f for stem in stems for f in glob.glob(os.path.join(HERE, stem + ".*.so"))]
+    found = [f for stem in stems for f in glob.glob(os.path.join(HERE, stem + ".*.so"))]
+    return found + glob.glob(os.path.join(HERE, "ipc", "compiled_sources.json"))
 
 
 class _AllOrNothing(build_ext):
@@ -44,6 +47,17 @@ class _AllOrNothing(build_ext):
                 if os.path.exists(path):
                     os.remove(path)
             _warn(f"compiling with mypyc failed ({e})")
+            return
+        if self.extensions:
+            self._record_sources()
+
+    def _record_sources(self) -> None:
+        """Each source's digest, beside the shared library, for ``compiled.stale``."""
+        records = {name: _COMPILED["digest"](os.path.join(HERE, path))
+                   for path, name in ((p, _COMPILED["module_name"](p)) for p in SOURCES)}
+        where = os.path.dirname(self.get_ext_fullpath(GROUP + "__mypyc"))
+        with open(os.path.join(where, "compiled_sources.json"), "w") as f:
+            json.dump(records, f, indent=1, sort_keys=True)
 
 
 def _extensions() -> list:

@@ -3,13 +3,15 @@
 setup.py compiles the modules in ``SOURCES`` with mypyc (the request path, where a profile shows
 the interpreter's time); the ``.py`` file stays the source and the fallback. In an editable
 install the extension sits next to its source and Python imports the extension first, so an edit
-made after the build would not run: ``stale`` finds such modules, the launcher warns about them,
-and the test suite refuses to run on them.
+made after the build would not run: ``stale`` finds such modules (by the digests the build
+records), the launcher warns about them, and the test suite refuses to run on them.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.machinery
 import importlib.util
+import json
 import os
 
 # paths under the repository (each folder is the package shmserve.<folder>)
@@ -27,6 +29,10 @@ SOURCES = (
     "frontend/http/server.py",
     "frontend/priority.py",
 )
+
+
+# written by the build next to this module: each compiled module's source digest
+RECORDS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "compiled_sources.json")
 
 
 def module_name(path: str) -> str:
@@ -49,17 +55,29 @@ def compiled() -> list[str]:
     return out
 
 
-def stale() -> list[str]:
-    """Compiled modules whose source changed after they were built (``pip install -e .`` again,
-    or ``SHMSERVE_PURE_PYTHON=1 pip install -e .`` to drop them)."""
+def digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def stale(records: str = RECORDS) -> list[str]:
+    """Compiled modules whose source is not what they were built from (``pip install -e .``
+    again, or ``SHMSERVE_PURE_PYTHON=1 pip install -e .`` to drop them). The build records each
+    source's digest in ``records``; contents are compared, not times, which an install from a
+    wheel sets in whatever order it writes the files."""
+    try:
+        with open(records) as f:
+            built = json.load(f)
+    except (OSError, ValueError):
+        built = {}
     out = []
     for name in compiled():
         origin = _origin(name)
         assert origin is not None
         source = os.path.join(os.path.dirname(origin), name.rsplit(".", 1)[1] + ".py")
         try:
-            if os.stat(source).st_mtime > os.stat(origin).st_mtime:
+            if digest(source) != built.get(name):
                 out.append(name)
         except FileNotFoundError:
-            continue    # a wheel without sources: nothing to be older than
+            continue    # installed without its sources: nothing to compare
     return out
