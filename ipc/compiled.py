@@ -16,17 +16,23 @@ import os
 
 # paths under the repository (each folder is the package shmserve.<folder>)
 SOURCES = (
-    # HTTP/1.1 and the frontend's link to the workers. Not yet: gRPC's modules (its event-loop
-    # protocol, answers and streams use mixins and async generators, which mypyc does not
-    # compile), the packet transport and the worker's (their tests patch module functions or
-    # build partial workers with __new__, which compiled code does not allow).
+    # HTTP/1.1, HTTP/2 and gRPC's codec, and the frontend's link to the workers. Not yet: gRPC's
+    # event-loop protocol, answers and streams (mixins and async generators, which mypyc does
+    # not compile), the packet transport and the worker's modules (their tests patch module
+    # functions or build partial workers with __new__, which compiled code does not allow).
     "frontend/colocation.py",
     "frontend/deadlines.py",
     "frontend/engine_client.py",
+    "frontend/grpc/call.py",
+    "frontend/grpc/codec.py",
     "frontend/http/app.py",
     "frontend/http/codec.py",
     "frontend/http/routes.py",
     "frontend/http/server.py",
+    "frontend/http2/connection.py",
+    "frontend/http2/frames.py",
+    "frontend/http2/headers.py",
+    "frontend/http2/send.py",
     "frontend/priority.py",
 )
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 import grpc
 from google.protobuf.message import Message as pb_message
@@ -45,7 +45,7 @@ class Call:
         self.sent_headers = False
         self.now: Callable | None = None   # the method's callback handler (GrpcLoopServer.now), if any
         self.started = False    # its request came (``request`` until the stream ends)
-        self.request: bytes | None = None
+        self.request: bytes | bytearray | None = None
         self.cancel: Callable[[], None] | None = None  # what stops a callback-handled call's request if it ends first
         # grpc_guard's accounts: bytes held (a message in part, a stream's messages not yet
         # taken), the part's size, window owed to the call, when the part began
@@ -109,7 +109,7 @@ class Answering:
             return
         self.finish(call, grpc.StatusCode.OK)
 
-    def run_now(self, call: Call, message: bytes) -> None:
+    def run_now(self, call: Call, message: bytes | bytearray) -> None:
         """A unary call whose method has a callback handler: started here, no task."""
         now = call.now
         assert now is not None
@@ -217,7 +217,7 @@ class Answering:
         view = memoryview(data)
         while True:
             # send_data copies from any buffer: the view's slices copy nothing
-            sent = 0 if self.write_paused else core.send_data(sid, cast(bytes, view[:WRITE_CHUNK]))
+            sent = 0 if self.write_paused else core.send_data(sid, view[:WRITE_CHUNK])
             if sent:
                 view = view[sent:]
                 if not view:

@@ -51,7 +51,7 @@ class Compressed:
 
     __slots__ = ("payload", "encoding")
 
-    def __init__(self, payload: bytes, encoding: str):
+    def __init__(self, payload: bytes | bytearray, encoding: str):
         self.payload = payload
         self.encoding = encoding
 
@@ -83,7 +83,7 @@ class MessageReader:
         self.encoding = encoding
         self.buffer = bytearray()
 
-    def feed(self, data: bytes) -> list[bytes | Compressed]:
+    def feed(self, data: bytes | bytearray) -> list[bytes | bytearray | Compressed]:
         buf = self.buffer
         if not buf and len(data) >= PREFIX:            # the usual case: one whole message
             size = int.from_bytes(data[1:5], "big")
@@ -108,7 +108,7 @@ class MessageReader:
         return CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                          f"Received message larger than max ({size} vs. {self.limit})")
 
-    def _message(self, flag: int, size: int, payload: bytes) -> bytes | Compressed:
+    def _message(self, flag: int, size: int, payload: bytes | bytearray) -> bytes | bytearray | Compressed:
         if size > self.limit:
             raise self._too_large(size)
         if not flag:

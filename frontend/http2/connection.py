@@ -30,7 +30,62 @@ from typing import Callable
 
 import hpack
 
-from shmserve.frontend.http2.frames import *  # noqa: F403 (the vocabulary, used throughout and re-exported)
+# the vocabulary, used throughout and re-exported (by name: a compiled module's namespace holds
+# what it imports by name, not what a * brings)
+from shmserve.frontend.http2.frames import (  # noqa: F401
+    ACK,
+    CANCEL,
+    COMPRESSION_ERROR,
+    CONNECT_ERROR,
+    CONTINUATION,
+    DATA,
+    DECODE_PER_READ,
+    DEFAULT_WINDOW,
+    ENABLE_PUSH,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GLITCH_BURST,
+    GLITCH_RATE,
+    GOAWAY,
+    HEADER,
+    HEADER_TABLE_SIZE,
+    HEADERS,
+    INITIAL_WINDOW_SIZE,
+    INTERNAL_ERROR,
+    MAX_CONCURRENT_STREAMS,
+    MAX_CONTINUATIONS,
+    MAX_FRAME_SIZE,
+    MAX_HEADER_LIST_SIZE,
+    MAX_OWED,
+    MAX_SETTINGS,
+    MAX_WINDOW,
+    NO_ERROR,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RECENT_CLOSED,
+    REFUSED_STREAM,
+    RESET_BURST,
+    RESET_RATE,
+    RST_STREAM,
+    SETTING,
+    SETTINGS,
+    SETTINGS_TIMEOUT,
+    STREAM_CLOSED,
+    WINDOW_UPDATE,
+    Budget,
+    Buffer,
+    ConnectionError_,
+    frame_header,
+    unpad,
+)
 from shmserve.frontend.http2.headers import HeaderDecoder, check_trailers, encode_int, encode_literal
 from shmserve.frontend.http2.send import Sender, Stream
 

@@ -111,7 +111,7 @@ class Sender:
             return 0
         return min(self.send_window, stream.send_window)
 
-    def send_data(self, sid: int, data: bytes) -> int:
+    def send_data(self, sid: int, data: bytes | memoryview) -> int:
         """Sends as much of ``data`` as the windows allow, in frames the peer accepts."""
         stream = self.streams.get(sid)
         if stream is None:
