@@ -53,8 +53,8 @@ class _AllOrNothing(build_ext):
 
     def _record_sources(self) -> None:
         """Each source's digest, beside the shared library, for ``compiled.stale``."""
-        records = {name: _COMPILED["digest"](os.path.join(HERE, path))
-                   for path, name in ((p, _COMPILED["module_name"](p)) for p in SOURCES)}
+        records = {_COMPILED["module_name"](p): _COMPILED["digest"](os.path.join(HERE, p))
+                   for p in SOURCES}
         where = os.path.dirname(self.get_ext_fullpath(GROUP + "__mypyc"))
         with open(os.path.join(where, "compiled_sources.json"), "w") as f:
             json.dump(records, f, indent=1, sort_keys=True)

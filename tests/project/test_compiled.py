@@ -9,8 +9,10 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import numpy as np
+import pytest
 import requests
 from serverproc import REPO_ROOT, Server
 
@@ -103,3 +105,52 @@ def test_compiled_and_pure_python_serve_alike(example_repo, tmp_path):
             assert any(_maps_compiled(p) for p in pids) == expect_compiled
         finally:
             assert server.stop() == 0
+
+
+def test_a_server_whose_build_is_older_than_its_source_says_so(example_repo, tmp_path):
+    # a copy of the installed tree with its builds, then one module edited after the build
+    tree = tmp_path / "edited" / "shmserve"
+    for folder in FOLDERS:
+        shutil.copytree(os.path.join(REPO_ROOT, folder), tree / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    path = compiled.SOURCES[-1]
+    with open(tree / path, "a") as f:
+        f.write("# an edit after the build\n")
+    server = Server(example_repo, "--model-control-mode", "explicit",
+                    env={"PYTHONPATH": str(tree.parent)})
+    try:
+        assert (f"{compiled.module_name(path)} runs compiled from an older source"
+                in server.log_text())
+    finally:
+        assert server.stop() == 0
+
+
+@pytest.mark.parametrize("broken", ["no C compiler", "mypyc refuses a module"])
+def test_a_build_that_cannot_compile_installs_pure_python(broken, tmp_path):
+    # the repository as committed, built into a wheel the way pip builds it for a user
+    src = tmp_path / "src"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO_ROOT, capture_output=True,
+                           check=True, timeout=60).stdout.decode().split("\0")
+    for name in filter(None, files):
+        target = src / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.islink(os.path.join(REPO_ROOT, name)):
+            os.symlink(os.readlink(os.path.join(REPO_ROOT, name)), target)
+        else:
+            shutil.copy2(os.path.join(REPO_ROOT, name), target)
+    env = dict(os.environ)
+    if broken == "no C compiler":
+        env["CC"] = "/bin/false"
+    else:
+        with open(src / compiled.SOURCES[-1], "a") as f:
+            f.write("\nnot_an_int: int = 'a string'\n")
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-v", "--no-deps",
+                          "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(src)],
+                         capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "installing the pure-Python modules" in out.stdout + out.stderr
+    [wheel] = os.listdir(tmp_path / "wheels")
+    with zipfile.ZipFile(tmp_path / "wheels" / wheel) as z:
+        names = z.namelist()
+    assert "shmserve/frontend/http/server.py" in names
+    assert not [n for n in names if n.endswith(".so") or n.endswith("compiled_sources.json")]
