@@ -31,8 +31,10 @@ def _warn(text: str) -> None:
 
 
 def _built_in_place() -> list[str]:
-    stems = [p[:-len(".py")] for p in SOURCES] + ["ipc/compiled__mypyc"]
-    found = [f for stem in stems for f in glob.glob(os.path.join(HERE, stem + ".*.so"))]
+    """What an earlier editable build left next to the sources. The extension of a module since
+    dropped from the list goes in every build: Python would still import it before the source."""
+    found = [f for folder in _COMPILED["FOLDERS"]
+             for f in glob.glob(os.path.join(HERE, folder, "**", "*.so"), recursive=True)]
     return found + glob.glob(os.path.join(HERE, "ipc", "compiled_sources.json"))
 
 
@@ -61,9 +63,12 @@ class _AllOrNothing(build_ext):
 
 
 def _extensions() -> list:
-    if os.environ.get("SHMSERVE_PURE_PYTHON") == "1":
-        for path in _built_in_place():
+    pure = os.environ.get("SHMSERVE_PURE_PYTHON") == "1"
+    listed = {p[:-len(".py")] for p in SOURCES} | {"ipc/compiled__mypyc"}
+    for path in _built_in_place():
+        if pure or os.path.relpath(path, HERE).split(".", 1)[0] not in listed:
             os.remove(path)
+    if pure:
         return []
     try:
         from mypyc.build import mypycify

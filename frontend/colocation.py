@@ -26,7 +26,7 @@ both ways before it keeps one:
   other in flight and came at most ``MAX_GAP_NS`` apart on average, the frontend's loop thread
   is pinned to the CPU it is on, and the state is PAIRED, on trial.
 - PAIRED: each request sent straight to a worker (under a lease) names that CPU, and the worker
-  waits for its next request pinned there (workers/main.py pins only its own thread, only while
+  waits for its next request pinned there (workers/worker.py pins only its own thread, only while
   it waits, and gives its full mask back before it runs the model, so threads a model starts
   are never confined).
 - The trial: the time from each request's arrival to its answer (``on_answer``) is kept for

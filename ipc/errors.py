@@ -9,6 +9,8 @@ cannot load (its files, its GPU) raises ``BackendLoadError``, and the worker rep
 """
 from __future__ import annotations
 
+import zmq
+
 from shmserve.ipc.messages.common import ErrorCode
 from shmserve.ipc.shm import ShmError, ShmFull
 
@@ -54,3 +56,18 @@ def shm_error(e: ShmError) -> InferError:
 
 class BackendLoadError(Exception):
     """A model instance cannot load: the text says why, and reaches the load's caller."""
+
+
+class PeerGone(ConnectionError):
+    """The receiving process has closed its inbox or exited (ipc/packets.py)."""
+
+
+class PeerStalled(zmq.Again):
+    """The receiver has not read for ``packets.SEND_TIMEOUT_S`` while its buffer was full."""
+
+    def __init__(self, msg: str):
+        super().__init__(zmq.EAGAIN)
+        self.strerror = msg
+
+    def __str__(self) -> str:
+        return self.strerror

@@ -34,6 +34,9 @@ import zmq
 from shmserve.ipc import messages
 from shmserve.ipc.counters import COUNTERS
 
+# (defined where the interpreter builds them: compiled classes cannot subclass builtin errors)
+from shmserve.ipc.errors import PeerGone, PeerStalled
+
 SCHEME = "unix://"
 MAX_PACKET = 128 * 1024          # fits the default AF_UNIX send buffer with room to spare
 SEND_TIMEOUT_S = 10.0
@@ -43,21 +46,6 @@ MORE = 1
 MAX_BATCH = 64
 _NOBLOCK = NOBLOCK = int(zmq.NOBLOCK)
 _RECV_SIZE = MAX_PACKET + 64
-
-
-class PeerGone(ConnectionError):
-    """The receiving process has closed its inbox or exited."""
-
-
-class PeerStalled(zmq.Again):
-    """The receiver has not read for ``SEND_TIMEOUT_S`` while its buffer was full."""
-
-    def __init__(self, msg: str):
-        super().__init__(zmq.EAGAIN)
-        self.strerror = msg
-
-    def __str__(self) -> str:
-        return self.strerror
 
 
 def is_packet_address(addr: str) -> bool:

@@ -57,7 +57,7 @@ class Death:
     # (frontend, request id), the likely poison (``culprit_of``); None otherwise
     culprit: tuple[int, int] | None = None
     # it was told to stop and exited 0: it ran or handed back everything it was sent, and
-    # refused what came later (workers/main.py bounce_leased)
+    # refused what came later (workers/worker.py bounce_leased)
     clean: bool = False
 
 

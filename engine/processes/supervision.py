@@ -142,7 +142,7 @@ class WorkerProcess:
         return read_record(record_path(self.args.run_dir, self.args.spawn_id))
 
     def last_words(self) -> str:
-        """The load failure the worker wrote before it exited (workers/main.py), or ""."""
+        """The load failure the worker wrote before it exited (workers/worker.py), or ""."""
         path = failure_path(self.args_path)
         try:
             with open(path, encoding="utf-8", errors="replace") as f:

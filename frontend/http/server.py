@@ -17,12 +17,7 @@ from typing import Any, Callable
 import httptools
 
 from shmserve.frontend.connections import Budget
-
-try:
-    from mypy_extensions import mypyc_attr
-except ImportError:     # (mypy is a build tool: the decorator only tells mypyc what to allow)
-    def mypyc_attr(*attrs: str, **kwattrs: object) -> Any:  # type: ignore[misc]
-        return lambda cls: cls
+from shmserve.ipc.compiled import mypyc_attr
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 

@@ -8,10 +8,11 @@ import time
 
 import pytest
 import zmq
+from packet_reader import PacketReader
 
 from shmserve.engine.requests.prepare import PreparedRequest
 from shmserve.frontend.engine_client import EngineClient
-from shmserve.ipc import channel, messages, packets
+from shmserve.ipc import channel, packets
 from shmserve.ipc.messages.common import ErrorCode, InferPayload, ShmRef
 from shmserve.ipc.messages.to_frontend import InferResult, LeaseGranted
 from shmserve.ipc.messages.to_scheduler import SubmitRequest
@@ -33,18 +34,10 @@ def run_dir():
 class Rig:
     """A scheduler inbox and a worker inbox around one EngineClient holding a lease."""
 
-    def __init__(self, run_dir: str, monkeypatch):
+    def __init__(self, run_dir: str):
         self.scheduler = channel.Inbox(channel.address(run_dir, "scheduler"))
-        self.worker = packets.PacketInbox(channel.worker_address(run_dir, SPAWN))
+        self.worker = PacketReader(channel.worker_address(run_dir, SPAWN))
         self.packets: list[int] = []        # messages in each packet of requests read
-        real = packets._decode_frames
-
-        def counting(body):
-            msgs = real(body)
-            if isinstance(messages.decode(msgs[0][0]), LeasedExecute):
-                self.packets.append(len(msgs))
-            return msgs
-        monkeypatch.setattr(packets, "_decode_frames", counting)
         self.run_dir = run_dir
         self.results: dict[int, InferResult] = {}
 
@@ -60,12 +53,13 @@ class Rig:
         return client.submit("m", 1, _prepared(), lambda r: self.results.setdefault(r.req_id, r))
 
     def at_worker(self, n: int) -> list[int]:
-        got = []
-        self.worker.set_timeout(2000)
-        for _ in range(n):
-            msg, _ = self.worker.recv()
-            assert isinstance(msg, LeasedExecute)
-            got.append(msg.head.req_id)
+        got: list[int] = []
+        while len(got) < n:
+            msgs = self.worker.packet(timeout_s=2.0)
+            assert all(isinstance(msg, LeasedExecute) for msg, _ in msgs)
+            self.packets.append(len(msgs))
+            got += [msg.head.req_id for msg, _ in msgs]
+        assert len(got) == n
         return got
 
     def at_scheduler(self) -> list[SubmitRequest]:
@@ -93,8 +87,8 @@ async def until(cond, timeout_s: float = 5.0):
         await asyncio.sleep(0.005)
 
 
-def test_an_idle_worker_gets_a_request_at_once_a_busy_one_a_packet_per_turn(run_dir, monkeypatch):
-    rig = Rig(run_dir, monkeypatch)
+def test_an_idle_worker_gets_a_request_at_once_a_busy_one_a_packet_per_turn(run_dir):
+    rig = Rig(run_dir)
 
     async def scenario():
         client = await rig.client()
@@ -116,10 +110,10 @@ def test_an_idle_worker_gets_a_request_at_once_a_busy_one_a_packet_per_turn(run_
         rig.close()
 
 
-def test_a_request_cancelled_while_held_for_its_worker_never_reaches_it(run_dir, monkeypatch):
+def test_a_request_cancelled_while_held_for_its_worker_never_reaches_it(run_dir):
     """A client that resets a call in the read after it sent it (rapid reset): the request,
     still held for the busy worker, was sent first and cancelled after, so the model ran it."""
-    rig = Rig(run_dir, monkeypatch)
+    rig = Rig(run_dir)
 
     async def scenario():
         client = await rig.client()
@@ -142,8 +136,8 @@ def test_a_request_cancelled_while_held_for_its_worker_never_reaches_it(run_dir,
         rig.close()
 
 
-def test_requests_held_for_a_worker_that_has_gone_go_to_the_scheduler(run_dir, monkeypatch):
-    rig = Rig(run_dir, monkeypatch)
+def test_requests_held_for_a_worker_that_has_gone_go_to_the_scheduler(run_dir):
+    rig = Rig(run_dir)
 
     async def scenario():
         client = await rig.client()
@@ -166,14 +160,14 @@ def test_requests_held_for_a_worker_that_has_gone_go_to_the_scheduler(run_dir, m
         rig.scheduler.close()
 
 
-def test_what_a_full_worker_inbox_cannot_take_goes_to_the_scheduler(run_dir, monkeypatch):
-    rig = Rig(run_dir, monkeypatch)
+def test_what_a_full_worker_inbox_cannot_take_goes_to_the_scheduler(run_dir):
+    rig = Rig(run_dir)
 
     async def scenario():
         client = await rig.client(depth=0)
         rig.submit(client)                  # opens the connection; the worker is now busy
         box = next(iter(client.workers.values()))
-        rig.worker.has_message()            # accept it, then never read
+        rig.worker.accept()                 # accept it, then never read
         filler = 0
         try:
             while True:                     # fill the worker's socket buffer

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import zmq
+from packet_reader import PacketReader
 
 from shmserve.ipc import packets
 from shmserve.ipc.messages.to_scheduler import Pong
@@ -107,31 +108,20 @@ def test_a_stalled_reader_bounds_memory_and_gives_a_clear_error(addr, monkeypatc
         assert inbox.recv()[0] == Ping(i)
 
 
-@pytest.fixture
-def decoded(monkeypatch):
-    """The number of messages in each packet an inbox reads, in order."""
-    sizes: list[int] = []
-    real = packets._decode_frames
-    monkeypatch.setattr(packets, "_decode_frames",
-                        lambda body: sizes.append(len(real(body))) or real(body))
-    return sizes
-
-
-def test_send_many_packs_messages_into_one_packet_each_whole(addr, decoded):
-    inbox = packets.PacketInbox(addr)
+def test_send_many_packs_messages_into_one_packet_each_whole(addr):
+    reader = PacketReader(addr)
     out = packets.PacketOutbox(addr)
     items = [(Ping(i), (bytes([i]) * i, b"") if i % 2 else ()) for i in range(10)]
     assert out.send_many(items) == 10
-    inbox.set_timeout(2000)
-    for i in range(10):
-        assert inbox.recv() == (Ping(i), [bytes([i]) * i, b""] if i % 2 else [])
-    assert decoded == [10]          # one packet held all ten
+    # one packet holds all ten, each whole
+    assert reader.packet() == [(Ping(i), [bytes([i]) * i, b""] if i % 2 else [])
+                               for i in range(10)]
     out.close()
-    inbox.close()
+    reader.close()
 
 
-def test_send_many_splits_at_the_packet_limit_and_sends_big_ones_alone(addr, decoded):
-    inbox = packets.PacketInbox(addr)
+def test_send_many_splits_at_the_packet_limit_and_sends_big_ones_alone(addr):
+    reader = PacketReader(addr)
     out = packets.PacketOutbox(addr)
     third = b"t" * (packets.MAX_PACKET // 3)
     huge = os.urandom(packets.MAX_PACKET * 2 + 5)
@@ -139,14 +129,13 @@ def test_send_many_splits_at_the_packet_limit_and_sends_big_ones_alone(addr, dec
              (Ping(3), (huge,)), (Ping(4), ())]
     items += [(Ping(5 + i), ()) for i in range(packets.MAX_BATCH + 1)]
     assert out.send_many(items) == len(items)
-    inbox.set_timeout(2000)
-    for i, (msg, payloads) in enumerate(items):
-        assert inbox.recv() == (msg, list(payloads)), i
+    got = [reader.packet() for _ in range(5)]
+    assert [msg for p in got for msg in p] == [(msg, list(payloads)) for msg, payloads in items]
     # two thirds fit one packet; the huge one goes alone (in fragments); then the small ones,
     # at most MAX_BATCH to a packet
-    assert decoded == [2, 1, 1, packets.MAX_BATCH, 2]
+    assert [len(p) for p in got] == [2, 1, 1, packets.MAX_BATCH, 2]
     out.close()
-    inbox.close()
+    reader.close()
 
 
 def test_send_many_to_a_full_peer_says_how_many_went_and_loses_none_of_them(addr):
@@ -263,7 +252,7 @@ def test_take_returns_what_has_arrived_and_none_without_an_exception(addr):
 
 
 def test_an_inbox_that_refuses_new_keeps_what_came_and_fails_every_later_send(addr):
-    """A worker that stops (workers/main.py bounce_leased): what peers sent before is read,
+    """A worker that stops (workers/worker.py bounce_leased): what peers sent before is read,
     accepted or not yet; every send after fails at its sender, so nothing is lost unseen."""
     inbox = packets.PacketInbox(addr)
     early = packets.PacketOutbox(addr)

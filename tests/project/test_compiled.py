@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import gzip
+import importlib.machinery
 import json
 import os
 import shutil
@@ -17,8 +18,7 @@ import requests
 from serverproc import REPO_ROOT, Server
 
 from shmserve.ipc import compiled
-
-FOLDERS = ("engine", "frontend", "ipc", "workers")
+from shmserve.ipc.compiled import FOLDERS
 
 
 def _descendants(pid: int) -> list[int]:
@@ -60,11 +60,12 @@ def _infer(server: Server) -> None:
     assert r.status_code == 400 and "error" in r.json(), r.text
 
 
-def _fresh(expr: str):
+def _fresh(expr: str, env: dict | None = None):
     """``expr`` evaluated in a new interpreter: what the server's processes would see, whatever
     this test process has imported or patched."""
     out = subprocess.run([sys.executable, "-c", f"from shmserve.ipc import compiled; print({expr})"],
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=60,
+                         env=None if env is None else {**os.environ, **env})
     assert out.returncode == 0, out.stderr
     return ast.literal_eval(out.stdout)
 
@@ -88,6 +89,20 @@ def test_a_source_edited_after_its_build_is_stale(tmp_path):
     records.write_text("{}")
     assert _fresh(f"compiled.stale({str(records)!r})") == [
         compiled.module_name(p) for p in compiled.SOURCES]
+
+
+def test_an_extension_left_from_a_module_no_longer_compiled_is_stale(tmp_path):
+    # a copy of the installed tree with its builds, plus the extension of a module that an
+    # earlier build compiled and the list has since dropped: Python imports it before the source
+    tree = tmp_path / "tree" / "shmserve"
+    for folder in FOLDERS:
+        shutil.copytree(os.path.join(REPO_ROOT, folder), tree / folder,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    [built] = [f for f in os.listdir(tree / "workers") if f.startswith("worker.") and
+               f.endswith(".so")]
+    shutil.copy(tree / "workers" / built, tree / "workers" / built.replace("worker.", "zygote."))
+    assert _fresh("compiled.stale()", env={"PYTHONPATH": str(tree.parent)}) == [
+        "shmserve.workers.zygote"]
 
 
 def test_compiled_and_pure_python_serve_alike(example_repo, tmp_path):
@@ -138,6 +153,9 @@ def test_a_build_that_cannot_compile_installs_pure_python(broken, tmp_path):
             os.symlink(os.readlink(os.path.join(REPO_ROOT, name)), target)
         else:
             shutil.copy2(os.path.join(REPO_ROOT, name), target)
+    # an extension an earlier editable build left, of a module no longer compiled: it goes
+    leftover = src / "workers" / f"zygote{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    leftover.write_bytes(b"")
     env = dict(os.environ)
     if broken == "no C compiler":
         env["CC"] = "/bin/false"
@@ -154,3 +172,4 @@ def test_a_build_that_cannot_compile_installs_pure_python(broken, tmp_path):
         names = z.namelist()
     assert "shmserve/frontend/http/server.py" in names
     assert not [n for n in names if n.endswith(".so") or n.endswith("compiled_sources.json")]
+    assert not leftover.exists()

@@ -16,6 +16,7 @@ import types
 import fake_cuda
 import numpy as np
 import pytest
+from bare_worker import BareWorker
 from serverproc import REPO_ROOT
 
 from shmserve.ipc import dtypes
@@ -31,8 +32,8 @@ from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers.answers import Answers
 from shmserve.workers.backends.base import WorkResponse
 from shmserve.workers.leases.chain import Chains
-from shmserve.workers.main import Worker
 from shmserve.workers.tensors import OutputTooLarge
+from shmserve.workers.worker import Worker
 
 CONFIG = {"name": "m", "max_batch_size": 0,
           "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [-1]}],
@@ -75,11 +76,10 @@ def execution_record() -> ExecutionRecord:
 
 def make_worker(backend, config=CONFIG) -> tuple[Worker, list]:
     """A Worker with what execute() and forget() use; its answers are collected."""
-    w = Worker.__new__(Worker)
+    w = BareWorker()
     w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.args = types.SimpleNamespace(spawn_id=1)
     w.spec = types.SimpleNamespace(model_name="m", version=1)
-    w.inbox = types.SimpleNamespace(address="unix://test")
     w.backend, w.device_inputs = backend, backend.device_inputs
     w.maps, w.cuda_handles, w.arena = ShmMapCache(), cuda_ipc.CudaHandles(), None
     w.answers = Answers("m", 1, "unix://test", w.arena, w.maps, None, w.cuda_handles)

@@ -19,6 +19,7 @@ import types
 import fake_cuda
 import numpy as np
 import pytest
+from bare_worker import BareWorker
 
 from shmserve.ipc.exec_record import ExecutionRecord
 from shmserve.ipc.gpu import cuda_ipc
@@ -32,7 +33,7 @@ from shmserve.ipc.shm import ShmMapCache
 from shmserve.workers.answers import Answers
 from shmserve.workers.backends.base import WorkResponse
 from shmserve.workers.leases.chain import Chains
-from shmserve.workers.main import Worker
+from shmserve.workers.worker import Worker
 
 CONFIG = {"name": "m", "max_batch_size": 0,
           "input": [{"name": "IN", "data_type": "TYPE_FP32", "dims": [-1]}],
@@ -181,11 +182,10 @@ def execution_record() -> ExecutionRecord:
 
 
 def make_worker(backend, pool=None, config=CONFIG) -> tuple[Worker, list]:
-    w = Worker.__new__(Worker)
+    w = BareWorker()
     w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.args = types.SimpleNamespace(spawn_id=1)
     w.spec = types.SimpleNamespace(model_name="m", version=1)
-    w.inbox = types.SimpleNamespace(address="unix://test")
     w.backend, w.device_inputs = backend, backend.device_inputs
     w.device_arena = DeviceArena(pool)
     w.maps, w.cuda_handles, w.arena = ShmMapCache(), cuda_ipc.CudaHandles(w.device_arena.local), None

@@ -15,12 +15,13 @@ from types import SimpleNamespace
 import numpy as np
 import onnx
 import pytest
+from bare_worker import BareWorker
 from google.protobuf import json_format, text_format
 from onnx import TensorProto, helper
 from serverproc import REPO_ROOT
 from tritonclient.grpc import model_config_pb2 as mc
 
-from shmserve.ipc import dtypes
+from shmserve.ipc import channel, dtypes, packets
 from shmserve.ipc.exec_record import ExecutionRecord
 from shmserve.ipc.messages import encode
 from shmserve.ipc.messages.common import ErrorCode, InferPayload, OutputSpec, Tensor
@@ -31,7 +32,7 @@ from shmserve.ipc.shm import ShmMapCache
 from shmserve.ipc.spawn_args import InstanceSpec
 from shmserve.workers.answers import Answers
 from shmserve.workers.leases.chain import Chains
-from shmserve.workers.main import Worker
+from shmserve.workers.worker import Worker
 
 START, END = 1, 2
 EXAMPLES = os.path.join(REPO_ROOT, "configs", "models")
@@ -53,21 +54,28 @@ def execution_record() -> ExecutionRecord:
         return ExecutionRecord(os.path.join(d, "exec"))
 
 
+def unread_inbox() -> packets.PacketInbox:
+    """The worker's inbox, for its address only: nothing here sends to it (its socket's file is
+    removed at once, so no one could)."""
+    with tempfile.TemporaryDirectory() as d:
+        return packets.PacketInbox(channel.worker_address(d, 1))
+
+
 def make_worker(model_dir: str) -> Worker:
     """A Worker with everything execute() and load() use, and no sockets: its answers to
     frontends and its messages to the scheduler are recorded (``sent``)."""
     with open(os.path.join(model_dir, "config.pbtxt")) as f:
         cfg_json = config_json(f.read())
     cfg = json.loads(cfg_json)
-    w = Worker.__new__(Worker)
+    w = BareWorker()
     w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.args = SimpleNamespace(spawn_id=1)
     w.args_path = ""
+    w.inbox = unread_inbox()
     w.spec = InstanceSpec(cfg["name"], 1, model_dir, cfg_json, f"{cfg['name']}_0", "CPU", 0,
                           cfg["backend"])
     w.maps = ShmMapCache()
     w.arena = None                      # every answer here is small enough to ride inline
-    w.inbox = SimpleNamespace(address="ipc://unused")
     w.backlog, w.running, w.running_chain, w.cancelled = deque(), None, [], set()
     w.streams, w.stream_cancelled, w.responses_reported = {}, set(), {}
     w.out_lock, w.tell_lock = threading.Lock(), threading.Lock()

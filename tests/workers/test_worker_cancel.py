@@ -6,18 +6,18 @@ import threading
 from collections import deque
 
 import pytest
+from bare_worker import BareWorker
 from serverproc import wait_for
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages.to_scheduler import CancelRequest, ForgetSegments
 from shmserve.ipc.messages.to_worker import Ping, RequestRoute
 from shmserve.workers.leases.chain import Chains
-from shmserve.workers.main import Worker
 
 
 @pytest.fixture
 def worker(tmp_path):
-    w = Worker.__new__(Worker)              # only what poll_cancelled uses; no model, no arena
+    w = BareWorker()              # only what poll_cancelled uses; no model, no arena
     w.chains, w.bls = Chains(w), None   # no ensemble runs worker to worker, no BLS
     w.sequence_lease = None             # not a sequence model
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), 1))

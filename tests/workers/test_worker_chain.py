@@ -10,6 +10,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from bare_worker import BareWorker
 
 from shmserve.ipc import channel
 from shmserve.ipc.messages import decode_payload, encode
@@ -18,7 +19,6 @@ from shmserve.ipc.messages.to_frontend import InferResult, LeaseBounced
 from shmserve.ipc.messages.to_scheduler import SubmitRequest
 from shmserve.ipc.messages.to_worker import ChainExecute, ReleaseOutputs
 from shmserve.workers.leases.chain import STOPPING, Chains
-from shmserve.workers.main import Worker
 
 SPAWN, NEXT, OTHER = 7, 8, 9
 FRONTEND = 2
@@ -35,16 +35,16 @@ class Arena:
 @pytest.fixture
 def worker(tmp_path):
     run_dir = str(tmp_path)
-    w = Worker.__new__(Worker)      # only the chain logic; execute() is recorded, not run
+    w = BareWorker()      # only the chain logic; execute() is recorded, not run
     w.args = SimpleNamespace(spawn_id=SPAWN, run_dir=run_dir)
     w.inbox = channel.inbox_for(channel.worker_address(run_dir, SPAWN))
     w.backlog, w.revoked_upto = deque(), 0
     w.main_thread = threading.get_ident()
     w.out_lock = threading.Lock()
     w.arena = Arena()
-    w.executed, w.answers = [], []
+    w.executed, w.sent = [], []
     w.execute = lambda batch, frames, leased=None: w.executed.append((batch, frames, leased))
-    w.answer = lambda fid, msg: w.answers.append((fid, msg))
+    w.answer = lambda fid, msg: w.sent.append((fid, msg))
     w.chains = Chains(w)
     peers = {sid: channel.inbox_for(channel.worker_address(run_dir, sid)) for sid in (NEXT, OTHER)}
     for box in peers.values():
@@ -103,7 +103,7 @@ def test_the_next_step_on_another_worker_gets_the_tensors_and_the_slots_to_give_
     p = decode_payload(frames[0])
     assert {t.name: t.shm for t in p.inputs} == {"IN": slot("client"), "t1": slot("mine")}
     assert [o.name for o in p.outputs] == ["OUT"]     # the client's, kept for the last step
-    assert w.answers == [] and w.arena.freed == []    # the slot lives on with the request
+    assert w.sent == [] and w.arena.freed == []    # the slot lives on with the request
 
 
 def test_a_next_step_on_this_worker_runs_next_without_a_socket(worker):
@@ -127,7 +127,7 @@ def test_the_last_step_answers_the_frontend_with_the_ensembles_names_and_records
     out = Tensor("Y", "FP32", [2, 4], shm=slot("mine", 128))
     w.chains.answered((FRONTEND, 40), InferResult(40, "b", 3, [out], worker=w.inbox.address,
                                                   done=record("b", 200)))
-    [(fid, res)] = w.answers
+    [(fid, res)] = w.sent
     assert fid == FRONTEND and (res.req_id, res.model, res.version) == (40, "ens", 1)
     assert [(t.name, t.shm) for t in res.outputs] == [("OUT", slot("mine", 128))]
     assert res.worker == w.inbox.address            # the frontend gives the output back here
@@ -150,7 +150,7 @@ def test_a_failed_step_fails_the_request_by_its_step_and_gives_the_slots_back(wo
     w.chains.answered((FRONTEND, 40), InferResult(40, "b", 3, error="boom",
                                                   code=ErrorCode.INVALID_ARG,
                                                   done=record("b", 5, failed=True)))
-    [(_, res)] = w.answers
+    [(_, res)] = w.sent
     assert res.error == "in ensemble 'ens', step 1 (model 'b'): boom"
     assert res.code == ErrorCode.INVALID_ARG and res.done.failed
     assert res.steps == [record("b", 5, failed=True)]
@@ -161,7 +161,7 @@ def test_an_input_that_does_not_fit_the_steps_model_fails_before_it_runs(worker)
     w, _ = worker
     w.chains.run(chain(1, workers=(SPAWN, SPAWN)), [frame(Tensor("t1", "FP32", [2, 5]))])
     assert w.executed == []
-    [(_, res)] = w.answers
+    [(_, res)] = w.sent
     assert res.code == ErrorCode.INVALID_ARG
     assert res.error == ("in ensemble 'ens', step 1 (model 'b'): unexpected shape for input "
                          "'X' for model 'b'. Expected [-1, 4], got [2, 5]")
@@ -172,7 +172,7 @@ def test_a_first_step_whose_lease_ended_goes_back_to_the_frontend_unrun(worker):
     w.revoked_upto = 6
     w.chains.run(chain(0), [frame(Tensor("IN", "FP32", [2, 4]))])
     assert w.executed == []
-    assert w.answers == [(FRONTEND, LeaseBounced(SPAWN, 40))]
+    assert w.sent == [(FRONTEND, LeaseBounced(SPAWN, 40))]
 
 
 def test_a_later_step_whose_lease_ended_runs_unless_the_worker_stops(worker):
@@ -182,13 +182,13 @@ def test_a_later_step_whose_lease_ended_runs_unless_the_worker_stops(worker):
     w.revoked_upto = 6
     tensors = frame(Tensor("IN", "FP32", [2, 4]), Tensor("t1", "FP32", [2, 4], shm=slot("other")))
     w.chains.run(chain(1, workers=(OTHER, SPAWN)), [tensors])
-    assert len(w.executed) == 1 and w.answers == []
+    assert len(w.executed) == 1 and w.sent == []
     w.executed.clear()
     w.revoked_upto = STOPPING
     held = [(peers[OTHER].address, slot("other"))]
     w.chains.run(chain(1, workers=(OTHER, SPAWN), held=held), [frame()])
     assert w.executed == []
-    assert w.answers == [(FRONTEND, LeaseBounced(SPAWN, 40))]
+    assert w.sent == [(FRONTEND, LeaseBounced(SPAWN, 40))]
     msg, _ = peers[OTHER].recv()
     assert msg == ReleaseOutputs([slot("other")])
 
@@ -200,7 +200,7 @@ def test_a_next_worker_that_is_gone_sends_the_request_back_to_the_frontend(worke
     w.chains.answered((FRONTEND, 40), InferResult(40, "a", 1, [Tensor("Y", "FP32", [2, 4],
                                                                       shm=slot("mine"))],
                                                   worker=w.inbox.address))
-    assert w.answers == [(FRONTEND, LeaseBounced(SPAWN, 40))]
+    assert w.sent == [(FRONTEND, LeaseBounced(SPAWN, 40))]
     assert w.arena.freed == [slot("mine")]
 
 
@@ -210,7 +210,7 @@ def test_a_cancel_that_came_first_ends_the_request_when_it_arrives(worker):
     w.chains.cancel((FRONTEND, 40))
     w.chains.run(chain(1, workers=(SPAWN, SPAWN), held=held), [frame()])
     assert w.executed == []
-    [(_, res)] = w.answers
+    [(_, res)] = w.sent
     assert res.code == ErrorCode.CANCELLED and w.arena.freed == [slot("mine")]
     assert not w.chains.cancelled           # forgotten once used
 

@@ -9,6 +9,7 @@ from collections import deque
 from types import SimpleNamespace
 
 import pytest
+from bare_worker import BareWorker
 from serverproc import wait_for
 
 from shmserve.ipc import channel
@@ -19,7 +20,6 @@ from shmserve.ipc.messages.to_worker import LeasedExecute, LendSequences, Ping, 
 from shmserve.workers.leases.batch import LeasedBatcher
 from shmserve.workers.leases.chain import Chains
 from shmserve.workers.leases.sequences import SequenceLease
-from shmserve.workers.main import Worker
 
 SPAWN = 7
 
@@ -34,7 +34,7 @@ class Recorder:
 
 @pytest.fixture
 def worker(tmp_path):
-    w = Worker.__new__(Worker)      # only the lease logic; execute() is recorded, not run
+    w = BareWorker()      # only the lease logic; execute() is recorded, not run
     w.args = SimpleNamespace(spawn_id=SPAWN)
     w.inbox = channel.inbox_for(channel.worker_address(str(tmp_path), SPAWN))
     w.backlog, w.revoked_upto = deque(), 0
@@ -42,9 +42,9 @@ def worker(tmp_path):
     w.sequence_lease = None                                     # not a sequence model
     w.scheduler = Recorder()
     w.tell_lock = threading.Lock()
-    w.executed, w.answers = [], []
+    w.executed, w.sent = [], []
     w.execute = lambda batch, frames, leased=None: w.executed.append((batch, frames, leased))
-    w.answer = lambda fid, msg: w.answers.append((fid, msg))
+    w.answer = lambda fid, msg: w.sent.append((fid, msg))
     w.chains = Chains(w)
     out = channel.outbox_for(w.inbox.address)
     yield w, out
@@ -67,7 +67,7 @@ def test_runs_leased_requests_until_the_revoke_then_hands_them_back(worker):
     w.leased(LeasedExecute(3, head(11)), [b"p11"])       # read after the revoke: not run
     w.leased(LeasedExecute(2, head(12, frontend=4)), [b"p12"])   # an older lease, too
     assert len(w.executed) == 1
-    assert w.answers == [(2, LeaseBounced(SPAWN, 11)), (4, LeaseBounced(SPAWN, 12))]
+    assert w.sent == [(2, LeaseBounced(SPAWN, 11)), (4, LeaseBounced(SPAWN, 12))]
     w.leased(LeasedExecute(4, head(13)), [b"p13"])       # the next lease runs
     assert len(w.executed) == 2
 
@@ -81,7 +81,7 @@ def test_stopping_hands_back_the_leased_requests_it_still_holds(worker):
     w.backlog.append(w.inbox.recv())    # one was read during the last execute()
     w.bounce_leased()
     assert w.executed == []
-    assert w.answers == [(2, LeaseBounced(SPAWN, 20)), (2, LeaseBounced(SPAWN, 21))]
+    assert w.sent == [(2, LeaseBounced(SPAWN, 20)), (2, LeaseBounced(SPAWN, 21))]
 
 
 def test_the_answers_of_one_execution_go_one_message_per_frontend(worker):
@@ -93,7 +93,7 @@ def test_the_answers_of_one_execution_go_one_message_per_frontend(worker):
     results = [InferResult(i, "m", 1) for i in range(6)]
     results[5] = None           # answered through its response sender: gone already
     steps = w.answer_all(routes, results)
-    assert w.answers == [(2, InferResults([results[0], results[1], results[3]])),
+    assert w.sent == [(2, InferResults([results[0], results[1], results[3]])),
                          (4, results[2])]
     assert steps == [results[4]]
 
@@ -130,7 +130,7 @@ def test_a_sequence_lease_runs_in_order_and_hands_back_what_it_still_queues(work
     w.revoke_lease(RevokeLease(3))
     [ended] = w.scheduler.sent
     assert (ended.lease_id, sorted(s.cid for s in ended.sequences)) == (3, [5, 9])
-    assert w.answers == [(2, LeaseBounced(SPAWN, 14))]
+    assert w.sent == [(2, LeaseBounced(SPAWN, 14))]
 
 
 def test_a_sequence_that_finds_no_slot_gives_the_lease_back(worker):
@@ -142,6 +142,6 @@ def test_a_sequence_that_finds_no_slot_gives_the_lease_back(worker):
     assert w.executed == [] and w.revoked_upto == 3
     [ended] = w.scheduler.sent
     assert [s.cid for s in ended.sequences] == [9]
-    assert w.answers == [(2, LeaseBounced(SPAWN, 10))]
+    assert w.sent == [(2, LeaseBounced(SPAWN, 10))]
     w.leased(LeasedExecute(3, seq_head(11, 9)), [b"p11"])       # later ones bounce too
-    assert w.answers[-1] == (2, LeaseBounced(SPAWN, 11))
+    assert w.sent[-1] == (2, LeaseBounced(SPAWN, 11))

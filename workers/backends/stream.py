@@ -17,7 +17,7 @@ config rules and the answers are theirs:
 
 Either may also serve a model that is not decoupled, as in Triton (its gRPC state-cleanup test
 streams to such a repeat model): the request's first response is its answer and the later ones
-are dropped (workers/main.py, ``Worker.emit``).
+are dropped (workers/worker.py, ``Worker.emit``).
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ from shmserve.ipc.messages.to_scheduler import SubmitRequest
 from shmserve.ipc.messages.to_worker import ChainExecute, ExecuteBatch, ReleaseOutputs, RequestRoute
 
 log = logging.getLogger("shmserve.worker")
-STOPPING = 1 << 62      # the worker's revoked_upto once it stops (workers/main.py bounce_leased)
+STOPPING = 1 << 62      # the worker's revoked_upto once it stops (workers/worker.py bounce_leased)
 
 # Cancels for requests of a chain this worker has not seen yet (the cancel reached every worker
 # of the route at once); the oldest are forgotten first.

@@ -111,7 +111,7 @@ class LeasedSequences:
 
 class SequenceLease:
     """The worker's side of a leased sequence model: feeds LeasedSequences from the inbox and
-    runs what it returns (workers/main.py calls in)."""
+    runs what it returns (workers/worker.py calls in)."""
 
     # how long a leased request waits for the LendSequences that the scheduler sent before the
     # grant (it is in the inbox already: this bounds a broken protocol, not a normal wait)
