@@ -31,10 +31,8 @@ def _warn(text: str) -> None:
 
 
 def _built_in_place() -> list[str]:
-    """What an earlier editable build left next to the sources. The extension of a module since
-    dropped from the list goes in every build: Python would still import it before the source."""
-    found = [f for folder in _COMPILED["FOLDERS"]
-             for f in glob.glob(os.path.join(HERE, folder, "**", "*.so"), recursive=True)]
+    stems = [p[:-len(".py")] for p in SOURCES] + ["ipc/compiled__mypyc"]
+    found = [f for stem in stems for f in glob.glob(os.path.join(HERE, stem + ".*.so"))]
     return found + glob.glob(os.path.join(HERE, "ipc", "compiled_sources.json"))
 
 
@@ -63,12 +61,13 @@ class _AllOrNothing(build_ext):
 
 
 def _extensions() -> list:
-    pure = os.environ.get("SHMSERVE_PURE_PYTHON") == "1"
-    listed = {p[:-len(".py")] for p in SOURCES} | {"ipc/compiled__mypyc"}
-    for path in _built_in_place():
-        if pure or os.path.relpath(path, HERE).split(".", 1)[0] not in listed:
+    # an extension an earlier editable build left for a module no longer listed would still be
+    # imported before its source
+    for path in _COMPILED["leftover_extensions"](HERE):
+        os.remove(path)
+    if os.environ.get("SHMSERVE_PURE_PYTHON") == "1":
+        for path in _built_in_place():
             os.remove(path)
-    if pure:
         return []
     try:
         from mypyc.build import mypycify

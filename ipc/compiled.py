@@ -28,7 +28,7 @@ SOURCES = (
     # HTTP/1.1, HTTP/2 and gRPC's codec, the frontend's link to the workers, the packet transport,
     # and the worker's loop with its tensor and answer handling. Not yet: gRPC's event-loop
     # protocol, answers and streams (mixins and async generators, which mypyc does not compile),
-    # and the python backend (compiled, its BLS calls measured slower).
+    # and the python backend (compiled, a BLS call measured no faster).
     "frontend/colocation.py",
     "frontend/deadlines.py",
     "frontend/engine_client.py",
@@ -45,8 +45,8 @@ SOURCES = (
     "frontend/priority.py",
     "ipc/packets.py",
     "workers/answers.py",
-    "workers/worker.py",
     "workers/tensors.py",
+    "workers/worker.py",
 )
 
 
@@ -74,20 +74,17 @@ def compiled() -> list[str]:
     return out
 
 
-def _leftovers() -> list[str]:
-    """Modules an earlier build compiled that ``SOURCES`` no longer lists: their extension would
-    still be imported before their source."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+def leftover_extensions(root: str = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+                        ) -> list[str]:
+    """Extension files under ``root`` (the package's folder, or a source tree) of modules an
+    earlier build compiled and ``SOURCES`` no longer lists: Python would still import them
+    before their source. The build removes them; ``stale`` reports them."""
     listed = {p[:-len(".py")] for p in SOURCES} | {"ipc/compiled__mypyc"}
     suffixes = tuple(importlib.machinery.EXTENSION_SUFFIXES)
-    out = []
-    for folder in FOLDERS:
-        for where, _, files in os.walk(os.path.join(root, folder)):
-            for f in files:
-                stem = os.path.relpath(os.path.join(where, f.split(".", 1)[0]), root)
-                if f.endswith(suffixes) and stem not in listed:
-                    out.append(module_name(stem + ".py"))
-    return out
+    return [os.path.join(where, f)
+            for folder in FOLDERS for where, _, files in os.walk(os.path.join(root, folder))
+            for f in files if f.endswith(suffixes) and
+            os.path.relpath(os.path.join(where, f.split(".", 1)[0]), root) not in listed]
 
 
 def digest(path: str) -> str:
@@ -105,7 +102,9 @@ def stale(records: str = RECORDS) -> list[str]:
             built = json.load(f)
     except (OSError, ValueError):
         built = {}
-    out = _leftovers()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = [module_name(os.path.relpath(path, root).split(".", 1)[0] + ".py")
+           for path in leftover_extensions(root)]
     for name in compiled():
         origin = _origin(name)
         assert origin is not None
