@@ -76,6 +76,14 @@ def test_the_build_compiled_every_listed_module():
     assert _fresh("compiled.compiled()") == [compiled.module_name(p) for p in compiled.SOURCES]
 
 
+def test_no_process_entry_is_compiled():
+    # python -m cannot run an extension as __main__: a compiled entry would fail every start
+    # of its process (a worker spawned as `python -m shmserve.workers.main` did, once)
+    for path in compiled.SOURCES:
+        with open(os.path.join(REPO_ROOT, path)) as f:
+            assert 'if __name__ == "__main__"' not in f.read(), path
+
+
 def test_a_source_edited_after_its_build_is_stale(tmp_path):
     assert _fresh("compiled.stale()") == []
     with open(compiled.RECORDS) as f:
