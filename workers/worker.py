@@ -634,15 +634,25 @@ class Worker:
             self.answer_all(batch.routes, results)
             return
         failed = [i for i, res in enumerate(results) if res is not None and res.error]
-        steps = self.answer_all(batch.routes, results)
+        by_frontend, steps = self.group_answers(batch.routes, results)
+        # the scheduler hears of the execution before any frontend has its answer: it reads
+        # workers' messages first, so a statistics query sent after an answer counts it
         self.tell(BatchDone(self.args.spawn_id, batch.batch_id, failed,
                             t1 - t0, t2 - t1, t3 - t2, answers=steps))
+        self.send_answers(by_frontend)
 
     def answer_all(self, routes: list[RequestRoute],
                    results: list[InferResult | None]) -> list[InferResult]:
-        """The answers of one execution, one message per frontend (one wake-up of it for the
-        whole batch). An ensemble's steps are returned instead: they ride in the BatchDone (one
-        message, one wake-up of the scheduler, which runs the ensemble)."""
+        """The answers of one execution, sent; an ensemble's steps are returned instead."""
+        by_frontend, steps = self.group_answers(routes, results)
+        self.send_answers(by_frontend)
+        return steps
+
+    def group_answers(self, routes: list[RequestRoute], results: list[InferResult | None]
+                      ) -> tuple[dict[int, list[InferResult]], list[InferResult]]:
+        """The answers of one execution by frontend, to go one message per frontend (one
+        wake-up of it for the whole batch), and an ensemble's steps, which ride in the BatchDone
+        (one message, one wake-up of the scheduler, which runs the ensemble)."""
         by_frontend: dict[int, list[InferResult]] = {}
         chains = self.chains
         for route, res in zip(routes, results):
@@ -650,10 +660,11 @@ class Worker:
                 if chains.live and chains.answered((route.frontend, route.req_id), res):
                     continue        # a step of an ensemble run worker to worker
                 by_frontend.setdefault(route.frontend, []).append(res)
-        steps = by_frontend.pop(ENSEMBLE_FRONTEND, [])
+        return by_frontend, by_frontend.pop(ENSEMBLE_FRONTEND, [])
+
+    def send_answers(self, by_frontend: dict[int, list[InferResult]]) -> None:
         for fid, answers in by_frontend.items():
             self.answer(fid, answers[0] if len(answers) == 1 else InferResults(answers))
-        return steps
 
     def end_stream(self, route: RequestRoute) -> None:
         """The request's answer comes from execute()'s return: its sender can send no more."""

@@ -26,7 +26,7 @@ from shmserve.ipc.exec_record import ExecutionRecord
 from shmserve.ipc.messages import encode
 from shmserve.ipc.messages.common import ErrorCode, InferPayload, OutputSpec, Tensor
 from shmserve.ipc.messages.to_frontend import InferResult, InferResults
-from shmserve.ipc.messages.to_scheduler import WorkerLoadFailed
+from shmserve.ipc.messages.to_scheduler import BatchDone, WorkerLoadFailed
 from shmserve.ipc.messages.to_worker import ExecuteBatch, RequestRoute
 from shmserve.ipc.shm import ShmMapCache
 from shmserve.ipc.spawn_args import InstanceSpec
@@ -156,6 +156,14 @@ def test_simple_sequence(simple_sequence):
     assert outputs(got[0]) == ["OUTPUT"]
 
 
+def test_the_scheduler_hears_of_an_execution_before_the_frontend_has_its_answers(simple_sequence):
+    # the scheduler reads workers' messages first: a statistics query a client sends once it
+    # has its answer then counts the execution
+    execute(simple_sequence, [(101, START | END, 10), (102, START | END, 20)])
+    kinds = [type(m) for m in simple_sequence.sent]
+    assert kinds[0] is BatchDone and kinds[1:] == [InferResults], kinds
+
+
 def test_simple_dyna_sequence_with_its_corrid():
     w = load_worker(os.path.join(EXAMPLES, "simple_dyna_sequence"))
     # OUTPUT = READY * (INPUT + START + END * CORRID), CORRID as INT32
@@ -165,7 +173,8 @@ def test_simple_dyna_sequence_with_its_corrid():
     got = execute(w, [("abc", START, 1), (8, END, 2)])
     assert got[0].code == ErrorCode.INVALID_ARG and "must be an unsigned integer, not a string" in got[0].error
     assert value(got[1]) == [[10]]
-    assert w.sent[-1].failed == [0]                 # BatchDone counts the failure
+    [done] = [m for m in w.sent if isinstance(m, BatchDone)]
+    assert done.failed == [0]                       # BatchDone counts the failure
     w.backend.finalize()
 
 
