@@ -272,9 +272,10 @@ def test_a_killed_frontend_is_restarted_while_the_others_serve(repo):
             t.join(60)
         assert s.proc.poll() is None                    # the server never stopped
         # at most the requests in flight on the killed frontend's connections: the connection
-        # closed under them, no wrong answer, no server error
+        # closed under them (before the answer, or in the middle of its 80 KB: the client's
+        # parser then says the response is incomplete), no wrong answer, no server error
         assert len(failed) <= len(threads), failed
-        assert all("HTTPConnectionClosed" in f or "Connection" in f for f in failed), failed
+        assert all("Connection" in f or "Incomplete response" in f for f in failed), failed
         assert pids[0] in frontend_pids(s)              # the other one was never touched
         assert "frontend-1 process exited (killed by SIGKILL); starting another" in s.log_text()
         assert _segments_named(s, "_f1_") == []         # the dead one's arena is gone
