@@ -85,6 +85,8 @@ LEASED_FLUSH_S = 0.05
 
 # How often the deadline sweep runs while requests are held (sooner when a deadline is nearer).
 SWEEP_S = 0.5
+# messages handled in one wake-up of the loop at most
+DRAIN_MAX = 256
 
 # Sequences lost with a leased worker that ended, remembered until their next request.
 LOST_SEQUENCES_KEPT = 4096
@@ -746,10 +748,10 @@ class EngineClient:
 
     def _take_all(self) -> None:
         inbox, handlers = self.inbox, self.handlers
-        look = True
-        while True:
-            got = inbox.take(look)
-            look = False        # one look at the sockets per wake-up (level-triggered)
+        # bounded, so that a stream of answers cannot hold the loop: what is left in the
+        # sockets wakes the loop again (level-triggered), what was read already is taken next
+        for _ in range(DRAIN_MAX):
+            got = inbox.take()
             if got is None:
                 if self.lost:
                     self._resolve_lost()
@@ -766,6 +768,8 @@ class EngineClient:
                 # does not show them: stopping here would strand them until the next arrives,
                 # so a failing callback costs only itself
                 log.exception("error handling a %s message", type(msg).__name__)
+        if inbox.ready:
+            asyncio.get_running_loop().call_soon(self._drain)
 
     def _deliver_many(self, msg: InferResults) -> None:
         for result in msg.results:

@@ -138,16 +138,12 @@ class PacketInbox:
             self._collect(timeout_s)
         return bool(self.ready)
 
-    def take(self, look: bool = True):
+    def take(self):
         """(message, payload frames) if one has arrived, else None: ``recv(NOBLOCK)`` without
         an exception, for a loop that drains the inbox on every wake-up (the zmq.Again that
-        ends such a drain cost about as much as reading a message). ``look=False``: only what
-        an earlier look at the sockets read; an event loop that watches ``fileno`` needs one
-        look per wake-up, since what arrives after it wakes the loop again."""
+        ends such a drain cost about as much as reading a message)."""
         ready = self.ready
         if not ready:
-            if not look:
-                return None
             while self._collect(0.0) and not ready:
                 pass
             if not ready:
@@ -212,6 +208,10 @@ class PacketInbox:
             self.epoll.register(conn.fileno(), select.EPOLLIN)
 
     def _read(self, fd: int, ev: int) -> None:
+        """Reads one whole message (its fragments, when it came in several) from ``fd``. Not
+        until EAGAIN: the epoll set is level-triggered, so the next look finds whatever else
+        waits, and a read that finds nothing costs a raised exception (four times an empty
+        look at the epoll set), once a wake-up when a wake-up brings one message."""
         conn = self.conns.get(fd)
         if conn is None:
             return
@@ -236,6 +236,7 @@ class PacketInbox:
             else:
                 parts.append(bytes(buf[1:n]))
                 self.ready.extend(_decode_frames(b"".join(parts)))
+            return
 
     def _drop(self, fd: int) -> None:
         conn = self.conns.pop(fd, None)

@@ -251,6 +251,28 @@ def test_take_returns_what_has_arrived_and_none_without_an_exception(addr):
     inbox.close()
 
 
+def test_a_look_at_the_sockets_reads_one_message_from_each(addr):
+    """Not until a read finds nothing (an exception per wake-up): the epoll set is
+    level-triggered, so the next look finds what else waits, in order."""
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    big = os.urandom(packets.MAX_PACKET * 2 + 5)         # fragments: still one message
+    out.send(Ping(1), (big,))
+    out.send(Ping(2))
+    out.send(Ping(3))
+    deadline = time.monotonic() + 2
+    while not inbox.has_message():      # the first look accepts the peer
+        assert time.monotonic() < deadline
+    assert len(inbox.ready) == 1
+    assert inbox.recv() == (Ping(1), [big])
+    assert inbox.take() == (Ping(2), [])
+    assert len(inbox.ready) == 0
+    assert inbox.take() == (Ping(3), [])
+    assert inbox.take() is None
+    out.close()
+    inbox.close()
+
+
 def test_an_inbox_that_refuses_new_keeps_what_came_and_fails_every_later_send(addr):
     """A worker that stops (workers/worker.py bounce_leased): what peers sent before is read,
     accepted or not yet; every send after fails at its sender, so nothing is lost unseen."""
