@@ -29,6 +29,8 @@ SOURCES = (
     # and the worker's loop with its tensor and answer handling. Not yet: gRPC's event-loop
     # protocol, answers and streams (mixins and async generators, which mypyc does not compile),
     # and the python backend (compiled, a BLS call measured no faster).
+    "engine/requests/prepare.py",
+    "engine/requests/validation.py",
     "frontend/colocation.py",
     "frontend/deadlines.py",
     "frontend/engine_client.py",

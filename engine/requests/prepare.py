@@ -185,11 +185,12 @@ def output_wanted(registry: ShmRegistry, name: str, params: dict, binary_default
     if "classification" in params:
         if "shared_memory_region" in params:
             raise invalid(f"output '{name}': classification cannot be written to shared memory")
-        classes = params["classification"]
-        if not isinstance(classes, int) or isinstance(classes, bool) or \
-                not 0 < classes < 1 << 64:
+        asked = params["classification"]     # any JSON value until checked
+        if not isinstance(asked, int) or isinstance(asked, bool) or \
+                not 0 < asked < 1 << 64:
             raise invalid(f"output '{name}': invalid value for 'classification' parameter, "
-                          f"expected a positive integer, got {classes!r}")
+                          f"expected a positive integer, got {asked!r}")
+        classes = asked
     if "shared_memory_region" in params:
         if params.get("binary_data") is True:
             raise invalid(f"output '{name}': binary_data cannot be combined with "
