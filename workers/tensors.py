@@ -17,9 +17,18 @@ def to_numpy(t: Tensor, maps: ShmMapCache) -> np.ndarray:
     buf: Any = t.data if t.shm is None else maps.view(t.shm)
     if t.datatype == "BYTES":
         return dtypes.deserialize_bytes(buf, dtypes.element_count(t.shape)).reshape(t.shape)
-    arr = np.frombuffer(buf, dtype=dtypes.WIRE_TO_NUMPY[t.datatype]).reshape(t.shape)
-    # inputs may live in memory the model does not own (a client's region): never let it write
-    arr.flags.writeable = False
+    # one call (frombuffer, then reshape, cost three times as much); the buffer must hold the
+    # tensor exactly, as frombuffer + reshape demanded
+    try:
+        arr = np.ndarray(t.shape, dtypes.WIRE_TO_NUMPY[t.datatype], buf)
+    except TypeError as e:      # the buffer is too small
+        raise ValueError(str(e)) from None
+    if arr.nbytes != len(buf):
+        raise ValueError(f"{len(buf)} bytes hold no tensor of shape {t.shape}")
+    if t.shm is not None:
+        # inputs in memory the model does not own (a client's region): never let it write (an
+        # array on the message's bytes is read-only already)
+        arr.flags.writeable = False
     return arr
 
 

@@ -50,9 +50,14 @@ _KIND_TO_WIRE = {("b", 1): "BOOL", ("u", 1): "UINT8", ("u", 2): "UINT16", ("u", 
 _BYTES_KINDS = "OSUT"  # object, bytes_, str_, and numpy 2's StringDType
 _U32 = struct.Struct("<I")
 _BF16 = np.dtype(bfloat16)
+_WIRE_OF_NATIVE = {np.dtype(f"={kind}{size}"): wire for (kind, size), wire in _KIND_TO_WIRE.items()}
+_WIRE_OF_NATIVE[_BF16] = "BF16"
 
 
 def _wire_of_dtype(dtype):
+    wire = _WIRE_OF_NATIVE.get(dtype)     # the common case: a numpy dtype of native order
+    if wire is not None:
+        return wire
     dtype = np.dtype(dtype)
     if dtype == _BF16:
         return "BF16"
@@ -529,12 +534,19 @@ class InferenceResponse:
     def parameters(self): return self._parameters
 
 
+# (loops, not next() over a generator: a model calls these for every request)
 def get_input_tensor_by_name(inference_request, name):
-    return next((t for t in inference_request.inputs() if t.name() == name), None)
+    for t in inference_request.inputs():
+        if t.name() == name:
+            return t
+    return None
 
 
 def get_output_tensor_by_name(inference_response, name):
-    return next((t for t in inference_response.output_tensors() if t.name() == name), None)
+    for t in inference_response.output_tensors():
+        if t.name() == name:
+            return t
+    return None
 
 
 def _config_entry(model_config, section, name):
