@@ -208,10 +208,10 @@ class PacketInbox:
             self.epoll.register(conn.fileno(), select.EPOLLIN)
 
     def _read(self, fd: int, ev: int) -> None:
-        """Reads one whole message (its fragments, when it came in several) from ``fd``. Not
-        until EAGAIN: the epoll set is level-triggered, so the next look finds whatever else
-        waits, and a read that finds nothing costs a raised exception (four times an empty
-        look at the epoll set), once a wake-up when a wake-up brings one message."""
+        """Reads one whole message (its fragments, when it came in several) from ``fd``, not
+        all that waits there: the epoll set is level-triggered, so the next look finds the
+        rest, while a read that finds nothing raises an exception, which costs about four
+        times an empty look. Most wake-ups bring one message."""
         conn = self.conns.get(fd)
         if conn is None:
             return

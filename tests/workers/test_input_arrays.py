@@ -57,3 +57,8 @@ def test_bytes_that_do_not_match_the_shape_are_refused(nbytes, arena, maps):
     ref = type(ref)(ref.segment, ref.offset, nbytes) if nbytes != ref.nbytes else ref
     with pytest.raises(ValueError):
         tensors.to_numpy(Tensor("x", "FP32", [16], None, ref), maps)
+
+
+def test_an_input_without_data_is_refused(maps):
+    with pytest.raises(ValueError, match="neither data nor a shared-memory reference"):
+        tensors.to_numpy(Tensor("x", "FP32", [16]), maps)
