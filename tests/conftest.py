@@ -9,6 +9,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from repo_builder import build_test_repository  # noqa: E402
 from serverproc import REPO_ROOT, Server  # noqa: E402
 
+from shmserve.ipc import shm  # noqa: E402
+
 
 def _nvml_gpu_count() -> int:
     try:
@@ -66,3 +68,21 @@ def perf_analyzer():
     out = subprocess.run(["bash", script, cache], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, f"installing perf_analyzer failed:\n{out.stdout}\n{out.stderr}"
     return out.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def arena():
+    """A real ShmArena of its own, every segment unlinked afterwards."""
+    prefix = shm.new_server_prefix()
+    a = shm.ShmArena(prefix, chunk_size=2 << 20)
+    yield a
+    a.close()
+    shm.unlink_prefixed(prefix)
+
+
+@pytest.fixture
+def maps():
+    """A reader's map of shared-memory segments, closed afterwards."""
+    m = shm.ShmMapCache()
+    yield m
+    m.close()

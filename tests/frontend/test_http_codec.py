@@ -12,7 +12,7 @@ from shmserve.engine.requests.catalog import ModelCatalog
 from shmserve.engine.requests.prepare import OutputWanted, PreparedRequest, RequestLimits
 from shmserve.frontend.http import codec as http_codec
 from shmserve.frontend.shm.registry import ShmRegistry
-from shmserve.ipc import dtypes, shm
+from shmserve.ipc import dtypes
 from shmserve.ipc.channel import INLINE_LIMIT
 from shmserve.ipc.errors import InferError
 from shmserve.ipc.messages.common import ErrorCode, ShmRef, Tensor
@@ -87,13 +87,6 @@ def catalog():
     c = ModelCatalog()
     c.update(ModelTable([_info(n, t) for n, t in CONFIGS.items()], startup_done=True))
     return c
-
-
-@pytest.fixture
-def maps():
-    m = shm.ShmMapCache()
-    yield m
-    m.close()
 
 
 def _re(text):

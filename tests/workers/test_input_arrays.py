@@ -5,25 +5,8 @@ whose bytes do not match its shape is refused as a ValueError (the worker answer
 import numpy as np
 import pytest
 
-from shmserve.ipc import shm
 from shmserve.ipc.messages.common import Tensor
 from shmserve.workers import tensors
-
-
-@pytest.fixture
-def arena():
-    prefix = shm.new_server_prefix()
-    a = shm.ShmArena(prefix, chunk_size=2 << 20)
-    yield a
-    a.close()
-    shm.unlink_prefixed(prefix)
-
-
-@pytest.fixture
-def maps():
-    m = shm.ShmMapCache()
-    yield m
-    m.close()
 
 
 def test_an_inline_input_has_its_shape_and_type_and_cannot_be_written(maps):
