@@ -85,8 +85,6 @@ LEASED_FLUSH_S = 0.05
 
 # How often the deadline sweep runs while requests are held (sooner when a deadline is nearer).
 SWEEP_S = 0.5
-# messages handled in one wake-up of the loop at most
-DRAIN_MAX = 256
 
 # Sequences lost with a leased worker that ended, remembered until their next request.
 LOST_SEQUENCES_KEPT = 4096
@@ -748,10 +746,14 @@ class EngineClient:
 
     def _take_all(self) -> None:
         inbox, handlers = self.inbox, self.handlers
-        # bounded, so that a stream of answers cannot hold the loop: what is left in the
-        # sockets wakes the loop again (level-triggered), what was read already is taken next
-        for _ in range(DRAIN_MAX):
-            got = inbox.take()
+        # one look at the sockets per wake-up (what arrives after it wakes the loop again),
+        # then what it read. Looking again between the handlers let answers read mid-drain race
+        # a sequence's hand-back under load (tests/e2e/test_sequences.py, the oldest strategy:
+        # 1 run in 15 with both cores busy)
+        look = True
+        while True:
+            got = inbox.take(look)
+            look = False
             if got is None:
                 if self.lost:
                     self._resolve_lost()
@@ -768,8 +770,6 @@ class EngineClient:
                 # does not show them: stopping here would strand them until the next arrives,
                 # so a failing callback costs only itself
                 log.exception("error handling a %s message", type(msg).__name__)
-        if inbox.ready:
-            asyncio.get_running_loop().call_soon(self._drain)
 
     def _deliver_many(self, msg: InferResults) -> None:
         for result in msg.results:

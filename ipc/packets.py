@@ -138,13 +138,18 @@ class PacketInbox:
             self._collect(timeout_s)
         return bool(self.ready)
 
-    def take(self):
+    def take(self, look: bool = True):
         """(message, payload frames) if one has arrived, else None: ``recv(NOBLOCK)`` without
         an exception, for a loop that drains the inbox on every wake-up (the zmq.Again that
-        ends such a drain cost about as much as reading a message)."""
+        ends such a drain cost about as much as reading a message). A look reads everything
+        the sockets hold (an empty look at the epoll set ends it, not a read that fails);
+        ``look=False``: only what an earlier look read. An event loop that watches ``fileno``
+        needs one look per wake-up, since what arrives after it wakes the loop again."""
         ready = self.ready
         if not ready:
-            while self._collect(0.0) and not ready:
+            if not look:
+                return None
+            while self._collect(0.0):
                 pass
             if not ready:
                 return None
