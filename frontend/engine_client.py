@@ -746,14 +746,10 @@ class EngineClient:
 
     def _take_all(self) -> None:
         inbox, handlers = self.inbox, self.handlers
-        # one look at the sockets per wake-up (what arrives after it wakes the loop again),
-        # then what it read. Looking again between the handlers let answers read mid-drain race
-        # a sequence's hand-back under load (tests/e2e/test_sequences.py, the oldest strategy:
-        # 1 run in 15 with both cores busy)
         look = True
         while True:
             got = inbox.take(look)
-            look = False
+            look = False        # one look at the sockets per wake-up (level-triggered)
             if got is None:
                 if self.lost:
                     self._resolve_lost()

@@ -234,29 +234,3 @@ def test_output_slots_go_back_to_the_workers_that_hold_them_or_whole_to_the_sche
     finally:
         for box in [*boxes.values(), sched]:
             box.close()
-
-
-def test_a_burst_of_answers_in_many_packets_is_all_delivered(run_dir):
-    """More answers at once than one packet carries, in packets of 64 as a worker's send_many
-    packs them: one look at the sockets reads them all, and every one is delivered."""
-    rig = Rig(run_dir)
-
-    async def scenario():
-        client = await rig.client()
-        n = packets.MAX_BATCH * 8 + 50
-        ids = [rig.submit(client) for _ in range(n)]
-        answers = [(InferResult(i, "m", 1), ()) for i in ids]
-        worker = packets.PacketOutbox(channel.frontend_address(run_dir, 0))
-        for i in range(0, n, packets.MAX_BATCH):
-            assert worker.send_many(answers[i:i + packets.MAX_BATCH]) == \
-                len(answers[i:i + packets.MAX_BATCH])
-        await until(lambda: len(rig.results) == n)
-        assert sorted(rig.results) == sorted(ids)
-        assert not client.pending
-        worker.close()
-        client.close()
-
-    try:
-        asyncio.run(scenario())
-    finally:
-        rig.close()

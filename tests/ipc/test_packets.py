@@ -251,30 +251,6 @@ def test_take_returns_what_has_arrived_and_none_without_an_exception(addr):
     inbox.close()
 
 
-def test_a_wait_reads_one_message_from_each_socket_a_look_all_of_them(addr):
-    """Neither reads until a read finds nothing (an exception per wake-up): a blocking wait
-    reads one message from each socket that has one (the epoll set is level-triggered, so
-    the next look finds the rest), and take's look polls the set until it is empty."""
-    inbox = packets.PacketInbox(addr)
-    out = packets.PacketOutbox(addr)
-    big = os.urandom(packets.MAX_PACKET * 2 + 5)         # fragments: still one message
-    out.send(Ping(1), (big,))
-    out.send(Ping(2))
-    out.send(Ping(3))
-    deadline = time.monotonic() + 2
-    while not inbox.has_message():      # the first look accepts the peer
-        assert time.monotonic() < deadline
-    assert len(inbox.ready) == 1
-    assert inbox.recv() == (Ping(1), [big])
-    assert inbox.take(look=False) is None       # only what a look read
-    assert inbox.take() == (Ping(2), [])        # a look reads everything there is
-    assert len(inbox.ready) == 1
-    assert inbox.take(look=False) == (Ping(3), [])
-    assert inbox.take() is None
-    out.close()
-    inbox.close()
-
-
 def test_an_inbox_that_refuses_new_keeps_what_came_and_fails_every_later_send(addr):
     """A worker that stops (workers/worker.py bounce_leased): what peers sent before is read,
     accepted or not yet; every send after fails at its sender, so nothing is lost unseen."""
