@@ -15,10 +15,10 @@ from shmserve.ipc.shm import ShmArena, ShmMapCache
 
 def to_numpy(t: Tensor, maps: ShmMapCache) -> np.ndarray:
     buf: Any = t.data if t.shm is None else maps.view(t.shm)
-    if t.datatype == "BYTES":
-        return dtypes.deserialize_bytes(buf, dtypes.element_count(t.shape)).reshape(t.shape)
     if buf is None:
         raise ValueError(f"input '{t.name}' has neither data nor a shared-memory reference")
+    if t.datatype == "BYTES":
+        return dtypes.deserialize_bytes(buf, dtypes.element_count(t.shape)).reshape(t.shape)
     # one call (frombuffer, then reshape, cost three times as much); the buffer must hold the
     # tensor exactly, as frombuffer + reshape demanded
     try:

@@ -42,6 +42,7 @@ def test_bytes_that_do_not_match_the_shape_are_refused(nbytes, arena, maps):
         tensors.to_numpy(Tensor("x", "FP32", [16], None, ref), maps)
 
 
-def test_an_input_without_data_is_refused(maps):
+@pytest.mark.parametrize("datatype", ["FP32", "BYTES"])
+def test_an_input_without_data_is_refused(datatype, maps):
     with pytest.raises(ValueError, match="neither data nor a shared-memory reference"):
-        tensors.to_numpy(Tensor("x", "FP32", [16]), maps)
+        tensors.to_numpy(Tensor("x", datatype, [16]), maps)
