@@ -40,14 +40,15 @@ inbox instead of the scheduler's queue, and the worker batches them by the same 
 counts the execution. With several instances, each batches what the frontend spread to it, as
 the scheduler's batcher would have handed each idle instance what had queued by then.
 
-A sequence model is leased too, all its instances at once: the live sequences the scheduler
-pinned to each go to its worker (LendSequences, before the grant, which names them to the
-frontend), whose own sequence batcher applies the same rules to the leased requests
-(workers/leases/sequences.py), and come back with LeaseEnded. Requests that reach the scheduler
-meanwhile wait for them (their sequence's state is judged where it is): they revoke the leases
-like any request that queues; one from the lease holder is forwarded to the worker that has its
-sequence instead. The frontend keeps each sequence's requests on one path at a time
-(frontend/sequence_paths.py), so none overtakes another.
+A sequence model is leased too, all its instances at once, and taken back at once (its term
+too): the live sequences the scheduler pinned to each go to its worker (LendSequences, before
+the grant, which names them to the frontend), whose own sequence batcher applies the same
+rules to the leased requests (workers/leases/sequences.py), and come back with LeaseEnded.
+Requests that reach the scheduler meanwhile wait for them (their sequence's state is judged
+where it is): they revoke the leases like any request that queues; one from the lease holder
+is forwarded to the worker that has its sequence instead. The frontend keeps each sequence's
+requests on one path at a time (frontend/sequence_paths.py), so none overtakes another, and
+sends a later request of a sequence none of its leased workers has to the scheduler.
 
 A dynamic batcher with priority levels or queue policies (timeouts, a size bound) and no
 max_queue_delay is leased one instance at a time, one request in flight (depth 1): a request
@@ -350,7 +351,13 @@ class LeaseBook:
                 if left > 0:
                     wait_ns = min(wait_ns, left)
                     continue
-                self._revoke(lease)             # renewed once its worker ended it
+                if lease.cids is not None:
+                    # a sequence model's instances are lent together and come back together
+                    # (a sequence on one taken back alone would be out of its frontend's reach)
+                    for h in self.by_version.get(lease.version, ()):
+                        self._revoke(h)
+                else:
+                    self._revoke(lease)         # renewed once its worker ended it
             limit = lease.version.execution_timeout_s
             if limit <= 0:
                 continue

@@ -62,8 +62,11 @@ class LeaseTable:
         return held[0] if len(held) == 1 else min(held, key=lambda h: h.inflight)
 
     def place(self, model: str, version: int, cid: int | str, start: bool) -> Lease | None:
-        """The lease whose worker has sequence ``cid`` of a sequence model; for one it does
-        not know, the lease with the fewest sequences (which takes it, if ``start``)."""
+        """The lease whose worker has sequence ``cid`` of a sequence model; for a new one
+        (``start``), the lease with the fewest sequences, which takes it. None: the scheduler
+        (a later request of a sequence none of our workers has: its instance came back to the
+        scheduler, on its own term or before the others, or it never started; the scheduler
+        judges it where its state is)."""
         held = self.held.get((model, version))
         if not held:
             return None
@@ -71,9 +74,10 @@ class LeaseTable:
             if lease.cids is not None and cid in lease.cids:
                 lease.cids.move_to_end(cid)
                 return lease
+        if not start:
+            return None
         lease = min(held, key=lambda h: len(h.cids or ()))
-        if start:
-            lease.took(cid)
+        lease.took(cid)
         return lease
 
     def ended_sequence(self, model: str, version: int, cid: int | str) -> None:

@@ -5,11 +5,14 @@ import pytest
 from fakes import IO, ONE, TWO, Harness, write_model
 
 from shmserve.engine.batching.sequences import SEQUENCE_END, SEQUENCE_START
+from shmserve.engine.leases import TERM_NS
 from shmserve.ipc.messages.common import ErrorCode, SequenceSlot
 from shmserve.ipc.messages.to_frontend import LeaseGranted
 from shmserve.ipc.messages.to_scheduler import (
     CancelRequest,
     FrontendHello,
+    LeasedDone,
+    LeasedRecord,
     LeaseEnded,
     StatsQuery,
     SubmitRequest,
@@ -435,6 +438,31 @@ def test_a_request_sent_before_the_grant_is_forwarded_to_the_worker(repo):
     assert fwd[1] == [b"payload-%d" % r]
     note = grants(h)[-1]
     assert note.forwarded == [r] and note.returned == [] and r not in h.results()
+
+
+def lent_pair(h):
+    """Sequences 1 and 2 run their STARTs on the scheduler path, one on each instance of
+    "seq"; then both instances are lent. Returns the grants by worker."""
+    a, b = sids(h, "seq")
+    h.submit_seq("seq", 1, S)
+    h.submit_seq("seq", 2, S)
+    h.finish(a)
+    h.finish(b)
+    return {g.spawn_id: g for g in grants(h)}
+
+
+def test_a_sequence_models_leases_end_together_on_their_term(repo):
+    # one instance's term passes (no progress) while the other's does not: both come back,
+    # so no sequence is left on an instance its frontend cannot reach
+    h = Harness(repo, instance_leases=True).start()
+    by_spawn = lent_pair(h)
+    a, b = sorted(by_spawn)
+    h.clock.advance(TERM_NS / 2e9)
+    record = LeasedRecord(b, "seq", 1, 2, h.clock(), h.clock() + 1000, 10, 20, 30, False, -1)
+    h.core.handle(LeasedDone([record]))        # progress on b's worker only
+    h.tick(TERM_NS / 2e9 + 0.01)
+    revoked = sorted(m.lease_id for _, m, _ in h.port.to_worker if isinstance(m, RevokeLease))
+    assert revoked == sorted(g.lease_id for g in by_spawn.values())
 
 
 def test_lent_sequences_die_with_their_worker(repo):
