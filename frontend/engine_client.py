@@ -746,10 +746,12 @@ class EngineClient:
 
     def _take_all(self) -> None:
         inbox, handlers = self.inbox, self.handlers
+        # one look at the sockets per wake-up (what arrives after it wakes the loop again),
+        # then what it read
         look = True
         while True:
             got = inbox.take(look)
-            look = False        # one look at the sockets per wake-up (level-triggered)
+            look = False
             if got is None:
                 if self.lost:
                     self._resolve_lost()
