@@ -9,6 +9,7 @@ import json
 import os
 import textwrap
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -28,6 +29,8 @@ from serverproc import (
 )
 from test_sequences import ACCUMULATE, START_MSG, accumulate_config, pending
 from tritonclient.utils import InferenceServerException
+
+from shmserve.engine.leases import TERM_NS
 
 MODEL = "seq_lent"
 _ids = iter(range(70_000, 1 << 30))
@@ -187,6 +190,28 @@ def test_two_instances_are_lent_together_each_keeping_its_sequences(srv):
         for cid in cids:
             assert step(c, cid, 1, end=True, model=PAIR) == 2
         assert len(pids) == 2
+    finally:
+        c.close()
+
+
+def test_a_quiet_sequence_keeps_its_state_when_the_other_instance_stays_busy(srv):
+    """Each lease has its term (no progress for TERM_NS, and it is renewed): the quiet
+    instance's ends while the busy one's would go on, which left the quiet sequence out of its
+    frontend's reach (its next request went to the busy worker, which never had it). A
+    sequence model's leases end together, and its next request finds its state."""
+    lent_now(srv, PAIR)
+    c = client_of(srv, "http")
+    try:
+        x, y = next(_ids), next(_ids)
+        pid_x = step(c, x, 5, start=True, model=PAIR, out="PID")
+        assert step(c, y, 7, start=True, model=PAIR, out="PID") != pid_x   # one on each
+        total, until = 7, time.monotonic() + TERM_NS / 1e9 + 1.0
+        while time.monotonic() < until:         # y keeps its instance busy past the term
+            total += 1
+            assert step(c, y, 1, model=PAIR) == total
+        assert step(c, x, 1, model=PAIR, out="PID") == pid_x
+        assert step(c, x, 1, end=True, model=PAIR) == 5 + 1 + 1
+        assert step(c, y, 1, end=True, model=PAIR) == total + 1
     finally:
         c.close()
 

@@ -27,8 +27,6 @@ from repo_builder import write_model
 from serverproc import Server, wait_for
 from tritonclient.utils import InferenceServerException
 
-from shmserve.engine.leases import TERM_NS
-
 EXAMPLES = ("sequence_accumulator", "onnx_accumulator", "simple_dyna_sequence")
 _ids = itertools.count(10_000)     # perf_analyzer gets 500000 and up
 
@@ -169,7 +167,6 @@ def repo(tmp_path_factory, example_repo):
     write_model(root, "seq_one_slot", accumulate_config(0, 1, 5_000_000), ACCUMULATE)
     # two instances of one slot each: two sequences on different workers
     write_model(root, "seq_crash", accumulate_config(0, 2, 5_000_000), ACCUMULATE)
-    write_model(root, "seq_pair", accumulate_config(4, 2, 30_000_000), ACCUMULATE)
     write_model(root, "seq_controls", controls_config("TYPE_UINT64"), CONTROLS)
     write_model(root, "seq_controls_str", controls_config("TYPE_STRING"), CONTROLS)
     write_model(root, "seq_state_file", STATEFUL_CONFIG, STATEFUL)
@@ -519,26 +516,6 @@ def test_cancelled_backlogged_start_gives_up_its_place(srv, http, grpc):
         assert out(fc.result(timeout=30)) == 20
     other.close()
     assert out(step(http, model, c, 1, end=True, shape=(1,))) == 21
-
-
-def test_a_quiet_sequence_keeps_its_state_when_its_instance_alone_is_taken_back(http):
-    # A sequence model's instances are lent together, but each lease ends on its own term
-    # (no progress for TERM_NS): the quiet instance comes back to the scheduler with its
-    # sequence while the busy one stays lent. The quiet sequence's next request must go where
-    # its state is, not to the instance still lent
-    model, x, y = "seq_pair", new_id(), new_id()
-    assert run_sums(http, model, new_id(), [1, 2]) == [1, 3]    # after it, the model is lent
-    rx = step(http, model, x, 5, start=True)
-    ry = step(http, model, y, 7, start=True)
-    assert out(rx, "PID") != out(ry, "PID")         # one on each instance
-    total, until = 7, time.monotonic() + TERM_NS / 1e9 + 1.0
-    while time.monotonic() < until:                 # y keeps its instance busy past the term
-        total += 1
-        assert out(step(http, model, y, 1)) == total
-    rx2 = step(http, model, x, 1)
-    assert out(rx2) == 6 and out(rx2, "PID") == out(rx, "PID")
-    assert out(step(http, model, x, 1, end=True)) == 7
-    assert out(step(http, model, y, 1, end=True)) == total + 1
 
 
 # ---- 6. worker death -----------------------------------------------------------------------
