@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import threading
 import time
 
@@ -247,6 +248,47 @@ def test_take_returns_what_has_arrived_and_none_without_an_exception(addr):
     assert inbox.take() is None
     with pytest.raises(zmq.Again):
         inbox.recv(zmq.NOBLOCK)
+    out.close()
+    inbox.close()
+
+
+class _CountingSocket(socket.socket):
+    """The accepted connection itself (same fd), counting the reads that found nothing."""
+    empty_reads = 0
+
+    def recv_into(self, *args):
+        try:
+            return super().recv_into(*args)
+        except BlockingIOError:
+            _CountingSocket.empty_reads += 1
+            raise
+
+
+def test_a_look_reads_every_message_whole_without_a_read_that_finds_nothing(addr):
+    """A look reads one whole message from each ready socket and polls the epoll set again
+    until it is empty: no read that fails (Python raises for it), and a look without it
+    (``look=False``) returns only what an earlier look read."""
+    inbox = packets.PacketInbox(addr)
+    out = packets.PacketOutbox(addr)
+    out.send(Ping(0))
+    deadline = time.monotonic() + 2
+    while not inbox.has_message():      # the first look accepts the peer
+        assert time.monotonic() < deadline
+    assert inbox.take(False) == (Ping(0), [])
+    [(fd, conn)] = inbox.conns.items()
+    inbox.conns[fd] = _CountingSocket(fileno=conn.detach())
+    _CountingSocket.empty_reads = 0
+    big = os.urandom(packets.MAX_PACKET * 2 + 5)         # fragments: still one message
+    out.send(Ping(1), (big,))
+    out.send(Ping(2))
+    out.send(Ping(3))
+    assert inbox.take(False) is None                    # in the socket, not looked at yet
+    assert inbox.take() == (Ping(1), [big])             # the look read all three
+    assert len(inbox.ready) == 2
+    assert inbox.take(False) == (Ping(2), [])
+    assert inbox.take(False) == (Ping(3), [])
+    assert inbox.take() is None
+    assert _CountingSocket.empty_reads == 0
     out.close()
     inbox.close()
 
