@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncGenerator, Callable
+from typing import Any, Callable
 
 from shmserve.engine.lifecycle.upload_files import FILE_PREFIX, ModelUploads
 from shmserve.engine.requests import prepare as request
@@ -20,7 +20,6 @@ from shmserve.engine.requests.catalog import ModelCatalog, ModelView, version_nu
 from shmserve.engine.requests.prepare import DEFAULT_LIMITS, PreparedRequest, RequestLimits
 from shmserve.frontend.cache.store import ResponseCache
 from shmserve.frontend.cache.submit import CachedRequests
-from shmserve.frontend.engine_client import EngineClient
 from shmserve.frontend.observability.log_settings import LogControl
 from shmserve.frontend.observability.trace import TraceControl, TraceCore
 from shmserve.frontend.shm.registry import ShmRegistry
@@ -39,11 +38,13 @@ log = logging.getLogger("shmserve.frontend")
 
 
 class FrontendService:
-    def __init__(self, client: EngineClient, arena: ShmArena, maps: ShmMapCache,
+    def __init__(self, client: Any, arena: ShmArena, maps: ShmMapCache,
                  registry: ShmRegistry, server_id: str, server_version: str,
                  strict_readiness: bool, limits: RequestLimits = DEFAULT_LIMITS,
                  uploads: ModelUploads | None = None, trace: TraceCore | None = None,
                  cache: ResponseCache | None = None):
+        # frontend/engine_client.py's EngineClient: typed Any because tests give fakes, and
+        # this module runs compiled (ipc/compiled.py), which checks a class-typed argument
         self.client = client
         self.uploads = uploads          # where 'file:' load parameters go; None: refused
         self.limits = limits            # per-request tensor bounds both codecs apply
@@ -281,30 +282,6 @@ class FrontendService:
         waits, and its answer, when it comes, only gives memory back."""
         self.cancel(req_id)
         self.client.drain_abandoned(req_id, lambda r: self.drop(r, prepared))
-
-    async def infer_stream(self, view: ModelView, version: int,
-                           prepared: PreparedRequest) -> AsyncGenerator[InferResult, None]:
-        """Submit and yield each answer as it comes (a decoupled model gives any number; the
-        last has ``final``). The caller gives back each answer's output slots
-        (``release_outputs(result, request.worker_slots(result, prepared))``) once they are
-        sent; the inputs are released here after the last. If the caller stops early, the
-        request is cancelled and what still comes is released as it arrives."""
-        answers: asyncio.Queue = asyncio.Queue()
-        req_id = self.submit(view, version, prepared, answers.put_nowait)
-        final = False
-        try:
-            while not final:
-                result = await answers.get()
-                final = result.final
-                if final:
-                    request.release(prepared, self.arena)
-                yield result
-        finally:
-            if not final:
-                self.cancel(req_id)
-                self.client.drain_abandoned(req_id, lambda r: self.drop(r, prepared))
-                while not answers.empty():
-                    self.drop(answers.get_nowait(), prepared)
 
     def drop(self, result: InferResult, prepared: PreparedRequest) -> None:
         """An answer nobody will send (its call or stream ended first): its slots go back,

@@ -25,11 +25,13 @@ except ImportError:     # (mypy is a build tool: the decorator only tells mypyc 
 FOLDERS = ("engine", "frontend", "ipc", "workers")
 # paths under the repository
 SOURCES = (
-    # HTTP/1.1, HTTP/2 and gRPC's codec, the request's preparation and checks, the frontend's
-    # link to the workers, the packet transport, and the worker's loop with its tensor and answer
-    # handling. Not: gRPC's event-loop protocol and answers (mixins, so regular classes when
-    # compiled: no faster at c=1), its streams (async generators), the python backend (compiled,
-    # a BLS call measured no faster).
+    # HTTP/1.1, HTTP/2 and gRPC's codec, the request's preparation and checks, the model
+    # catalog, the frontend's service, its link to the workers and its lease table, the packet
+    # transport, and the worker's loop with its tensor and answer handling. Not: gRPC's
+    # event-loop protocol and answers (mixins, so regular classes when compiled: no faster at
+    # c=1), the answer streams (async generators), the python backend (compiled, a BLS call
+    # measured no faster).
+    "engine/requests/catalog.py",
     "engine/requests/prepare.py",
     "engine/requests/validation.py",
     "frontend/colocation.py",
@@ -46,6 +48,8 @@ SOURCES = (
     "frontend/http2/headers.py",
     "frontend/http2/send.py",
     "frontend/priority.py",
+    "frontend/service.py",
+    "ipc/lease_table.py",
     "ipc/packets.py",
     "workers/answers.py",
     "workers/tensors.py",

@@ -24,6 +24,7 @@ from typing import Callable
 from tritonclient.grpc import service_pb2 as pb
 
 from shmserve.engine.requests import prepare as request
+from shmserve.frontend.answer_stream import infer_stream
 from shmserve.frontend.grpc import codec as grpc_codec
 from shmserve.frontend.grpc.status import grpc_status
 from shmserve.frontend.service import FrontendService
@@ -184,7 +185,7 @@ class StreamSession:
             if "triton_enable_empty_final_response" in req.parameters else False
         final = False
         try:
-            async for result in svc.infer_stream(view, version, prepared):
+            async for result in infer_stream(svc, view, version, prepared):
                 final = result.final
                 self.out.put_nowait(self._answer(req, prepared, result, empty_final))
         except Exception as e:

@@ -33,6 +33,7 @@ from shmserve.engine.requests import validation
 from shmserve.engine.requests.catalog import ModelView
 from shmserve.engine.requests.header_forward import HeaderForward
 from shmserve.engine.requests.prepare import PreparedRequest, RequestLimits, TensorBudget
+from shmserve.frontend.answer_stream import infer_stream
 from shmserve.frontend.http import codec as http_codec
 from shmserve.frontend.http.server import HttpConnection, HttpRequest
 from shmserve.frontend.service import FrontendService
@@ -359,7 +360,7 @@ class GenerateEndpoints:
         response shows it, and the request is cancelled)."""
         answers: list[tuple[int, bytes]] = []
         try:
-            async with aclosing(self.service.infer_stream(view, version, prepared)) as results:
+            async with aclosing(infer_stream(self.service, view, version, prepared)) as results:
                 async for result in results:
                     if not result.no_response:
                         if answers:     # one too many: give its slots back, cancel the rest
@@ -379,7 +380,7 @@ class GenerateEndpoints:
                       prepared: PreparedRequest) -> None:
         started = False
         try:
-            async with aclosing(self.service.infer_stream(view, version, prepared)) as answers:
+            async with aclosing(infer_stream(self.service, view, version, prepared)) as answers:
                 async for result in answers:
                     status, body = (200, b"") if result.no_response else \
                         self._render(result, prepared)
