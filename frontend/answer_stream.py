@@ -35,7 +35,6 @@ async def infer_stream(service: FrontendService, view: ModelView, version: int,
             yield result
     finally:
         if not final:
-            service.cancel(req_id)
-            service.client.drain_abandoned(req_id, lambda r: service.drop(r, prepared))
+            service.abandon(req_id, prepared)
             while not answers.empty():
                 service.drop(answers.get_nowait(), prepared)
