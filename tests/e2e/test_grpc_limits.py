@@ -128,6 +128,28 @@ def _frontend(server) -> int:
     return pid
 
 
+def _fds(server) -> int:
+    return len(os.listdir(f"/proc/{_frontend(server)}/fd"))
+
+
+def _accepted_on(server, port: int) -> int:
+    """Connections the frontend holds open on its ``port`` (its sockets, by inode, found among
+    the kernel's TCP connections by local port and ESTABLISHED)."""
+    pid = _frontend(server)
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    with open(f"/proc/{pid}/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return sum(1 for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port
+               and row[3] == "01" and row[9] in inodes)
+
+
 def _identity_request(n: int) -> bytes:
     req = pb.ModelInferRequest(model_name="identity_fp32")
     req.inputs.add(name="INPUT0", datatype="FP32", shape=[1, n])
@@ -459,7 +481,7 @@ def test_the_ports_share_one_budget_of_connections(example_repo):
                  30, "HTTP to serve again")
         with grpcclient.InferenceServerClient(s.grpc_url) as client:
             _identity(client)
-        fds = len(os.listdir(f"/proc/{_frontend(s)}/fd"))
+        fds = _fds(s)
         assert fds < NOFILE - 100, fds
         assert "at most 200 on all ports together" in s.log_text()
     finally:
@@ -527,18 +549,22 @@ def test_tls_handshakes_are_counted_and_timed(example_repo, tmp_path):
     """--grpc-use-ssl: a connection that never starts its TLS handshake once held a descriptor
     for asyncio's 60 s, uncounted. It now counts against the budget from its accept (200
     silent ones: HTTP gets 503) and is closed once the handshake time has passed (here the
-    2 s request timeout); then HTTP and TLS clients are served again."""
+    5 s request timeout); then HTTP and TLS clients are served again."""
     from certs import make_certs
     certs = make_certs(str(tmp_path))
     s = Server(example_repo, "--grpc-use-ssl", "true", "--grpc-server-cert", certs.server_cert,
-               "--grpc-server-key", certs.server_key, "--http-request-timeout-secs", "2",
+               "--grpc-server-key", certs.server_key, "--http-request-timeout-secs", "5",
                prefix=("prlimit", f"--nofile={NOFILE}:{NOFILE}", "--"))
     silent = []
     try:
         silent = [socket.create_connection(("127.0.0.1", s.grpc_port), timeout=30)
                   for _ in range(200)]
-        wait_for(lambda: requests.get(f"{s.base}/v2/health/live", timeout=30).status_code == 503,
-                 30, "the silent TLS connections to fill the budget")
+        # an HTTP request the frontend accepts before the last silent connection takes that
+        # one's place (which is then refused): ask only once the frontend holds all 200
+        wait_for(lambda: _accepted_on(s, s.grpc_port) == 200, 30,
+                 "the frontend to accept the silent ones")
+        r = requests.get(f"{s.base}/v2/health/live", timeout=30)
+        assert r.status_code == 503 and "too many connections (200" in r.text
         for sock in silent[:5]:
             try:
                 _closed_by_server(sock, 20)
