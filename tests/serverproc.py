@@ -87,6 +87,29 @@ def frontend_pids(server: "Server") -> list[int]:
     return sorted(pids)
 
 
+def connections(pids: list[int], port: int) -> dict[int, int]:
+    """Established TCP connections on the server side of ``port``, per process."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    inodes.add(fields[9])
+    counts = {}
+    for pid in pids:
+        n = 0
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:[") and link[8:-1] in inodes:
+                n += 1
+        counts[pid] = n
+    return counts
+
+
 def worker_pid(server: "Server", model: str) -> int:
     """The pid of a worker of ``model`` (its first found), 0 if none runs."""
     label = f'"model_name":"{model}"'.encode()

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-from serverproc import REPO_ROOT, Server, descendants, wait_for
-from test_frontends import connections, frontend_pids
+from serverproc import REPO_ROOT, Server, connections, descendants, frontend_pids, wait_for
 from tritonclient.utils import InferenceServerException
 
 from shmserve.ipc.gpu import device as gpu

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 import tritonclient.utils.shared_memory as shm
 from repo_builder import IDENTITY, write_model
-from serverproc import Server, alive, descendants, frontend_pids, segments_of, wait_for
+from serverproc import Server, alive, connections, descendants, frontend_pids, segments_of, wait_for
 
 ONE_INSTANCE = '''
 import json
@@ -54,29 +54,6 @@ def srv(repo):
     s = Server(repo, "--frontends", "2")
     yield s
     s.stop()
-
-
-def connections(pids: list[int], port: int) -> dict[int, int]:
-    """Established TCP connections on the server side of ``port``, per process."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(fields[9])
-    counts = {}
-    for pid in pids:
-        n = 0
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith("socket:[") and link[8:-1] in inodes:
-                n += 1
-        counts[pid] = n
-    return counts
 
 
 def double(client, value: float, mod=httpclient):

@@ -18,7 +18,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 from limit_models import write_sized
-from serverproc import Server, frontend_pids, peak_rss, peak_rss_reset, wait_for
+from serverproc import Server, connections, frontend_pids, peak_rss, peak_rss_reset, wait_for
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
@@ -126,28 +126,6 @@ def _goaway(data: bytes) -> tuple[int, bytes] | None:
 def _frontend(server) -> int:
     (pid,) = frontend_pids(server)
     return pid
-
-
-def _fds(server) -> int:
-    return len(os.listdir(f"/proc/{_frontend(server)}/fd"))
-
-
-def _accepted_on(server, port: int) -> int:
-    """Connections the frontend holds open on its ``port`` (its sockets, by inode, found among
-    the kernel's TCP connections by local port and ESTABLISHED)."""
-    pid = _frontend(server)
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    with open(f"/proc/{pid}/net/tcp") as f:
-        rows = [line.split() for line in f.readlines()[1:]]
-    return sum(1 for row in rows if int(row[1].rsplit(":", 1)[1], 16) == port
-               and row[3] == "01" and row[9] in inodes)
 
 
 def _identity_request(n: int) -> bytes:
@@ -481,7 +459,7 @@ def test_the_ports_share_one_budget_of_connections(example_repo):
                  30, "HTTP to serve again")
         with grpcclient.InferenceServerClient(s.grpc_url) as client:
             _identity(client)
-        fds = _fds(s)
+        fds = len(os.listdir(f"/proc/{_frontend(s)}/fd"))
         assert fds < NOFILE - 100, fds
         assert "at most 200 on all ports together" in s.log_text()
     finally:
@@ -561,7 +539,8 @@ def test_tls_handshakes_are_counted_and_timed(example_repo, tmp_path):
                   for _ in range(200)]
         # an HTTP request the frontend accepts before the last silent connection takes that
         # one's place (which is then refused): ask only once the frontend holds all 200
-        wait_for(lambda: _accepted_on(s, s.grpc_port) == 200, 30,
+        pid = _frontend(s)
+        wait_for(lambda: connections([pid], s.grpc_port)[pid] == 200, 30,
                  "the frontend to accept the silent ones")
         r = requests.get(f"{s.base}/v2/health/live", timeout=30)
         assert r.status_code == 503 and "too many connections (200" in r.text
