@@ -1,5 +1,5 @@
-"""Keeping the frontend and the worker it feeds on one CPU while requests come one at a time
-(--colocate).
+"""Where the frontend and the worker it feeds run: on one CPU while requests come one at a
+time, on different CPUs while they overlap (--colocate).
 
 At concurrency 1 a request crosses two processes of ours: the frontend wakes the worker and the
 worker wakes the frontend. Left to itself the kernel wakes each on whichever CPU is idle, which
@@ -36,6 +36,15 @@ both ways before it keeps one:
 - The first request that finds another in flight unpins the frontend, ends any trial and starts
   the count again; so does the passing of ``REPICK_NS``, so that a CPU that another program has
   since taken is not kept, and a choice made under other traffic is made again.
+- APART, while requests overlap: each request names "any CPU but the frontend's", the one it is
+  sent from (``apart_from``), and the worker waits for its next request off that CPU. Where no
+  CPU is idle (another program busy on one) the kernel wakes a process on its waker's CPU,
+  since a socket's wake-up says the waker is about to sleep; the frontend is not, with other
+  requests to read, and the frontend, the worker and the client's threads all ended up on the
+  one CPU the busy program did not hold while that program kept the other to itself. Measured
+  on B (2 CPUs, one held by a busy loop): ensemble3 over HTTP at c=16 5,900-6,100 infer/s
+  against 11,100-11,200 apart, identity at c=32 10,800-11,700 against 14,900. With an idle CPU
+  the kernel picks it anyway, and the hint changes nothing.
 
 The core decides; the system calls (which CPU the thread is on, pinning and unpinning it) are
 injected and the time comes with each call, so tests drive it without moving their own threads.
@@ -43,17 +52,20 @@ Where the calls fail (a CPU taken away by a cgroup) it says so once and stays SP
 """
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import os
 from typing import Callable
+
+from shmserve.ipc.messages.to_worker import ANYWHERE, apart_from
 
 log = logging.getLogger("shmserve.frontend")
 
 ENTER = 32                      # requests in a row with no other in flight before pairing
 REPICK_NS = 1_000_000_000       # how long a pairing holds before the CPU is chosen again
 MAX_GAP_NS = 1_000_000          # mean time between those requests, at most
-NO_CPU = -1                     # the hint of a request sent while not paired
+NO_CPU = ANYWHERE               # the hint of a request sent alone while not paired
 # A trial keeps the pairing only if its answers came at least this much sooner: a pairing costs
 # the worker two system calls a request, and medians 2-3% apart are noise (seen: 64 against
 # 65 µs, where most trials on that machine gave 64 against 57)
@@ -70,10 +82,25 @@ class ColocateMode(enum.Enum):
     OFF = "off"                 # never
 
 
-def current_cpu() -> int:
-    """The CPU the calling thread runs on (field 39 of /proc/thread-self/stat)."""
-    with open("/proc/thread-self/stat", "rb") as f:
-        return int(f.read().rsplit(b")", 1)[1].split()[36])
+def _proc_cpu() -> int:
+    """The CPU the calling thread runs on (field 39 of /proc/thread-self/stat); -1 if unknown."""
+    try:
+        with open("/proc/thread-self/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
+def _current_cpu() -> Callable[[], int]:
+    """The C library's sched_getcpu (60 ns a call through ctypes, against 5 µs for reading
+    /proc), where there is one. It answers -1 on failure."""
+    try:
+        return ctypes.CDLL(None).sched_getcpu
+    except (OSError, AttributeError):
+        return _proc_cpu
+
+
+current_cpu = _current_cpu()
 
 
 def pin_thread(cpu: int | None, everywhere: set[int]) -> None:
@@ -83,7 +110,8 @@ def pin_thread(cpu: int | None, everywhere: set[int]) -> None:
 
 
 class Colocation:
-    """Decides, per request, whether the frontend and the worker should share a CPU."""
+    """Decides, per request, where its worker waits next: on the frontend's CPU, off it, or
+    anywhere (the hint of ipc/messages/to_worker.py)."""
 
     def __init__(self, mode: ColocateMode, enter: int = ENTER, repick_ns: int = REPICK_NS,
                  max_gap_ns: int = MAX_GAP_NS, cpu: Callable[[], int] = current_cpu,
@@ -111,14 +139,14 @@ class Colocation:
 
     def on_request(self, in_flight: int, now_ns: int) -> int:
         """A new request arrives at ``now_ns`` (monotonic) with ``in_flight`` others still
-        unanswered: the CPU to name when it is sent to a worker (NO_CPU: none)."""
+        unanswered: the hint to send with it to a worker (NO_CPU: none)."""
         if self.mode is ColocateMode.OFF:
             return NO_CPU
         if in_flight:
             self.alone, self.measuring = 0, None
             if self.state is Pairing.PAIRED:
                 self._spread()
-            return NO_CPU
+            return apart_from(self.cpu())
         if self.state is Pairing.PAIRED:
             if now_ns - self.since_ns < self.repick_ns:
                 if self.trial:

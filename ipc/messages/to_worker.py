@@ -7,6 +7,29 @@ import msgspec
 from shmserve.ipc.messages.common import ChainHop, CudaRef, LeasedRecord, SequenceSlot, ShmRef
 from shmserve.ipc.messages.to_scheduler import SubmitRequest
 
+# Where a worker waits for its next request: the ``cpu`` of LeasedExecute and ChainExecute,
+# named by the frontend (frontend/colocation.py) and obeyed by the worker
+# (workers/waiting_cpu.py). One int, so that a request carries no extra field: a CPU (0 or
+# more) to wait on, ANYWHERE, or any CPU but one (apart_from).
+ANYWHERE = -1
+
+
+def apart_from(cpu: int) -> int:
+    """The hint "wait on any CPU but ``cpu``" (-2 for CPU 0, -3 for CPU 1, ...); ANYWHERE when
+    ``cpu`` is not a CPU (sched_getcpu's -1)."""
+    return -2 - cpu if cpu >= 0 else ANYWHERE
+
+
+def waiting_cpus(hint: int, everywhere: set[int]) -> set[int] | None:
+    """The CPUs a worker allowed ``everywhere`` waits on for ``hint``; None: no pin at all
+    (ANYWHERE, or "all but a CPU" that leaves every CPU it has, or none)."""
+    if hint >= 0:
+        return {hint}
+    if hint == ANYWHERE:
+        return None
+    rest = everywhere - {-2 - hint}
+    return rest if rest and rest != everywhere else None
+
 
 class RequestRoute(msgspec.Struct, array_like=True):
     req_id: int
@@ -69,14 +92,14 @@ class ChainExecute(msgspec.Struct, array_like=True, tag=27):
     at: int = 0
     held: list[tuple[str, ShmRef]] = []
     records: list["LeasedRecord"] = []
-    cpu: int = -1
+    cpu: int = ANYWHERE                 # where each hop's worker waits next (above)
 
 
 class LeasedExecute(msgspec.Struct, array_like=True, tag=26):
     """A request sent straight to a leased worker (no scheduler hop); its payload frame
-    follows. The head is what the scheduler would have got, for its statistics. ``cpu``: the
-    CPU the worker should wait for its next request on, the frontend's own while requests come
-    one at a time (frontend/colocation.py); -1: anywhere."""
+    follows. The head is what the scheduler would have got, for its statistics. ``cpu``: where
+    the worker waits for its next request (above): on the frontend's own CPU while requests
+    come one at a time, on any other while they overlap (frontend/colocation.py)."""
     lease_id: int
     head: SubmitRequest
-    cpu: int = -1
+    cpu: int = ANYWHERE

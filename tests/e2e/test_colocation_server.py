@@ -1,7 +1,7 @@
 """--colocate: while requests come one at a time, the frontend's loop thread and the worker it
 sends them to wait on one CPU; the model itself always runs, and starts threads, with every CPU
-the server may use; and from the first request that finds another in flight the frontend may
-run anywhere again. Read from the outside: /proc/<pid>/task/<tid>/status of the frontend's and
+the server may use; from the first request that finds another in flight the frontend may run
+anywhere again, and the worker waits on any CPU but the one the frontend sent it from. Read from the outside: /proc/<pid>/task/<tid>/status of the frontend's and
 the worker's main threads, and the masks the model reports from inside execute()."""
 import os
 
@@ -117,7 +117,12 @@ def test_one_at_a_time_pairs_them_and_the_model_still_runs_everywhere(repo):
         sent = [client.async_infer("aff", _input(httpclient, slow=True)) for _ in range(4)]
         assert [_masks(p.get_result(timeout=60)) for p in sent] == [(EVERYWHERE, EVERYWHERE)] * 4
         assert allowed(fe) == EVERYWHERE
-        # the worker was told with the requests themselves: it waits anywhere from now on
+        # the worker was told with the requests themselves: the last three overlapped, so it
+        # waits off the CPU the frontend sent the last from
+        wait_for(lambda: len(allowed(wk)) == len(EVERYWHERE) - 1, 10,
+                 "the worker waiting anywhere but on the frontend's CPU")
+        # one alone again (the first of a new count): it waits anywhere
+        assert _one(client, httpclient) == (EVERYWHERE, EVERYWHERE)
         wait_for(lambda: allowed(wk) == EVERYWHERE, 10, "the worker waiting anywhere")
     finally:
         srv.stop()
@@ -243,6 +248,9 @@ def test_a_bls_call_of_a_paired_request_waits_on_the_frontends_cpu(bls_repo):
         for p in sent:
             p.get_result(timeout=60)
         assert allowed(fe) == EVERYWHERE
+        wait_for(lambda: len(allowed(callee)) == len(EVERYWHERE) - 1, 10,
+                 "the callee waiting anywhere but on the frontend's CPU")
+        client.infer("caller", inp)             # one alone again: anywhere
         wait_for(lambda: allowed(callee) == EVERYWHERE, 10, "the callee waiting anywhere")
     finally:
         srv.stop()

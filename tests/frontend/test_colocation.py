@@ -1,6 +1,7 @@
-"""Colocation, the frontend's choice to share a CPU with its worker while short requests come
-one at a time: driven request by request with the CPU and the pinning injected and the time
-given with each request, so nothing here moves this test's own thread."""
+"""Colocation, the frontend's choice of where its worker waits: on the frontend's CPU while
+short requests come one at a time, off it while they overlap. Driven request by request with
+the CPU and the pinning injected and the time given with each request, so nothing here moves
+this test's own thread."""
 import errno
 import logging
 
@@ -12,6 +13,7 @@ from shmserve.frontend.colocation import (
     Colocation,
     Pairing,
 )
+from shmserve.ipc.messages.to_worker import apart_from
 
 US = 1000
 STEP = 400 * US         # identity at concurrency 1: a request every 400 µs
@@ -64,11 +66,11 @@ def test_a_request_that_finds_another_in_flight_spreads_at_once_and_starts_the_c
     for _ in range(4):
         feed()
     assert c.state is Pairing.PAIRED
-    assert feed(1) == NO_CPU
+    assert feed(1) == apart_from(3)             # overlapping: wait anywhere but here
     assert pins.calls == [3, None] and c.state is Pairing.SPREAD
     # three alone, one crowded, three alone: never four in a row, never paired
     for n in (0, 0, 0, 2, 0, 0, 0):
-        assert feed(n) == NO_CPU
+        assert feed(n) == (apart_from(3) if n else NO_CPU)
     assert pins.calls == [3, None]
     assert feed() == 3 and c.pairings == 2
 
@@ -108,9 +110,20 @@ def test_a_pairing_is_chosen_again_after_repick_ns():
     assert pins.calls == [3, None, 3]
 
 
+def test_overlapping_requests_keep_the_worker_off_the_cpu_each_is_sent_from():
+    cpus = iter([1, 0, 0, 5, -1])               # the frontend moves; -1: the C library failed
+    c = Colocation(ColocateMode.AUTO, cpu=lambda: next(cpus), pin=(pins := Pins()))
+    feed = Feed(c)
+    assert [feed(n) for n in (3, 8, 1, 31, 2)] == [
+        apart_from(1), apart_from(0), apart_from(0), apart_from(5), NO_CPU]
+    assert pins.calls == [] and c.state is Pairing.SPREAD   # the frontend itself stays free
+    assert apart_from(0) == -2 and apart_from(1) == -3 and apart_from(-1) == NO_CPU
+
+
 def test_off_never_pins():
     c, pins, feed = make(mode=ColocateMode.OFF)
     assert {feed() for _ in range(3 * ENTER)} == {NO_CPU}
+    assert {feed(n) for n in range(1, 8)} == {NO_CPU}       # nor keeps them apart
     assert pins.calls == []
 
 

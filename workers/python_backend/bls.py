@@ -63,7 +63,7 @@ from shmserve.ipc.messages.to_scheduler import (
     LeasedDone,
     SubmitRequest,
 )
-from shmserve.ipc.messages.to_worker import LeasedExecute, ReleaseOutputs
+from shmserve.ipc.messages.to_worker import ANYWHERE, LeasedExecute, ReleaseOutputs
 from shmserve.ipc.shm import ShmError, ShmMapCache
 from shmserve.workers import tensors
 from shmserve.workers.python_backend import pb_utils
@@ -184,10 +184,10 @@ class BlsClient:
             box = self.boxes[address] = packets.PacketOutbox(address)
         return box
 
-    def send(self, req_id: int, lease, cpu: int = -1) -> None:
+    def send(self, req_id: int, lease, cpu: int = ANYWHERE) -> None:
         """Send a request (held under ``lock``): under ``lease``, or to the scheduler when it
         is None or its worker cannot take it. ``cpu``: where the callee waits next (see
-        ``paired_cpu``)."""
+        ``waiting_hint``)."""
         head, payload = self.sent[req_id]
         if lease is not None and not lease.full:
             self.leases.sent(lease, req_id)
@@ -284,16 +284,18 @@ class BlsClient:
             self.sent[req_id] = (head, encode_message(prepared.payload))
             # never under a lease on a model whose execution waits for this answer
             self.send(req_id, self.leases.pick(view.name, v)
-                      if self.leases and view.name not in chain else None, self.paired_cpu())
+                      if self.leases and view.name not in chain else None, self.waiting_hint())
         return req_id, answers, slots
 
-    def paired_cpu(self) -> int:
-        """The CPU the running request's frontend waits on while requests come one at a time
-        (frontend/colocation.py), for a call made by execute(); -1 otherwise. The callee then
-        waits for its next call there and this thread waits for the answer there: each hop of
-        the call is a switch on one CPU, as each hop of a chain is, not a wake-up of another."""
+    def waiting_hint(self) -> int:
+        """For a call made by execute(), the running request's hint of where to wait
+        (ipc/messages/to_worker.py); ANYWHERE otherwise. The callee waits for its next call as
+        the request's worker does: on the frontend's CPU while requests come one at a time,
+        where this thread also waits for the answer, so that each hop of the call is a switch
+        on one CPU, as each hop of a chain is, not a wake-up of another; off the frontend's
+        CPU while they overlap."""
         w = self.worker
-        return w.waiting.cpu if threading.get_ident() == w.main_thread else -1
+        return w.waiting.cpu if threading.get_ident() == w.main_thread else ANYWHERE
 
     def answers(self, req, decoupled: bool):
         """Send ``req`` now; its answers as pb_utils.InferenceResponse objects (the last one of
@@ -357,7 +359,7 @@ class BlsClient:
             self.free(slots)
 
     def wait(self, answers, deadline: float | None) -> InferResult:
-        if self.paired_cpu() < 0:
+        if self.waiting_hint() < 0:         # paired only: one CPU named
             return self.shared.wait(answers, deadline)
         waiting = self.worker.waiting
         waiting.before_wait()
