@@ -78,7 +78,7 @@ class Pairing(enum.Enum):
 
 
 class ColocateMode(enum.Enum):
-    AUTO = "auto"               # pair while requests come one at a time
+    AUTO = "auto"               # pair while requests come one at a time, apart while they overlap
     OFF = "off"                 # never
 
 

@@ -67,10 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: while requests come one at a time, a frontend and the worker "
                         "it sends them to wait on one CPU (its own), so that each hop between "
                         "them is a switch on that CPU, not a wake-up of another, kept only "
-                        "where a trial shows their answers come sooner; from the "
-                        "first request that finds another in flight, both may run anywhere "
-                        "again. Only the frontend's loop thread is pinned, and a worker's "
-                        "thread only while it waits; off: never")
+                        "where a trial shows their answers come sooner; while requests "
+                        "overlap, the worker waits on any CPU but the one the frontend sent "
+                        "it from, so that on busy CPUs the kernel does not stack them on one. "
+                        "Only the frontend's loop thread is pinned, and a worker's thread "
+                        "only while it waits; off: never")
     p.add_argument("--colocate-max-gap-us", type=gap_us, default=D["colocate_max_gap_us"],
                    help="--colocate auto pairs only requests that came at most this many "
                         "microseconds apart on average")
