@@ -65,7 +65,6 @@ log = logging.getLogger("shmserve.frontend")
 ENTER = 32                      # requests in a row with no other in flight before pairing
 REPICK_NS = 1_000_000_000       # how long a pairing holds before the CPU is chosen again
 MAX_GAP_NS = 1_000_000          # mean time between those requests, at most
-NO_CPU = ANYWHERE               # the hint of a request sent alone while not paired
 # A trial keeps the pairing only if its answers came at least this much sooner: a pairing costs
 # the worker two system calls a request, and medians 2-3% apart are noise (seen: 64 against
 # 65 µs, where most trials on that machine gave 64 against 57)
@@ -126,7 +125,7 @@ class Colocation:
                 self.mode = ColocateMode.OFF            # nothing to choose between
         self.pin = pin
         self.state = Pairing.SPREAD
-        self.paired_cpu = NO_CPU
+        self.paired_cpu = ANYWHERE
         self.alone = 0              # requests in a row that found no other in flight
         self.first_ns = 0           # when the first of them came
         self.since_ns = 0
@@ -139,9 +138,9 @@ class Colocation:
 
     def on_request(self, in_flight: int, now_ns: int) -> int:
         """A new request arrives at ``now_ns`` (monotonic) with ``in_flight`` others still
-        unanswered: the hint to send with it to a worker (NO_CPU: none)."""
+        unanswered: the hint to send with it to a worker (ANYWHERE: none)."""
         if self.mode is ColocateMode.OFF:
-            return NO_CPU
+            return ANYWHERE
         if in_flight:
             self.alone, self.measuring = 0, None
             if self.state is Pairing.PAIRED:
@@ -154,7 +153,7 @@ class Colocation:
                 return self.paired_cpu
             self._spread()
         elif now_ns < self.spread_until_ns:
-            return NO_CPU
+            return ANYWHERE
         if not self.alone:
             self.first_ns = now_ns
             self.times[Pairing.SPREAD].clear()
@@ -201,7 +200,7 @@ class Colocation:
         self.times[Pairing.PAIRED].clear()
 
     def _spread(self) -> None:
-        self.state, self.paired_cpu, self.alone = Pairing.SPREAD, NO_CPU, 0
+        self.state, self.paired_cpu, self.alone = Pairing.SPREAD, ANYWHERE, 0
         self.trial = False
         try:
             self.pin(None)

@@ -29,7 +29,7 @@ import zmq
 
 from shmserve.engine.requests.catalog import ModelCatalog
 from shmserve.engine.requests.prepare import SEQUENCE_END, SEQUENCE_START, PreparedRequest
-from shmserve.frontend.colocation import NO_CPU, Colocation
+from shmserve.frontend.colocation import Colocation
 from shmserve.frontend.deadlines import Deadlines
 from shmserve.frontend.priority import DrainPriority
 from shmserve.frontend.sequence_paths import HOLD, SequencePaths
@@ -74,7 +74,7 @@ from shmserve.ipc.messages.to_scheduler import (
     StatsQuery,
     SubmitRequest,
 )
-from shmserve.ipc.messages.to_worker import ChainExecute, LeasedExecute, ReleaseOutputs
+from shmserve.ipc.messages.to_worker import ANYWHERE, ChainExecute, LeasedExecute, ReleaseOutputs
 
 log = logging.getLogger("shmserve.frontend")
 
@@ -104,7 +104,7 @@ class EngineClient:
         self.max_inflight = max_inflight
         self.priority = priority
         self.colocation = colocation
-        self.cpu = NO_CPU       # the CPU leased requests name (frontend/colocation.py)
+        self.cpu = ANYWHERE     # where leased requests say to wait (frontend/colocation.py)
         self.deadlines = Deadlines(request_deadline_secs)
         self.sweeper: asyncio.TimerHandle | None = None
         self.frontend_id = frontend_id
