@@ -64,17 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "CAP_SYS_NICE or an RLIMIT_RTPRIO; without, the frontend stays at "
                         "normal priority")
     p.add_argument("--colocate", default=D["colocate"], type=str.lower, choices=["auto", "off"],
-                   help="auto: while requests come one at a time, a frontend tries three "
-                        "ways for the worker it sends them to and keeps the one whose answers "
-                        "come soonest: waiting wherever the kernel puts it, waiting off the "
-                        "frontend's CPU, or both on the frontend's CPU (each hop a switch on "
-                        "that CPU, not a wake-up of another); while requests overlap, the "
-                        "worker waits off the frontend's CPU, so that on busy CPUs the kernel "
-                        "does not stack them on one. Only the frontend's loop thread is "
-                        "pinned, and a worker's thread only while it waits; off: never")
+                   help="auto: while requests come one at a time, a frontend and the worker "
+                        "it sends them to wait on one CPU (its own), so that each hop between "
+                        "them is a switch on that CPU, not a wake-up of another, kept only "
+                        "where a trial shows their answers come sooner; while requests "
+                        "overlap, the worker waits on any CPU but the one the frontend sent "
+                        "it from, so that on busy CPUs the kernel does not stack them on one. "
+                        "Only the frontend's loop thread is pinned, and a worker's thread "
+                        "only while it waits; off: never")
     p.add_argument("--colocate-max-gap-us", type=gap_us, default=D["colocate_max_gap_us"],
-                   help="--colocate auto tries its ways only for requests that came at most "
-                        "this many microseconds apart on average")
+                   help="--colocate auto pairs only requests that came at most this many "
+                        "microseconds apart on average")
     p.add_argument("--instance-leases", type=triton_bool, default=D["instance_leases"],
                    help="lend an idle instance of a model without dynamic batching to the "
                         "frontend that uses it, which then sends it requests directly (one hop "
