@@ -20,32 +20,23 @@ machine: identity over HTTP at concurrency 1, p50 120 µs spread against 141 pai
 3-step ensemble 184 against 212), the two processes serialised on one CPU, each starting with
 the other's data in its cache, cost more than the wake-ups they save. So ``Colocation`` watches
 how many requests are in flight when each new one arrives and how often they come, and tries
-three ways before it keeps one:
+both ways before it keeps one:
 
-- SPREAD (the start): nothing pinned, no hint. After ``ENTER`` requests in a row that each
-  found no other in flight and came at most ``MAX_GAP_NS`` apart on average, a trial starts.
-- The trial tries two other ways for ``ENTER`` requests each, timing each request from its
-  arrival to its answer (``on_answer``), as the ``ENTER`` lone requests before it were timed:
-  - APART: each request names "any CPU but the frontend's" (``apart_from``), the one it is sent
-    from; the worker waits for its next request off that CPU. Where a CPU is idle this is what
-    the kernel does anyway, at the price of two system calls a wait; where none is (another
-    program busy on one) the kernel wakes the worker on the frontend's CPU, since a socket's
-    wake-up says the waker is about to sleep, and the client, the frontend and the worker
-    take turns on the one CPU the other program leaves them. Measured on B with a busy loop on
-    one of the two CPUs, identity over HTTP at c=1: p50 127-152 µs spread, 93-94 apart; quiet,
-    80-83 spread and 85-87 apart.
-  - PAIRED: the frontend's loop thread is pinned to the CPU it is on, and each request sent
-    straight to a worker (under a lease) names that CPU: the worker waits for its next request
-    pinned there (workers/waiting_cpu.py pins only its waiting thread, only while it waits,
-    and gives its full mask back before it runs the model, so threads a model starts are never
-    confined).
-  The way whose median is lowest is kept until ``REPICK_NS`` has passed, then the count starts
-  again; APART or PAIRED only if it is ``KEEP_GAIN`` lower than SPREAD's.
-- The first request that finds another in flight unpins the frontend, ends any trial or kept
-  way and starts the count again; so does the passing of ``REPICK_NS``, so that a CPU that
-  another program has since taken is not kept, and a choice made under other traffic is made
-  again.
-- Always APART while requests overlap: each request names "any CPU but the frontend's", the one it is
+- SPREAD (the start): nothing pinned. After ``ENTER`` requests in a row that each found no
+  other in flight and came at most ``MAX_GAP_NS`` apart on average, the frontend's loop thread
+  is pinned to the CPU it is on, and the state is PAIRED, on trial.
+- PAIRED: each request sent straight to a worker (under a lease) names that CPU, and the worker
+  waits for its next request pinned there (workers/worker.py pins only its own thread, only while
+  it waits, and gives its full mask back before it runs the model, so threads a model starts
+  are never confined).
+- The trial: the time from each request's arrival to its answer (``on_answer``) is kept for
+  the requests that came alone before the pairing and for ``ENTER`` after it. Unless the paired
+  ones' median is ``KEEP_GAIN`` lower, the frontend is unpinned and stays SPREAD, without
+  trying again, until ``REPICK_NS`` has passed.
+- The first request that finds another in flight unpins the frontend, ends any trial and starts
+  the count again; so does the passing of ``REPICK_NS``, so that a CPU that another program has
+  since taken is not kept, and a choice made under other traffic is made again.
+- APART, while requests overlap: each request names "any CPU but the frontend's", the one it is
   sent from (``apart_from``), and the worker waits for its next request off that CPU. Where no
   CPU is idle (another program busy on one) the kernel wakes a process on its waker's CPU,
   since a socket's wake-up says the waker is about to sleep; the frontend is not, with other
@@ -81,14 +72,8 @@ KEEP_GAIN = 0.05
 
 
 class Pairing(enum.Enum):
-    """Where the worker waits for a request that comes alone."""
-    SPREAD = "spread"           # wherever the kernel wakes it
-    APART = "apart"             # off the frontend's CPU
-    PAIRED = "paired"           # on the frontend's CPU, the frontend pinned there
-
-
-# the ways a trial tries after SPREAD, in order (PAIRED last: if it wins, it is already pinned)
-TRIAL = (Pairing.APART, Pairing.PAIRED)
+    SPREAD = "spread"
+    PAIRED = "paired"
 
 
 class ColocateMode(enum.Enum):
@@ -140,16 +125,16 @@ class Colocation:
                 self.mode = ColocateMode.OFF            # nothing to choose between
         self.pin = pin
         self.state = Pairing.SPREAD
-        self.paired_cpu = ANYWHERE  # the CPU the frontend is pinned to, while PAIRED
+        self.paired_cpu = ANYWHERE
         self.alone = 0              # requests in a row that found no other in flight
         self.first_ns = 0           # when the first of them came
-        self.since_ns = 0           # when the way now used (not SPREAD) began
+        self.since_ns = 0
         self.pairings = 0
-        self.trial = False          # the way now used is on trial, not yet kept
+        self.trial = False          # PAIRED, but not yet shown to be the faster way
         self.spread_until_ns = 0    # the trial chose SPREAD: no other until then
         # the way the request now in flight alone went, while its answer is wanted
         self.measuring: Pairing | None = None
-        self.times: dict[Pairing, list[int]] = {way: [] for way in Pairing}
+        self.times: dict[Pairing, list[int]] = {Pairing.SPREAD: [], Pairing.PAIRED: []}
 
     def on_request(self, in_flight: int, now_ns: int) -> int:
         """A new request arrives at ``now_ns`` (monotonic) with ``in_flight`` others still
@@ -158,14 +143,14 @@ class Colocation:
             return ANYWHERE
         if in_flight:
             self.alone, self.measuring = 0, None
-            if self.state is not Pairing.SPREAD:
+            if self.state is Pairing.PAIRED:
                 self._spread()
             return apart_from(self.cpu())
-        if self.state is not Pairing.SPREAD:
+        if self.state is Pairing.PAIRED:
             if now_ns - self.since_ns < self.repick_ns:
                 if self.trial:
-                    self.measuring = self.state
-                return self._hint()
+                    self.measuring = Pairing.PAIRED
+                return self.paired_cpu
             self._spread()
         elif now_ns < self.spread_until_ns:
             return ANYWHERE
@@ -176,20 +161,11 @@ class Colocation:
         self.measuring = Pairing.SPREAD
         if self.alone >= self.enter:
             if now_ns - self.first_ns <= (self.enter - 1) * self.max_gap_ns:
-                self._try(TRIAL[0], now_ns)
-                self.measuring = self.state if self.trial else None
-                return self._hint()
-            # alone, but far apart: start counting from this one
-            self.alone, self.first_ns = 1, now_ns
-            self.times[Pairing.SPREAD].clear()
-        return ANYWHERE
-
-    def _hint(self) -> int:
-        if self.state is Pairing.PAIRED:
-            return self.paired_cpu
-        if self.state is Pairing.APART:
-            return apart_from(self.cpu())
-        return ANYWHERE
+                self._pair(now_ns)
+            else:                   # alone, but far apart: start counting from this one
+                self.alone, self.first_ns = 1, now_ns
+                self.times[Pairing.SPREAD].clear()
+        return self.paired_cpu
 
     def on_answer(self, arrived_ns: int, now_ns: int) -> None:
         """The answer of the request that came alone at ``arrived_ns`` (wanted while
@@ -201,45 +177,31 @@ class Colocation:
         times.append(now_ns - arrived_ns)
         if way is Pairing.SPREAD or len(times) < self.enter:
             return
-        at = TRIAL.index(way)
-        if at + 1 < len(TRIAL):
-            self._try(TRIAL[at + 1], now_ns)
-            return
-        medians = {w: _median(t) for w, t in self.times.items() if t}
-        best = min(TRIAL, key=lambda w: medians[w])
-        log.debug("colocation trial: median %s µs", ", ".join(
-            f"{w.value} {ns // 1000}" for w, ns in medians.items()))
-        spread_ns = medians.get(Pairing.SPREAD)
-        if spread_ns is not None and medians[best] > spread_ns * (1 - KEEP_GAIN):
-            best = Pairing.SPREAD
         self.trial = False
-        if best is Pairing.SPREAD:
+        spread = self.times[Pairing.SPREAD]
+        paired_ns, spread_ns = _median(times), _median(spread) if spread else 0
+        log.debug("colocation trial: median %d µs paired, %d µs spread", paired_ns // 1000,
+                  spread_ns // 1000)
+        if spread and paired_ns > spread_ns * (1 - KEEP_GAIN):
             self._spread()
             self.spread_until_ns = now_ns + self.repick_ns
-        elif best is not self.state:        # APART, after PAIRED's trial: unpinned
-            self._spread()
-            self.state, self.since_ns = best, now_ns
 
-    def _try(self, way: Pairing, now_ns: int) -> None:
-        """Start the trial of ``way``."""
-        if way is Pairing.PAIRED:
-            try:
-                cpu = self.cpu()
-                self.pin(cpu)
-            except (OSError, ValueError, IndexError) as e:
-                log.warning("cannot keep the frontend on one CPU (%s); --colocate is off", e)
-                self.mode, self.state, self.trial = ColocateMode.OFF, Pairing.SPREAD, False
-                return
-            self.paired_cpu = cpu
-            self.pairings += 1
-        self.state, self.since_ns, self.trial = way, now_ns, True
-        self.times[way].clear()
+    def _pair(self, now_ns: int) -> None:
+        try:
+            cpu = self.cpu()
+            self.pin(cpu)
+        except (OSError, ValueError, IndexError) as e:
+            log.warning("cannot keep the frontend on one CPU (%s); --colocate is off", e)
+            self.mode = ColocateMode.OFF
+            return
+        self.state, self.paired_cpu, self.since_ns = Pairing.PAIRED, cpu, now_ns
+        self.pairings += 1
+        self.trial, self.measuring = True, Pairing.PAIRED
+        self.times[Pairing.PAIRED].clear()
 
     def _spread(self) -> None:
-        was, self.state, self.paired_cpu, self.alone = self.state, Pairing.SPREAD, ANYWHERE, 0
+        self.state, self.paired_cpu, self.alone = Pairing.SPREAD, ANYWHERE, 0
         self.trial = False
-        if was is not Pairing.PAIRED:
-            return
         try:
             self.pin(None)
         except OSError as e:
@@ -247,7 +209,7 @@ class Colocation:
             self.mode = ColocateMode.OFF
 
     def close(self) -> None:
-        if self.state is not Pairing.SPREAD:
+        if self.state is Pairing.PAIRED:
             self._spread()
 
 

@@ -50,55 +50,41 @@ def make(mode=ColocateMode.AUTO, cpu=3, pins=None, **kw):
     return c, pins, Feed(c)
 
 
-def trial(feed, enter, spread=None, apart=None, paired=None):
-    """Requests alone: ``enter - 1`` spread, then the trial's ``enter`` apart and ``enter``
-    paired, each answered after the time given (None: not answered); their hints."""
-    return [feed(took=spread) for _ in range(enter - 1)], \
-        [feed(took=apart) for _ in range(enter)], [feed(took=paired) for _ in range(enter)]
-
-
-def test_a_trial_tries_apart_then_paired_after_enough_requests_that_came_alone():
+def test_pairs_after_enough_requests_that_came_alone_and_names_its_cpu():
     c, pins, feed = make()
-    spread, apart, paired = trial(feed, ENTER, 150 * US, 140 * US, 100 * US)
-    assert spread == [ANYWHERE] * (ENTER - 1)
-    assert apart == [apart_from(3)] * ENTER     # the ENTER-th starts the trial, unpinned
-    assert paired == [3] * ENTER                # then pinned once, each sent with the CPU
-    assert pins.calls == [3] and c.state is Pairing.PAIRED and not c.trial
+    hints = [feed() for _ in range(ENTER - 1)]
+    assert hints == [ANYWHERE] * (ENTER - 1) and pins.calls == []
+    assert feed() == 3                          # the ENTER-th pins and is sent with the CPU
+    assert pins.calls == [3] and c.state is Pairing.PAIRED
     assert [feed() for _ in range(100)] == [3] * 100
     assert pins.calls == [3]                    # pinned once, not per request
 
 
-def test_a_trial_waits_for_the_answers_of_the_way_it_tries():
-    c, pins, feed = make(enter=4)
-    trial(feed, 4)                              # no answers: APART stays on trial
-    assert c.state is Pairing.APART and c.trial and pins.calls == []
-    assert feed() == apart_from(3) and c.measuring is Pairing.APART
-
-
 def test_a_request_that_finds_another_in_flight_spreads_at_once_and_starts_the_count_again():
     c, pins, feed = make(enter=4)
-    trial(feed, 4, 150 * US, 140 * US, 100 * US)
+    for _ in range(4):
+        feed()
     assert c.state is Pairing.PAIRED
     assert feed(1) == apart_from(3)             # overlapping: wait anywhere but here
     assert pins.calls == [3, None] and c.state is Pairing.SPREAD
-    # three alone, one crowded, three alone: never four in a row, never tried
+    # three alone, one crowded, three alone: never four in a row, never paired
     for n in (0, 0, 0, 2, 0, 0, 0):
         assert feed(n) == (apart_from(3) if n else ANYWHERE)
-    assert pins.calls == [3, None] and c.state is Pairing.SPREAD
-    assert feed() == apart_from(3) and c.state is Pairing.APART and c.trial
+    assert pins.calls == [3, None]
+    assert feed() == 3 and c.pairings == 2
 
 
-def test_requests_far_apart_are_not_tried():
+def test_requests_far_apart_are_not_paired():
     # 4 MiB over HTTP at concurrency 1: one every 6 ms; a hop is nothing beside that
     c, pins, feed = make(enter=4)
     feed.step = 6 * MAX_GAP_NS
     assert [feed() for _ in range(50)] == [ANYWHERE] * 50
-    assert pins.calls == [] and c.state is Pairing.SPREAD
+    assert pins.calls == []
     # the pace picks up: once a run of four is quick (the run under way when it changed may
-    # still hold a slow gap), a trial starts
+    # still hold a slow gap), they are paired
     feed.step = MAX_GAP_NS // 2
     hints = [feed() for _ in range(8)]
-    assert hints[-1] == apart_from(3) and hints.index(apart_from(3)) >= 3
+    assert hints[-1] == 3 and hints.index(3) >= 3
 
 
 def test_the_pace_is_a_mean_over_the_run():
@@ -113,16 +99,14 @@ def test_the_pace_is_a_mean_over_the_run():
     assert hint == ANYWHERE and c2.state is Pairing.SPREAD
 
 
-def test_a_kept_way_is_chosen_again_after_repick_ns():
+def test_a_pairing_is_chosen_again_after_repick_ns():
     c, pins, feed = make(enter=2, repick_ns=STEP * 3)
-    feed(took=150 * US)
-    assert [feed(took=140 * US) for _ in range(2)] == [apart_from(3)] * 2
-    assert [feed(took=100 * US) for _ in range(2)] == [3, 3]     # paired on trial, kept
-    assert c.state is Pairing.PAIRED and not c.trial
-    assert feed() == 3                          # 3 steps after the pairing: chosen again
-    assert feed() == ANYWHERE and c.state is Pairing.SPREAD     # the CPU may be taken now
-    assert feed() == apart_from(3) and c.trial  # counted again (2), tried again
-    assert pins.calls == [3, None]
+    feed()
+    assert feed() == 3
+    assert feed() == 3 and feed() == 3          # 2 steps after pairing
+    assert feed() == ANYWHERE and c.state is Pairing.SPREAD   # 3: the CPU may be taken now
+    assert feed() == 3                          # where the thread is now
+    assert pins.calls == [3, None, 3]
 
 
 def test_overlapping_requests_keep_the_worker_off_the_cpu_each_is_sent_from():
@@ -146,10 +130,8 @@ def test_a_pin_refused_turns_it_off_and_says_so_once(caplog):
     pins = Pins(fail=OSError(errno.EINVAL, "Invalid argument"))
     c, _, feed = make(pins=pins, enter=2)
     with caplog.at_level(logging.WARNING, logger="shmserve.frontend"):
-        spread, apart, paired = trial(feed, 2, 150 * US, 140 * US, 100 * US)
-        assert [feed(took=100 * US) for _ in range(10)] == [ANYWHERE] * 10
-    assert spread + apart == [ANYWHERE] + [apart_from(3)] * 2 and paired == [ANYWHERE] * 2
-    assert c.mode is ColocateMode.OFF and c.state is Pairing.SPREAD and not c.trial
+        assert [feed() for _ in range(10)] == [ANYWHERE] * 10
+    assert c.mode is ColocateMode.OFF and c.state is Pairing.SPREAD
     assert [r.getMessage() for r in caplog.records] == [
         "cannot keep the frontend on one CPU ([Errno 22] Invalid argument); --colocate is off"]
 
@@ -158,12 +140,9 @@ def test_close_gives_the_cpus_back_only_when_paired():
     c, pins, feed = make(enter=1)
     c.close()
     assert pins.calls == []
-    feed()                                      # APART on trial: nothing pinned
+    feed()
     c.close()
-    assert pins.calls == [] and c.state is Pairing.SPREAD
-    feed(took=100 * US)                         # APART's one time: PAIRED on trial
-    c.close()
-    assert pins.calls == [3, None] and c.state is Pairing.SPREAD
+    assert pins.calls == [3, None]
 
 
 def test_the_real_calls_pin_and_unpin_the_calling_thread_only():
@@ -178,11 +157,9 @@ def test_the_real_calls_pin_and_unpin_the_calling_thread_only():
         if c.mode is ColocateMode.OFF:          # a machine with one CPU: nothing to pair
             seen["off"] = True
             return
-        c.on_request(0, 0)                      # APART on trial
-        c.on_answer(0, 10)                      # its one time: PAIRED's trial, pinned
-        cpu = c.on_request(0, 20)
+        cpu = c.on_request(0, 0)
         seen["paired"] = (cpu, os.sched_getaffinity(0))
-        c.on_request(1, 30)
+        c.on_request(1, 1)
         seen["spread"] = os.sched_getaffinity(0)
 
     t = threading.Thread(target=run)
@@ -197,53 +174,51 @@ def test_the_real_calls_pin_and_unpin_the_calling_thread_only():
     assert os.sched_getaffinity(0) == everywhere        # this thread was never moved
 
 
-def test_a_trial_keeps_the_way_whose_answers_come_soonest():
+def test_a_trial_keeps_the_pairing_whose_answers_come_sooner():
     c, pins, feed = make(enter=4, repick_ns=100 * STEP)
-    trial(feed, 4, 150 * US, 130 * US, 120 * US)
-    assert c.state is Pairing.PAIRED and not c.trial
+    hints = [feed(took=150 * US) for _ in range(3)]      # spread: 150 µs each
+    assert hints == [ANYWHERE] * 3
+    hints = [feed(took=120 * US) for _ in range(4)]      # the trial: paired, 120 µs each
+    assert hints == [3] * 4 and c.state is Pairing.PAIRED and not c.trial
     assert [feed(took=500 * US) for _ in range(50)] == [3] * 50   # kept: no more trial
     assert pins.calls == [3] and c.measuring is None
-    c, pins, feed = make(enter=4, repick_ns=100 * STEP)
-    trial(feed, 4, 150 * US, 100 * US, 120 * US)     # a core busy: apart is soonest
-    assert c.state is Pairing.APART and not c.trial and pins.calls == [3, None]
-    assert [feed(took=500 * US) for _ in range(50)] == [apart_from(3)] * 50
-    assert pins.calls == [3, None] and c.measuring is None
 
 
-def test_a_way_not_clearly_faster_than_spread_is_not_kept():
+def test_a_pairing_not_clearly_faster_is_not_kept():
     c, pins, feed = make(enter=4)
-    trial(feed, 4, 100 * US, 97 * US, 98 * US)       # 2-3% sooner: noise
+    for _ in range(3):
+        feed(took=100 * US)
+    for _ in range(4):
+        feed(took=97 * US)                                # 3% sooner: noise
     assert c.state is Pairing.SPREAD and pins.calls == [3, None]
 
 
-def test_a_trial_whose_ways_are_slower_spreads_until_repick_ns():
+def test_a_trial_whose_paired_answers_are_slower_spreads_until_repick_ns():
     c, pins, feed = make(enter=4, repick_ns=20 * STEP)
-    spread, apart, paired = trial(feed, 4, 120 * US, 130 * US, 140 * US)
-    assert spread == [ANYWHERE] * 3 and apart == [apart_from(3)] * 4 and paired == [3] * 4
+    assert [feed(took=120 * US) for _ in range(3)] == [ANYWHERE] * 3
+    assert [feed(took=140 * US) for _ in range(4)] == [3] * 4     # the trial, slower
     assert c.state is Pairing.SPREAD and pins.calls == [3, None]
     # alone and quick, but no other trial until repick_ns has passed since its end
     assert [feed(took=140 * US) for _ in range(19)] == [ANYWHERE] * 19
     assert pins.calls == [3, None]
     hints = [feed(took=100 * US) for _ in range(5)]       # counted again, then tried again
-    assert hints[-2:] == [ANYWHERE, apart_from(3)] and c.state is Pairing.APART
+    assert hints[-2:] == [ANYWHERE, 3] and pins.calls == [3, None, 3]
 
 
 def test_a_request_that_finds_another_in_flight_ends_the_trial_and_its_times():
     c, pins, feed = make(enter=4)
     for _ in range(3):
         feed(took=100 * US)
-    feed(took=90 * US)                                    # apart, on trial
-    assert c.trial and c.state is Pairing.APART
+    feed(took=90 * US)                                    # paired, on trial
+    assert c.trial
     feed(1)                                               # crowded: the trial ends unjudged
     c.on_answer(feed.now, feed.now + 999 * US)           # the answer of a crowded request
-    assert c.state is Pairing.SPREAD and not c.trial and c.times[Pairing.APART] == [90 * US]
+    assert c.state is Pairing.SPREAD and not c.trial and c.times[Pairing.PAIRED] == [90 * US]
     # a new count, new spread times (the old ones are not mixed in), a new trial
     assert [feed(took=200 * US) for _ in range(3)] == [ANYWHERE] * 3
     assert c.times[Pairing.SPREAD] == [200 * US] * 3
-    trial_hints = [feed(took=150 * US) for _ in range(4)] + [feed(took=140 * US) for _ in range(4)]
-    assert trial_hints == [apart_from(3)] * 4 + [3] * 4
-    assert c.times[Pairing.APART] == [150 * US] * 4
-    assert c.state is Pairing.PAIRED and not c.trial and pins.calls == [3]
+    assert [feed(took=150 * US) for _ in range(4)] == [3] * 4
+    assert c.state is Pairing.PAIRED and not c.trial
 
 
 def test_only_the_answer_of_a_request_that_came_alone_is_timed():
