@@ -16,10 +16,13 @@ import os
 from typing import Any
 
 try:
-    from mypy_extensions import mypyc_attr
-except ImportError:     # (mypy is a build tool: the decorator only tells mypyc what to allow)
+    from mypy_extensions import mypyc_attr, trait
+except ImportError:     # (mypy is a build tool: the decorators only tell mypyc what to allow)
     def mypyc_attr(*attrs: str, **kwattrs: object) -> Any:  # type: ignore[misc]
         return lambda cls: cls
+
+    def trait(cls: Any) -> Any:     # type: ignore[misc]
+        return cls
 
 # the package's folders (each is the package shmserve.<folder>)
 FOLDERS = ("engine", "frontend", "ipc", "workers")
@@ -27,18 +30,20 @@ FOLDERS = ("engine", "frontend", "ipc", "workers")
 SOURCES = (
     # HTTP/1.1, HTTP/2 and gRPC's codec, the request's preparation and checks, the model
     # catalog, the frontend's service, its link to the workers and its lease table, the packet
-    # transport, and the worker's loop with its tensor and answer handling. Not: gRPC's
-    # event-loop protocol and answers (mixins, so regular classes when compiled: no faster at
-    # c=1), the answer streams (async generators), the python backend (compiled, a BLS call
-    # measured no faster).
+    # transport, and the worker's loop with its tensor and answer handling; gRPC's connection
+    # (its calls' answers and its limits are traits of it). Not: the answer streams (async
+    # generators), the python backend (compiled, a BLS call measured no faster).
     "engine/requests/catalog.py",
     "engine/requests/prepare.py",
     "engine/requests/validation.py",
     "frontend/colocation.py",
     "frontend/deadlines.py",
     "frontend/engine_client.py",
+    "frontend/grpc/answer.py",
     "frontend/grpc/call.py",
     "frontend/grpc/codec.py",
+    "frontend/grpc/guard.py",
+    "frontend/grpc/loop.py",
     "frontend/http/app.py",
     "frontend/http/codec.py",
     "frontend/http/routes.py",

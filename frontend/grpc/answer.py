@@ -14,9 +14,10 @@ from google.protobuf.message import Message as pb_message
 
 from shmserve.frontend.grpc import call as grpc_call
 from shmserve.frontend.grpc.call import CallContext, CallError, Compressed, MessageReader, failure_status
-from shmserve.frontend.grpc.guard import WRITE_CHUNK
+from shmserve.frontend.grpc.guard import WRITE_CHUNK, Guard
 from shmserve.frontend.http2 import connection as http2
 from shmserve.ipc import logs
+from shmserve.ipc.compiled import trait
 
 log = logging.getLogger("shmserve.grpc")
 
@@ -29,11 +30,10 @@ END = object()             # a streaming call's queue: the client ended its requ
 
 
 class Call:
-    __slots__ = ("stream_id", "handler", "context", "reader", "task", "queue", "timer",
-                 "done", "sent_headers", "now", "started", "request", "cancel", "held", "partial",
-                 "owed", "since")
+    """One call of a connection: its stream, its handler and what it holds."""
 
-    def __init__(self, stream_id: int, handler, context: CallContext, reader: MessageReader):
+    def __init__(self, stream_id: int, handler: Any, context: CallContext,
+                 reader: MessageReader):
         self.stream_id = stream_id
         self.handler = handler
         self.context = context
@@ -49,27 +49,50 @@ class Call:
         self.cancel: Callable[[], None] | None = None  # what stops a callback-handled call's request if it ends first
         # grpc_guard's accounts: bytes held (a message in part, a stream's messages not yet
         # taken), the part's size, window owed to the call, when the part began
-        self.held = self.partial = self.owed = 0
-        self.since = 0.0
+        self.held = 0
+        self.partial = 0
+        self.owed = 0
+        self.since_ns = 0
 
 
-class Answering:
-    """The calls' half of ``grpc_loop.Connection``."""
+class CallRequests:
+    """A streaming call's requests as its handler reads them (``async for``): each message
+    taken gives its share of the window back. (An iterator class, not an async generator:
+    mypyc compiles the one, not the other.)"""
 
-    # what the connection (grpc_loop) and its limits (grpc_guard.Guard) provide
-    server: Any
-    core: http2.Http2Server
-    calls: dict[int, Call]
-    transport: asyncio.Transport | None
-    window: asyncio.Event
+    def __init__(self, conn: Answering, call: Call):
+        self.conn, self.call = conn, call
+        self.deserialize = call.handler.request_deserializer
+        self.ended = False
+
+    def __aiter__(self) -> CallRequests:
+        return self
+
+    async def __anext__(self) -> Any:
+        conn, call = self.conn, self.call
+        queue = call.queue
+        assert queue is not None
+        while not self.ended:
+            message, share = await queue.get()
+            if share:
+                conn.core.ack(call.stream_id, share)
+                conn.flush()
+            if message is END:
+                self.ended = True
+            elif message is not None:
+                conn.count(call, -len(message))     # taken: no longer held
+                if isinstance(message, Compressed):
+                    message = await grpc_call.inflate(message, conn.server.max_message)
+                return self.deserialize(message)
+        raise StopAsyncIteration
+
+
+@trait
+class Answering(Guard):
+    """The calls' half of ``grpc_loop.Connection`` (a trait: compiled, its methods are the
+    connection's own); the limits it answers within are ``Guard``'s."""
+
     closing: bool
-    write_paused: bool
-    held: int
-    holdings: Any
-    flush: Callable[[], None]
-    close: Callable[[], None]
-    count: Callable[[Call, int], bool]
-    release: Callable[[Call], None]
 
     async def run(self, call: Call, message: bytes | bytearray | Compressed | None = None) -> None:
         """Runs the call's handler on ``message`` (a unary request) or on the stream's requests,
@@ -81,7 +104,7 @@ class Answering:
             if message is not None:
                 request = handler.request_deserializer(message)
             else:
-                request = self.requests(call)
+                request = CallRequests(self, call)
             if handler.response_streaming:
                 method = handler.stream_stream if handler.request_streaming \
                     else handler.unary_stream
@@ -118,7 +141,7 @@ class Answering:
         except Exception as e:
             self.answer(call, None, e)
 
-    def answer(self, call: Call, response, error: BaseException | None) -> None:
+    def answer(self, call: Call, response: Any, error: BaseException | None) -> None:
         """A callback handler's answer: the response, or the exception that ends the call
         (with the status ``run`` would give it)."""
         call.cancel = None
@@ -159,30 +182,13 @@ class Answering:
             return
         self.finish(call, grpc.StatusCode.OK)
 
-    def serialize(self, call: Call, response) -> bytes:
+    def serialize(self, call: Call, response: Any) -> bytes:
         payload = call.handler.response_serializer(response)
         if len(payload) > self.server.max_message:
             raise CallError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"Sent message larger than max ({len(payload)} vs. "
                             f"{self.server.max_message})")
         return payload
-
-    async def requests(self, call: Call):
-        queue = call.queue
-        assert queue is not None
-        deserialize = call.handler.request_deserializer
-        while True:
-            message, share = await queue.get()
-            if share:
-                self.core.ack(call.stream_id, share)
-                self.flush()
-            if message is END:
-                return
-            if message is not None:
-                self.count(call, -len(message))     # taken: no longer held
-                if isinstance(message, Compressed):
-                    message = await grpc_call.inflate(message, self.server.max_message)
-                yield deserialize(message)
 
     async def send_message(self, call: Call, payload: bytes, flush: bool = True) -> None:
         if call.done:

@@ -27,12 +27,13 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import grpc
 
 from shmserve.frontend.connections import Budget
 from shmserve.frontend.http2 import connection as http2
+from shmserve.ipc.compiled import trait
 
 log = logging.getLogger("shmserve.grpc")
 
@@ -65,59 +66,91 @@ class GrpcLimits:
 
 class Holdings:
     """Bytes of gRPC requests the process holds before their handlers take them. Past
-    ``refuse_at`` new calls are refused, so that the calls under way have the rest."""
+    ``refuse_at`` new calls are refused, so that the calls under way have the rest. And the
+    connections refused that linger now (each holds a descriptor of the reserve)."""
 
-    __slots__ = ("limit", "refuse_at", "total")
+    __slots__ = ("limit", "refuse_at", "total", "refused_lingering")
 
     def __init__(self, max_message: int):
         self.limit = max(PROCESS_MIN, max_message + CONNECTION_SHARE)
         self.refuse_at = self.limit - self.limit // 8
         self.total = 0
+        self.refused_lingering = 0
 
     def refusal(self) -> str:
         return (f"the server holds {self.limit} bytes of gRPC requests not yet read whole or "
                 f"taken, its limit; try again later")
 
 
+@trait
 class Guard:
-    """The limits above, as methods of ``grpc_loop.Connection``."""
+    """The limits above, as methods of ``grpc_loop.Connection`` (a trait: compiled, its
+    methods are the connection's own)."""
 
-    refused_lingering = 0           # class-wide: refused connections now lingering
     # what grpc_loop.Connection provides
     server: Any
     core: http2.Http2Server
-    calls: dict
+    calls: dict[int, Any]
     transport: asyncio.Transport | None
     window: asyncio.Event
     peer: str
-    flush: Callable[[], None]
-    fail: Callable[..., None]
-    abandon: Callable[[Any], None]
-    refuse_stream: Callable[..., None]
+    # its own, set by _guard_init
+    budgeted: bool
+    refused: str
+    opened_ns: int
+    received: int
+    handshaken: bool
+    frame_mark: object
+    frame_since_ns: int
+    idle_mark: int
+    idle_since_ns: int
+    reading: bool
+    write_paused: bool
+    yielded: bool
+    paused_since_ns: int
+    lingering: bool
+    lingered: int
+    linger_timer: asyncio.TimerHandle | None
+    held: int
+    holdings: Holdings
+    owing: int
+
+    def flush(self) -> None:
+        raise NotImplementedError
+
+    def fail(self, call: Any, code: grpc.StatusCode, details: str) -> None:
+        raise NotImplementedError
+
+    def abandon(self, call: Any) -> None:
+        raise NotImplementedError
+
+    def refuse_stream(self, sid: int, headers: Any, end_stream: bool) -> None:
+        raise NotImplementedError
 
     def _guard_init(self) -> None:
         self.budgeted = False           # counted in the budget (given back when lost)
         self.refused = ""               # why, when the budget had no room for it
-        self.opened = time.monotonic()
+        # (times in ns: a compiled trait cannot keep a float attribute, mypyc 2.4)
+        self.opened_ns = time.monotonic_ns()
         self.received = 0               # bytes read, to tell one pending frame from the next
         self.handshaken = False
-        self.frame_mark: object = None  # what was pending at the last sweep, and since when
-        self.frame_since = 0.0
+        self.frame_mark = None          # what was pending at the last sweep, and since when
+        self.frame_since_ns = 0
         self.idle_mark = -1             # the last stream id seen idle, and since when
-        self.idle_since = 0.0
+        self.idle_since_ns = 0
         self.reading = True
         self.write_paused = False
         self.yielded = False            # the core stopped a read to let others go first
-        self.paused_since = 0.0
+        self.paused_since_ns = 0
         self.lingering = False
         self.lingered = 0
-        self.linger_timer: asyncio.TimerHandle | None = None
+        self.linger_timer = None
         self.held = 0                   # bytes of requests held in part or not yet taken
-        self.holdings: Holdings = self.server.holdings
+        self.holdings = self.server.holdings
         self.owing = 0                  # calls whose window is owed (past the share)
 
     # ---- admission ------------------------------------------------------------------------------
-    def admit(self, transport) -> bool:
+    def admit(self, transport: Any) -> bool:
         """Counts the connection in the budget, or refuses it: False. A refused connection
         answers its client's first call UNAVAILABLE, saying why (a GOAWAY alone would have
         gRPC clients reconnect and retry until their deadline), then sends GOAWAY and closes
@@ -126,10 +159,9 @@ class Guard:
         budget = self.server.limits.budget
         if budget is not None and not self.budgeted:
             if not budget.take():
-                if Guard.refused_lingering < LINGER_REFUSED:
-                    Guard.refused_lingering += 1
-                    self.refused = budget.refusal()
-                    self.stream_headers = self.refuse_stream    # this connection's only
+                if self.holdings.refused_lingering < LINGER_REFUSED:
+                    self.holdings.refused_lingering += 1
+                    self.refused = budget.refusal()     # its one call: refuse_stream
                     self.flush()
                     self.linger_timer = asyncio.get_running_loop().call_later(
                         REFUSED_WAIT_S, self.end, self.refused, http2.ENHANCE_YOUR_CALM)
@@ -146,14 +178,14 @@ class Guard:
             self.budgeted = False
             self.server.limits.budget.give()
         elif self.refused:
-            Guard.refused_lingering -= 1
+            self.holdings.refused_lingering -= 1
         if self.linger_timer is not None:
             self.linger_timer.cancel()
 
     # ---- back-pressure --------------------------------------------------------------------------
     def pause_writing(self) -> None:
         self.write_paused = True
-        self.paused_since = time.monotonic()
+        self.paused_since_ns = time.monotonic_ns()
         self._flow()
 
     def resume_writing(self) -> None:
@@ -174,7 +206,7 @@ class Guard:
             self.reading = True
 
     # ---- requests held in part ------------------------------------------------------------------
-    def count(self, call, n: int) -> bool:
+    def count(self, call: Any, n: int) -> bool:
         """``call`` holds ``n`` more bytes (fewer, if negative); False if that failed it."""
         call.held += n
         self.held += n
@@ -185,7 +217,7 @@ class Guard:
             return False
         return True
 
-    def in_part(self, call, length: int) -> int:
+    def in_part(self, call: Any, length: int) -> int:
         """DATA of ``length`` flow-control bytes went into ``call``'s reader, which holds part of
         a message (or just completed one): counted, and how many of the bytes to give back now
         (the rest are owed to the call until its message is whole)."""
@@ -193,9 +225,9 @@ class Guard:
         grown = size - call.partial
         call.partial = size
         if not size:
-            call.since = 0.0
-        elif not call.since:
-            call.since = time.monotonic()
+            call.since_ns = 0
+        elif not call.since_ns:
+            call.since_ns = time.monotonic_ns()
         if not self.count(call, grown):
             return length
         if grown > 0 and self.held > CONNECTION_SHARE and not self._oldest(call):
@@ -211,7 +243,7 @@ class Guard:
             self._repay()
         return length
 
-    def _oldest(self, call) -> bool:
+    def _oldest(self, call: Any) -> bool:
         for c in self.calls.values():
             if c.partial:
                 return c is call
@@ -232,7 +264,7 @@ class Guard:
             if c.partial:
                 first = False
 
-    def release(self, call) -> None:
+    def release(self, call: Any) -> None:
         """``call`` ended: what it held and what was owed to it are given back."""
         if call.held:
             self.count(call, -call.held)
@@ -283,13 +315,14 @@ class Guard:
         self.close()
 
     # ---- time -----------------------------------------------------------------------------------
-    def check(self, now: float, limits: GrpcLimits) -> None:
-        """The sweep's look at this connection (every ``limits.period`` s)."""
+    def check(self, now_ns: int, limits: GrpcLimits) -> None:
+        """The sweep's look at this connection (every ``limits.period`` s; ``now_ns``: the
+        monotonic clock)."""
         t, core = self.transport, self.core
         if t is None or self.lingering:
             return
         if self.write_paused:
-            if now - self.paused_since > limits.idle_timeout_s:
+            if now_ns - self.paused_since_ns > limits.idle_timeout_s * 1e9:
                 log.info("gRPC client %s read nothing for %g s: dropped", self.peer,
                          limits.idle_timeout_s)
                 t.abort()
@@ -299,15 +332,15 @@ class Guard:
             if core.preface_seen and (self.received - pending >= _AFTER_PREFACE
                                       or core.block_stream):
                 self.handshaken = True
-            elif now - self.opened > limits.handshake_s:
+            elif now_ns - self.opened_ns > limits.handshake_s * 1e9:
                 self.end(f"no HTTP/2 preface within {limits.handshake_s:g} s")
                 return
         if core.incomplete:
             # a header block is known by its stream, a frame by where it starts
             mark = ("block", core.block_stream) if core.block_stream else self.received - pending
             if mark != self.frame_mark:
-                self.frame_mark, self.frame_since = mark, now
-            elif now - self.frame_since > limits.request_timeout_s:
+                self.frame_mark, self.frame_since_ns = mark, now_ns
+            elif now_ns - self.frame_since_ns > limits.request_timeout_s * 1e9:
                 self.end(f"a frame did not arrive whole within {limits.request_timeout_s:g} s "
                          f"(--http-request-timeout-secs)")
                 return
@@ -315,24 +348,24 @@ class Guard:
             self.frame_mark = None
         if self.held:
             for call in list(self.calls.values()):
-                if call.since and now - call.since > limits.request_timeout_s:
+                if call.since_ns and now_ns - call.since_ns > limits.request_timeout_s * 1e9:
                     self.fail(call, grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"the request message did not arrive whole within "
                               f"{limits.request_timeout_s:g} s (--http-request-timeout-secs)")
         if self.calls:
             self.idle_mark = -1
         elif self.idle_mark != core.last_stream:
-            self.idle_mark, self.idle_since = core.last_stream, now
-        elif now - self.idle_since > limits.idle_timeout_s:
+            self.idle_mark, self.idle_since_ns = core.last_stream, now_ns
+        elif now_ns - self.idle_since_ns > limits.idle_timeout_s * 1e9:
             self.end(f"idle for {limits.idle_timeout_s:g} s (--http-idle-timeout-secs)")
 
 
 async def sweeper(connections: set, limits: GrpcLimits) -> None:
     while True:
         await asyncio.sleep(limits.period)
-        now = time.monotonic()
+        now_ns = time.monotonic_ns()
         for conn in list(connections):
             try:
-                conn.check(now, limits)
+                conn.check(now_ns, limits)
             except Exception:       # a bug must cost one connection's check, not every limit
                 log.exception("checking the gRPC connection from %s", conn.peer)

@@ -20,14 +20,16 @@ import random
 import ssl
 import time
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 
 from shmserve.frontend.grpc import call as grpc_call
 from shmserve.frontend.grpc.answer import END, RESPONSE_HEADERS, Answering, Call
 from shmserve.frontend.grpc.call import CallContext, CallError, Compressed, MessageReader
-from shmserve.frontend.grpc.guard import GrpcLimits, Guard, Holdings, sweeper
+from shmserve.frontend.grpc.guard import GrpcLimits, Holdings, sweeper
 from shmserve.frontend.http2 import connection as http2
+from shmserve.frontend.http2.frames import Buffer
 from shmserve.frontend.tls_accept import TlsAccept
 
 log = logging.getLogger("shmserve.grpc")
@@ -108,7 +110,8 @@ class GrpcLoopServer:
         self.server = await loop.create_server(factory, host or None, port,
                                                reuse_port=reuse_port or None, backlog=1024)
         self.sweeper = loop.create_task(sweeper(self.connections, self.limits))
-        return self.server.sockets[0].getsockname()[1]
+        server: Any = self.server       # (uvloop's sockets are a list, not the tuple typed)
+        return int(server.sockets[0].getsockname()[1])
 
     async def stop(self, grace: float | None = None) -> None:
         """Stops listening, tells every client with GOAWAY, lets calls run ``grace`` seconds."""
@@ -125,12 +128,15 @@ class GrpcLoopServer:
             conn.close()
 
 
-class Connection(Answering, Guard, asyncio.Protocol):
+class Connection(Answering, asyncio.Protocol):
+    """One gRPC connection: the HTTP/2 core's calls, its calls' answers (``Answering``) and its
+    limits (``Guard``), compiled as one class."""
+
     def __init__(self, server: GrpcLoopServer):
         self.server = server
         self.core = http2.Http2Server(self, LOCAL_SETTINGS, CONNECTION_WINDOW)
-        self.transport: asyncio.Transport | None = None
-        self.calls: dict[int, Call] = {}
+        self.transport = None
+        self.calls = {}
         self.peer = ""
         self.window = asyncio.Event()       # set when the peer opens a flow-control window
         self.closing = False
@@ -259,7 +265,10 @@ class Connection(Answering, Guard, asyncio.Protocol):
             self.abandon(call)
 
     # ---- calls ----------------------------------------------------------------------------------
-    def stream_headers(self, sid: int, headers, end_stream: bool) -> None:
+    def stream_headers(self, sid: int, headers: Any, end_stream: bool) -> None:
+        if self.refused:            # the budget had no room for this connection (Guard.admit)
+            self.refuse_stream(sid, headers, end_stream)
+            return
         path = content_type = encoding = timeout = b""
         for name, value in headers:
             if name == b":path":
@@ -298,13 +307,13 @@ class Connection(Answering, Guard, asyncio.Protocol):
         elif end_stream:
             self.fail(call, grpc.StatusCode.INTERNAL, "a unary call ended without a request")
 
-    def refuse_stream(self, sid: int, headers, end_stream: bool) -> None:
-        """``stream_headers`` of a connection the budget had no room for (grpc_guard.admit)."""
+    def refuse_stream(self, sid: int, headers: Any, end_stream: bool) -> None:
+        """The one call of a connection the budget had no room for (grpc_guard.admit)."""
         self.core.send_headers(sid, RESPONSE_HEADERS + grpc_call.trailers(
             grpc.StatusCode.UNAVAILABLE, self.refused), end_stream=True)
         self.end(self.refused, http2.ENHANCE_YOUR_CALM)
 
-    def stream_data(self, sid: int, data: bytes, length: int, end: bool) -> None:
+    def stream_data(self, sid: int, data: Buffer, length: int, end: bool) -> None:
         call = self.calls.get(sid)
         if call is None or call.done:
             self.core.ack(sid, length)

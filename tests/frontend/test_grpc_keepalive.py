@@ -28,7 +28,8 @@ class Transport:
 
 def _timer_handles(conn) -> int:
     held = 0
-    for value in vars(conn).values():
+    # (the connection is a compiled class: its attributes are its names, it has no __dict__)
+    for value in (getattr(conn, name, None) for name in dir(conn) if not name.startswith("__")):
         for v in value if isinstance(value, (list, tuple, set)) else (value,):
             held += isinstance(v, asyncio.TimerHandle)
     return held
