@@ -15,6 +15,7 @@ import zipfile
 import numpy as np
 import pytest
 import requests
+import tritonclient.grpc as grpcclient
 from serverproc import REPO_ROOT, Server
 
 from shmserve.ipc import compiled
@@ -58,6 +59,12 @@ def _infer(server: Server) -> None:
     r = requests.post(f"{server.base}/v2/models/identity_fp32/infer", data=b"{not json",
                       timeout=30)
     assert r.status_code == 400 and "error" in r.json(), r.text
+    # gRPC's connection (compiled: one class of traits; pure: the same classes in Python)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    inp = grpcclient.InferInput("INPUT0", [1, 16], "FP32")
+    inp.set_data_from_numpy(x.reshape(1, 16))
+    assert client.infer("identity_fp32", [inp]).as_numpy("OUTPUT0").tolist() == [x.tolist()]
+    client.close()
 
 
 def _fresh(expr: str, env: dict | None = None):
