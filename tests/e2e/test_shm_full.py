@@ -112,9 +112,14 @@ def tensor(nbytes: int, fill: float) -> np.ndarray:
 
 def http_infer(srv: Server, x: np.ndarray):
     client = httpclient.InferenceServerClient(srv.url, network_timeout=60)
-    inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
-    inp.set_data_from_numpy(x)
-    return client.infer(MODEL, [inp]).as_numpy("OUTPUT0")
+    try:
+        inp = httpclient.InferInput("INPUT0", x.shape, "FP32")
+        inp.set_data_from_numpy(x)
+        return client.infer(MODEL, [inp]).as_numpy("OUTPUT0")
+    finally:
+        # closed by the thread that made it: collected later on another thread, its gevent
+        # pool finds no hub there and says so as an unraisable exception
+        client.close()
 
 
 def grpc_infer(srv: Server, x: np.ndarray):
